@@ -1,0 +1,248 @@
+"""Wire messages: frozen pydantic models, one class per message kind.
+
+Every message on a SpecSplit socket is one of these classes, encoded by ``schemas.codec``.
+Field caps here are absolute protocol limits (a worker may configure tighter ones); structural
+tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.spec.tree``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Absolute protocol limits (PROTOCOL.md, "Limits").
+MAX_TREE_NODES = 256
+MAX_TREE_DEPTH = 64
+MAX_BRANCH = 32
+MAX_DIST_SUPPORT = 256
+MAX_CONTEXT_TOKENS = 131_072
+MAX_SESSION_ID_LEN = 128
+MAX_TEXT_LEN = 1_000_000
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
+Round = Annotated[int, Field(ge=0, lt=2**53)]
+
+
+class ErrorCode(str, enum.Enum):
+    """Typed error codes carried by ErrorReply."""
+
+    CACHE_MISS = "CACHE_MISS"  # worker holds fewer than base_len tokens: resend with base_len 0
+    STALE_ROUND = "STALE_ROUND"  # round older than one the worker already served
+    BAD_REQUEST = "BAD_REQUEST"  # malformed frame/body, invalid tree, token out of range, ...
+    NO_WORKER = "NO_WORKER"  # router has no live worker for the service
+    OVERLOADED = "OVERLOADED"  # queue full / capacity exhausted; retry later
+    INTERNAL = "INTERNAL"  # unexpected failure inside a worker
+
+
+RETRYABLE_BY_DEFAULT: dict[ErrorCode, bool] = {
+    ErrorCode.CACHE_MISS: True,
+    ErrorCode.STALE_ROUND: False,
+    ErrorCode.BAD_REQUEST: False,
+    ErrorCode.NO_WORKER: True,
+    ErrorCode.OVERLOADED: True,
+    ErrorCode.INTERNAL: True,
+}
+
+
+class Message(BaseModel):
+    """Base of every wire message: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class SamplingSpec(Message):
+    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=MAX_DIST_SUPPORT * 1024)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TreeSpec(Message):
+    """Draft tree budget. max_nodes counts every node including the root (node 0).
+
+    A chain of k drafted tokens is TreeSpec(max_nodes=k + 1, max_depth=k, branch=1).
+    max_nodes=1 or max_depth=0 means no speculation (plain decoding, one token per round).
+    """
+
+    max_nodes: int = Field(default=16, ge=1, le=MAX_TREE_NODES)
+    max_depth: int = Field(default=6, ge=0, le=MAX_TREE_DEPTH)
+    branch: int = Field(default=2, ge=1, le=MAX_BRANCH)
+
+
+class FlatTree(Message):
+    """A token tree in topological order.
+
+    token_ids[i]      token of node i; node 0 is the root (newest committed token).
+    parents[i]        index of node i's parent; parents[0] == -1 and 0 <= parents[i] < i.
+    draft_logprobs[i] draft log-probability of token_ids[i] given its parent (0.0 for the root).
+    child_dist_ids[i], child_dist_probs[i]
+                      Only when the draft sampled (temperature > 0): the exact distribution the
+                      children of node i were drawn i.i.d. from, as a sparse support (ids with
+                      probabilities summing to 1). Empty lists for nodes without children.
+                      Both outer lists are empty for a greedy tree.
+    """
+
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_TREE_NODES)
+    parents: list[int] = Field(min_length=1, max_length=MAX_TREE_NODES)
+    draft_logprobs: list[float] = Field(default_factory=list, max_length=MAX_TREE_NODES)
+    child_dist_ids: list[list[TokenId]] = Field(default_factory=list, max_length=MAX_TREE_NODES)
+    child_dist_probs: list[list[float]] = Field(default_factory=list, max_length=MAX_TREE_NODES)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> FlatTree:
+        n = len(self.token_ids)
+        if len(self.parents) != n:
+            raise ValueError(f"parents has {len(self.parents)} entries for {n} nodes")
+        if self.draft_logprobs and len(self.draft_logprobs) != n:
+            raise ValueError(f"draft_logprobs has {len(self.draft_logprobs)} entries for {n} nodes")
+        if len(self.child_dist_ids) != len(self.child_dist_probs):
+            raise ValueError("child_dist_ids and child_dist_probs differ in length")
+        if self.child_dist_ids and len(self.child_dist_ids) != n:
+            raise ValueError(f"child distributions given for {len(self.child_dist_ids)} of {n} nodes")
+        for ids, probs in zip(self.child_dist_ids, self.child_dist_probs):
+            if len(ids) != len(probs):
+                raise ValueError("a child distribution has ids and probs of different lengths")
+            if len(ids) > MAX_DIST_SUPPORT:
+                raise ValueError(f"a child distribution exceeds {MAX_DIST_SUPPORT} entries")
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.child_dist_ids)
+
+
+class CacheSync(Message):
+    """Commit clause: keep the first base_len cached tokens, then append append_token_ids.
+
+    After applying it, the worker's cache for the session holds exactly committed[:-1].
+    """
+
+    base_len: int = Field(ge=0, le=MAX_CONTEXT_TOKENS)
+    append_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_CONTEXT_TOKENS)
+
+
+class DraftRequest(Message):
+    session_id: SessionId
+    round: Round
+    sync: CacheSync
+    root: TokenId
+    tree: TreeSpec = TreeSpec()
+    sampling: SamplingSpec = SamplingSpec()
+
+
+class DraftReply(Message):
+    session_id: SessionId
+    round: Round
+    tree: FlatTree
+    draft_ms: float = Field(default=0.0, ge=0.0)
+
+
+class VerifyRequest(Message):
+    session_id: SessionId
+    round: Round
+    sync: CacheSync
+    tree: FlatTree
+    sampling: SamplingSpec = SamplingSpec()
+
+
+class VerifyReply(Message):
+    """accepted_token_ids excludes the root; committed += accepted_token_ids + [bonus_token_id]."""
+
+    session_id: SessionId
+    round: Round
+    accepted_token_ids: list[TokenId] = Field(max_length=MAX_TREE_NODES)
+    accepted_nodes: list[int] = Field(default_factory=list, max_length=MAX_TREE_NODES)
+    bonus_token_id: TokenId
+    cache_len: int = Field(ge=0)
+    verify_ms: float = Field(default=0.0, ge=0.0)
+
+
+class EndSession(Message):
+    session_id: SessionId
+
+
+class Ack(Message):
+    """Reply to EndSession (and any request that only needs an acknowledgement)."""
+
+    session_id: SessionId = "-"
+    existed: bool = False
+
+
+class ErrorReply(Message):
+    code: ErrorCode
+    message: str = Field(default="", max_length=4096)
+    retryable: bool = False
+    session_id: str | None = None
+    round: int | None = None
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str, **kw) -> ErrorReply:
+        kw.setdefault("retryable", RETRYABLE_BY_DEFAULT[code])
+        return cls(code=code, message=message[:4096], **kw)
+
+
+class WorkerHello(Message):
+    """First message of a worker to its router (READY). The router admits a worker only if
+    service, vocab_size and tokenizer_hash match the workers it already has."""
+
+    service: str = Field(min_length=1, max_length=64)
+    model_id: str = Field(max_length=1024)
+    vocab_size: int = Field(ge=1)
+    tokenizer_hash: str = Field(max_length=128)
+    pid: int = 0
+    capacity: int = Field(default=1, ge=1)
+
+
+class Heartbeat(Message):
+    """Liveness beacon between a router and its workers (either direction)."""
+
+    sent_at: float = 0.0
+
+
+class GenerateRequest(Message):
+    """Producer -> orchestrator: generate up to max_new_tokens after prompt_token_ids."""
+
+    session_id: SessionId
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_CONTEXT_TOKENS)
+    max_new_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT_TOKENS)
+    sampling: SamplingSpec = SamplingSpec()
+    tree: TreeSpec | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+
+
+class TokenChunk(Message):
+    """Orchestrator -> producer: newly committed tokens of one round (streamed)."""
+
+    session_id: SessionId
+    round: Round
+    token_ids: list[TokenId]
+    accepted: int = 0
+
+
+class GenerateDone(Message):
+    """Orchestrator -> producer: the session finished (finish_reason: stop | length | cancelled)."""
+
+    session_id: SessionId
+    token_ids: list[TokenId]
+    finish_reason: str
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    elapsed_ms: float = 0.0
+
+
+class Cancel(Message):
+    session_id: SessionId
