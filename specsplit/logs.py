@@ -1,0 +1,47 @@
+"""structlog, configured once per process (console for people, JSON on request).
+
+Events are snake_case verbs with fields; session_id and round are bound through contextvars
+(``bind_contextvars``) so every line of a round carries them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(level: str = "INFO", json: bool = False) -> None:
+    """Configure structlog for this process. Idempotent; call once from ``__main__``."""
+    global _configured
+    lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(lvl, int):
+        lvl = logging.INFO
+    processors = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[*processors, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def get_logger(name: str | None = None, **initial):
+    """A bound logger; cheap, safe to call at import time (configures nothing)."""
+    log = structlog.get_logger(name) if name else structlog.get_logger()
+    return log.bind(**initial) if initial else log
