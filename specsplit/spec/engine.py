@@ -1,0 +1,139 @@
+"""What draft and target engines share: the model, the session store, request checks, and the
+one forward over [sync tokens + new tokens] with an explicit 4D mask on a session's cache.
+
+Engines contain no transport; a worker puts ``handle`` behind a socket. Every method takes a
+request object and returns a reply object or raises SpecError; on any error the session's
+cache is unchanged (validation happens before anything moves), except an unexpected forward
+failure, which drops the session so the next request gets CACHE_MISS and resends its context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from schemas import Ack, CacheSync, EndSession, ErrorCode, ErrorReply, Message
+from specsplit.spec.kvcache import SessionKV
+from specsplit.spec.store import Session, SessionStore
+from specsplit.spec.tree import SpecError, additive_mask, check_token_ids
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
+    max_session_tokens: int = 8192  # per-session KV capacity (prompt + generation + tree)
+    cache_chunk: int = 256
+    max_tree_nodes: int = 64
+    max_tree_depth: int = 16
+
+
+def model_vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def model_num_layers(model) -> int:
+    cfg = model.config.get_text_config(decoder=True)
+    return int(cfg.num_hidden_layers)
+
+
+class Engine:
+    """Base of DraftEngine and TargetEngine."""
+
+    role = "engine"
+
+    def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None):
+        self.model = model.eval()
+        self.limits = limits
+        self.vocab_size = vocab_size or model_vocab_size(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        layers = model_num_layers(model)
+        self.store = SessionStore(
+            lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk),
+            max_sessions=limits.max_sessions,
+            ttl_s=limits.session_ttl_s,
+        )
+
+    # ---- request plumbing -------------------------------------------------------------
+    def handle(self, msg: Message) -> Message:
+        """Dispatch one request; typed errors become ErrorReply."""
+        try:
+            return self._dispatch(msg)
+        except SpecError as exc:
+            return exc.to_reply(getattr(msg, "session_id", None), getattr(msg, "round", None))
+
+    def _dispatch(self, msg: Message) -> Message:
+        if isinstance(msg, EndSession):
+            return Ack(session_id=msg.session_id, existed=self.store.end_session(msg.session_id))
+        raise SpecError(ErrorCode.BAD_REQUEST, f"{self.role} worker does not serve {type(msg).__name__}")
+
+    def handle_batch(self, msgs: list[Message]) -> list[Message]:
+        """Several sessions' requests; today one forward each (batched forwards come later)."""
+        return [self.handle(m) for m in msgs]
+
+    def open_session(self, session_id: str, round: int, sync: CacheSync, extra_tokens: int) -> Session:
+        """Checks that need no lock-free state: token range, capacity; then finds the session."""
+        check_token_ids(sync.append_token_ids, self.vocab_size, what="sync token")
+        need = sync.base_len + len(sync.append_token_ids) + extra_tokens
+        if need > self.limits.max_session_tokens:
+            raise SpecError(
+                ErrorCode.BAD_REQUEST,
+                f"session would hold {need} tokens, limit is {self.limits.max_session_tokens}",
+            )
+        session = self.store.get(session_id)
+        if session is None:
+            if sync.base_len != 0:
+                raise SpecError(ErrorCode.CACHE_MISS, f"unknown session {session_id!r}; resend with base_len 0")
+            session = self.store.get_or_create(session_id)
+        return session
+
+    @staticmethod
+    def check_locked(session: Session, round: int, sync: CacheSync) -> None:
+        """Checks made under the session lock, before anything changes."""
+        if round < session.last_round:
+            raise SpecError(ErrorCode.STALE_ROUND, f"round {round} is older than {session.last_round}")
+        if session.kv.length < sync.base_len:
+            raise SpecError(
+                ErrorCode.CACHE_MISS,
+                f"session holds {session.kv.length} tokens, request assumes {sync.base_len}",
+            )
+
+    # ---- compute ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor, keep: int
+    ) -> torch.Tensor:
+        """One forward of T new tokens on top of the cache. visible [T, P+T] bool;
+        returns float32 logits of the last ``keep`` tokens [keep, V]."""
+        t = len(token_ids)
+        assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
+        out = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
+            position_ids=position_ids[None].to(self.device),
+            attention_mask=additive_mask(visible, self.dtype).to(self.device),
+            past_key_values=kv,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0, -keep:].float()  # [keep, V]
+
+    def guarded(self, session: Session, fn):
+        """Run fn() (which mutates the session's cache); drop the session if it fails unexpectedly."""
+        try:
+            return fn()
+        except SpecError:
+            raise
+        except Exception as exc:
+            self.store.drop(session)
+            raise SpecError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
+
+
+def elapsed_ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+def error_reply(code: ErrorCode, message: str, **kw) -> ErrorReply:
+    return ErrorReply.of(code, message, **kw)

@@ -1,0 +1,107 @@
+"""SessionStore: per-session state bounded by max_sessions (LRU) and a TTL.
+
+Thread-safe. A session evicted while a request is being served keeps working for that request
+(the request holds a reference); the next request for it finds nothing and gets CACHE_MISS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specsplit.spec.kvcache import SessionKV
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    kv: SessionKV
+    last_round: int = -1
+    last_used: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionStore:
+    """LRU + TTL map of session_id -> Session."""
+
+    def __init__(
+        self,
+        make_kv: Callable[[], SessionKV],
+        *,
+        max_sessions: int = 64,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self._make_kv, self.max_sessions, self.ttl_s, self._clock = make_kv, max_sessions, ttl_s, clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evicted = 0
+
+    def _expire_locked(self, now: float) -> None:
+        while self._sessions:
+            sid, s = next(iter(self._sessions.items()))
+            if now - s.last_used <= self.ttl_s:
+                break
+            del self._sessions[sid]
+            self.evicted += 1
+
+    def get(self, session_id: str) -> Session | None:
+        """The live session, touched (most recently used), or None."""
+        now = self._clock()
+        with self._lock:
+            self._expire_locked(now)
+            s = self._sessions.get(session_id)
+            if s is not None:
+                s.last_used = now
+                self._sessions.move_to_end(session_id)
+            return s
+
+    def get_or_create(self, session_id: str) -> Session:
+        now = self._clock()
+        with self._lock:
+            self._expire_locked(now)
+            s = self._sessions.get(session_id)
+            if s is None:
+                while len(self._sessions) >= self.max_sessions:
+                    self._sessions.popitem(last=False)
+                    self.evicted += 1
+                s = Session(session_id, self._make_kv(), last_used=now)
+                self._sessions[session_id] = s
+            else:
+                s.last_used = now
+                self._sessions.move_to_end(session_id)
+            return s
+
+    def drop(self, session: Session) -> None:
+        """Remove exactly this session object (not a newer one under the same id)."""
+        with self._lock:
+            if self._sessions.get(session.session_id) is session:
+                del self._sessions[session.session_id]
+
+    def end_session(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._expire_locked(self._clock())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def bytes_by_session(self) -> dict[str, int]:
+        with self._lock:
+            return {sid: s.kv.nbytes for sid, s in self._sessions.items()}
+
+    def bytes_held(self) -> int:
+        return sum(self.bytes_by_session().values())
