@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random models of several families, built in-process (fp32, CPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(family: str, vocab: int = 128, hidden: int = 64, layers: int = 2):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=hidden // 4, **common)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, scale: float = 0.3, attn: str = "sdpa", **kw):
+    """A random causal LM whose matrices are drawn with std ``scale`` (large enough that greedy
+    logits are rarely near-ties)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **kw)
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def perturbed(model, seed: int, noise: float):
+    """A copy of ``model`` with Gaussian noise on every matrix: a draft that agrees often."""
+    import copy
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+    return out
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], n: int, margin: float = 1e-3):
+    """Plain greedy decoding with full re-forwards (no cache). Returns (tokens, min top1-top2 gap)."""
+    ids = list(prompt)
+    out, gap = [], float("inf")
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        gap = min(gap, float(top[0] - top[1]))
+        t = int(logits.argmax())
+        out.append(t)
+        ids.append(t)
+    return out, gap
+
+
+@pytest.fixture(scope="session")
+def models():
+    """{family: (target, often-agreeing draft, rarely-agreeing draft)}"""
+    out = {}
+    for i, fam in enumerate(FAMILIES):
+        target = tiny_model(fam, seed=10 + i)
+        out[fam] = (target, perturbed(target, seed=100 + i, noise=0.004), tiny_model(fam, seed=200 + i))
+    return out

@@ -1,0 +1,172 @@
+"""Typed errors from the engines, and that an error changes nothing in the session's cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import (
+    Ack, CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, SamplingSpec,
+    TreeSpec, VerifyReply, VerifyRequest,
+)
+from specsplit.spec.draft import DraftEngine
+from specsplit.spec.engine import EngineLimits
+from specsplit.spec.target import TargetEngine
+from specsplit.spec.tree import TreeError, check_parents
+from tests.conftest import tiny_model
+
+LIMITS = EngineLimits(max_sessions=4, max_session_tokens=128, max_tree_nodes=16, max_tree_depth=6)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    model = tiny_model("qwen2", seed=4)
+    return DraftEngine(model, LIMITS), TargetEngine(model, LIMITS)
+
+
+def snapshot(engine, sid):
+    s = engine.store.get(sid)
+    return s.kv.length, s.last_round, [layer.keys.clone() for layer in s.kv.layers]
+
+
+def assert_same(a, b):
+    assert a[0] == b[0] and a[1] == b[1]
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
+
+
+def start(engine_t, sid="s1"):
+    prompt = [5, 6, 7, 8, 9]
+    r = engine_t.handle(VerifyRequest(session_id=sid, round=0, sync=CacheSync(base_len=0, append_token_ids=prompt[:-1]),
+                                      tree=FlatTree(token_ids=[prompt[-1], 3], parents=[-1, 0])))
+    assert isinstance(r, VerifyReply)
+    return r
+
+
+def test_target_errors_change_nothing(engines):
+    _, tgt = engines
+    r = start(tgt)
+    before = snapshot(tgt, "s1")
+    bad = [
+        (ErrorCode.CACHE_MISS, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len + 1),
+                                             tree=FlatTree(token_ids=[1], parents=[-1]))),
+        (ErrorCode.CACHE_MISS, VerifyRequest(session_id="nope", round=1, sync=CacheSync(base_len=3),
+                                             tree=FlatTree(token_ids=[1], parents=[-1]))),
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len),
+                                              tree=FlatTree(token_ids=[1, 10_000], parents=[-1, 0]))),
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len, append_token_ids=[999]),
+                                              tree=FlatTree(token_ids=[1], parents=[-1]))),
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len),
+                                              tree=FlatTree(token_ids=[1, 2, 3], parents=[-1, 2, 0]))),
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len),
+                                              tree=FlatTree(token_ids=[1] * 17, parents=[-1] + list(range(16))))),
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len, append_token_ids=[1] * 120),
+                                              tree=FlatTree(token_ids=[1] * 9, parents=[-1] * 1 + [0] * 8))),
+    ]
+    for code, req in bad:
+        reply = tgt.handle(req)
+        assert isinstance(reply, ErrorReply) and reply.code == code, (code, reply)
+        assert_same(before, snapshot(tgt, "s1"))
+    assert "nope" not in tgt.store
+
+
+def test_stale_round_and_idempotent_retry(engines):
+    _, tgt = engines
+    r0 = start(tgt, "s2")
+    req = VerifyRequest(session_id="s2", round=3, sync=CacheSync(base_len=r0.cache_len), tree=FlatTree(token_ids=[4, 1], parents=[-1, 0]))
+    a = tgt.handle(req)
+    b = tgt.handle(req)  # a retry of the same round gives the same answer
+    assert isinstance(a, VerifyReply) and a.model_dump(exclude={"verify_ms"}) == b.model_dump(exclude={"verify_ms"})
+    before = snapshot(tgt, "s2")
+    stale = tgt.handle(VerifyRequest(session_id="s2", round=2, sync=CacheSync(base_len=a.cache_len), tree=FlatTree(token_ids=[1], parents=[-1])))
+    assert isinstance(stale, ErrorReply) and stale.code == ErrorCode.STALE_ROUND and not stale.retryable
+    assert_same(before, snapshot(tgt, "s2"))
+
+
+def test_draft_errors_and_end_session(engines):
+    dft, _ = engines
+    ok = dft.handle(DraftRequest(session_id="d1", round=0, sync=CacheSync(base_len=0, append_token_ids=[1, 2, 3]), root=4,
+                                 tree=TreeSpec(max_nodes=8, max_depth=3, branch=2)))
+    assert isinstance(ok, DraftReply) and 1 < ok.tree.num_nodes <= 8
+    check_parents(ok.tree.parents, max_nodes=8, max_depth=3)
+    before = snapshot(dft, "d1")
+    for req in (
+        DraftRequest(session_id="d1", round=1, sync=CacheSync(base_len=4), root=100_000),
+        DraftRequest(session_id="d1", round=1, sync=CacheSync(base_len=9), root=1),
+        DraftRequest(session_id="d1", round=1, sync=CacheSync(base_len=4, append_token_ids=[1] * 200), root=1),
+    ):
+        reply = dft.handle(req)
+        assert isinstance(reply, ErrorReply) and reply.code in (ErrorCode.BAD_REQUEST, ErrorCode.CACHE_MISS), reply
+        assert_same(before, snapshot(dft, "d1"))
+    assert dft.handle(EndSession(session_id="d1")) == Ack(session_id="d1", existed=True)
+    assert dft.handle(EndSession(session_id="d1")) == Ack(session_id="d1", existed=False)
+    wrong = dft.handle(VerifyRequest(session_id="x", round=0, sync=CacheSync(base_len=0), tree=FlatTree(token_ids=[1], parents=[-1])))
+    assert isinstance(wrong, ErrorReply) and wrong.code == ErrorCode.BAD_REQUEST
+
+
+def test_draft_tree_is_deterministic_and_within_budget(engines):
+    dft, _ = engines
+    rng = random.Random(0)
+    for i in range(10):
+        spec = TreeSpec(max_nodes=rng.randrange(1, 17), max_depth=rng.randrange(0, 7), branch=rng.randrange(1, 5))
+        ctx = [rng.randrange(128) for _ in range(rng.randrange(0, 12))]
+        trees = [dft.handle(DraftRequest(session_id=f"t{i}{k}", round=0, sync=CacheSync(base_len=0, append_token_ids=ctx),
+                                         root=7, tree=spec)).tree for k in range(2)]
+        assert trees[0] == trees[1]
+        layout = check_parents(trees[0].parents, max_nodes=spec.max_nodes, max_depth=max(spec.max_depth, 0) or 0)
+        if spec.branch == 1:  # a chain
+            assert trees[0].parents == list(range(-1, trees[0].num_nodes - 1))
+        assert layout.num_nodes <= spec.max_nodes
+
+
+@st.composite
+def invalid_parents(draw):
+    n = draw(st.integers(1, 20))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    kind = draw(st.sampled_from(["root", "forward", "negative", "self"]))
+    i = draw(st.integers(0, n - 1))
+    if kind == "root" or i == 0:
+        parents[0] = draw(st.integers(0, 5))
+    elif kind == "forward":
+        parents[i] = draw(st.integers(i + 1, i + 10))
+    elif kind == "negative":
+        parents[i] = draw(st.integers(-10, -1))
+    else:
+        parents[i] = i  # a cycle of length one
+    return parents
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parents=invalid_parents())
+def test_random_invalid_trees_rejected_and_mutate_nothing(engines, parents):
+    _, tgt = engines
+    with pytest.raises(TreeError):
+        check_parents(parents, max_nodes=64, max_depth=64)
+    if "inv" not in tgt.store:
+        start(tgt, "inv")
+    s = tgt.store.get("inv")
+    before = snapshot(tgt, "inv")
+    reply = tgt.handle(VerifyRequest(session_id="inv", round=s.last_round + 1, sync=CacheSync(base_len=s.kv.length),
+                                     tree=FlatTree(token_ids=[1] * len(parents), parents=parents)))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST
+    assert_same(before, snapshot(tgt, "inv"))
+
+
+def test_sampled_tree_distribution_checks(engines):
+    _, tgt = engines
+    r = start(tgt, "q1")
+    base = dict(session_id="q1", round=1, sync=CacheSync(base_len=r.cache_len), sampling=SamplingSpec(temperature=1.0))
+    cases = [
+        FlatTree(token_ids=[1, 2], parents=[-1, 0], child_dist_ids=[[3], []], child_dist_probs=[[1.0], []]),  # child not in q
+        FlatTree(token_ids=[1, 2], parents=[-1, 0], child_dist_ids=[[2, 3], []], child_dist_probs=[[0.5, 0.2], []]),  # sum
+        FlatTree(token_ids=[1, 2], parents=[-1, 0], child_dist_ids=[[], []], child_dist_probs=[[], []]),  # missing q
+    ]
+    before = snapshot(tgt, "q1")
+    for tree in cases:
+        reply = tgt.handle(VerifyRequest(tree=tree, **base))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST, reply
+        assert_same(before, snapshot(tgt, "q1"))

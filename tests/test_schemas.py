@@ -1,0 +1,92 @@
+"""Every message kind round-trips; malformed input is rejected with one typed error."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas import (
+    KIND_TO_CLASS, PROTO, Ack, CacheSync, Cancel, CodecError, DraftReply, DraftRequest, EndSession, ErrorCode,
+    ErrorReply, FlatTree, GenerateDone, GenerateRequest, Heartbeat, MsgKind, SamplingSpec, TokenChunk, TreeSpec,
+    VerifyReply, VerifyRequest, WorkerHello, decode, encode, pack_frames, unpack_frames,
+)
+
+TREE = FlatTree(token_ids=[5, 6, 7], parents=[-1, 0, 0], draft_logprobs=[0.0, -0.1, -2.3],
+                child_dist_ids=[[6, 7], [], []], child_dist_probs=[[0.75, 0.25], [], []])
+SAMPLES = [
+    DraftRequest(session_id="s", round=3, sync=CacheSync(base_len=4, append_token_ids=[1, 2]), root=9,
+                 tree=TreeSpec(max_nodes=8, max_depth=3, branch=2), sampling=SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, seed=5)),
+    DraftReply(session_id="s", round=3, tree=TREE, draft_ms=1.5),
+    VerifyRequest(session_id="s", round=3, sync=CacheSync(base_len=0), tree=TREE),
+    VerifyReply(session_id="s", round=3, accepted_token_ids=[6], accepted_nodes=[1], bonus_token_id=2, cache_len=7, verify_ms=3.0),
+    EndSession(session_id="s"),
+    Ack(session_id="s", existed=True),
+    ErrorReply.of(ErrorCode.CACHE_MISS, "resend", session_id="s", round=3),
+    WorkerHello(service="target", model_id="m", vocab_size=100, tokenizer_hash="abc", pid=1),
+    Heartbeat(sent_at=1.0),
+    GenerateRequest(session_id="s", prompt_token_ids=[1, 2], max_new_tokens=5, stop_token_ids=[0]),
+    TokenChunk(session_id="s", round=1, token_ids=[3, 4], accepted=1),
+    GenerateDone(session_id="s", token_ids=[3, 4], finish_reason="length", rounds=1),
+    Cancel(session_id="s"),
+]
+
+
+def test_every_kind_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(KIND_TO_CLASS.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frames = pack_frames(msg, "s", b"\x01\x02")
+    env = unpack_frames(frames)
+    assert env.msg == msg and env.session_id == "s" and env.request_id == b"\x01\x02"
+    assert decode(env.kind, encode(msg)) == msg
+
+
+def test_structural_schema_errors():
+    for body in (
+        {"token_ids": [1, 2], "parents": [-1]},
+        {"token_ids": [], "parents": []},
+        {"token_ids": [-1], "parents": [-1]},
+        {"token_ids": [1], "parents": [-1], "extra": 1},
+        {"token_ids": [1, 2], "parents": [-1, 0], "child_dist_ids": [[1]], "child_dist_probs": [[1.0]]},
+    ):
+        with pytest.raises(CodecError):
+            decode(MsgKind.DRAFT_REPLY, msgpack.packb({"session_id": "s", "round": 0, "tree": body}))
+    with pytest.raises(CodecError):
+        decode(MsgKind.VERIFY_REQUEST, msgpack.packb({"session_id": "s"}))
+    with pytest.raises(CodecError):
+        decode(0x7F, b"\x80")
+    with pytest.raises(CodecError):
+        unpack_frames([b"XXXX", b"\x01", b"s", b"r", b"\x80"])
+    with pytest.raises(CodecError):
+        unpack_frames([PROTO, b"\x05", b"s", b"r"])
+    with pytest.raises(CodecError):  # session frame and body disagree
+        unpack_frames([PROTO, b"\x05", b"other", b"r", encode(EndSession(session_id="s"))])
+
+
+@settings(max_examples=400, deadline=None)
+@given(kind=st.integers(0, 255), body=st.binary(max_size=64))
+def test_garbage_bodies_raise_only_codec_error(kind, body):
+    try:
+        decode(kind, body)
+    except CodecError:
+        pass
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(kind=st.sampled_from(list(MsgKind)), obj=json_like)
+def test_wellformed_msgpack_wrong_schema_raises_only_codec_error(kind, obj):
+    try:
+        decode(kind, msgpack.packb(obj))
+    except CodecError:
+        pass

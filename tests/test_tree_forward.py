@@ -1,0 +1,101 @@
+"""Oracles for the tree forward and the KV compaction (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specsplit.spec.engine import Engine, EngineLimits
+from specsplit.spec.kvcache import SessionKV
+from specsplit.spec.tree import depths_of, linear_then_tree, positions, root_to_leaf_paths
+from tests.conftest import FAMILIES, tiny_model
+
+
+def random_parents(n: int, rng: random.Random) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def prefill(engine: Engine, prefix: list[int]) -> SessionKV:
+    kv = engine.store.get_or_create("s").kv
+    if prefix:
+        t = len(prefix)
+        engine.forward(kv, prefix, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), keep=1)
+    return kv
+
+
+def tree_logits(engine: Engine, kv: SessionKV, tokens, parents) -> torch.Tensor:
+    p = kv.length
+    vis = torch.ones(len(tokens), p + len(tokens), dtype=torch.bool)
+    vis[:, p:] = linear_then_tree(0, parents)
+    pos = positions(depths_of(parents), p)
+    return engine.forward(kv, tokens, pos, vis, keep=len(tokens))
+
+
+@torch.no_grad()
+def sequential_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()  # [T, V]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_matches_each_path(family, attn):
+    model = tiny_model(family, seed=1, attn=attn)
+    rng = random.Random(7)
+    for offset in (0, 1, 9, 33):
+        for n in (1, 2, 7, 23, 64):
+            engine = Engine(model, EngineLimits(max_session_tokens=256))
+            prefix = [rng.randrange(128) for _ in range(offset)]
+            kv = prefill(engine, prefix)
+            parents = random_parents(n, rng)
+            tokens = [rng.randrange(128) for _ in range(n)]
+            logits = tree_logits(engine, kv, tokens, parents)  # [N, V]
+            assert kv.length == offset + n
+            for path in root_to_leaf_paths(parents):
+                ref = sequential_logits(model, prefix + [tokens[i] for i in path])[offset:]
+                torch.testing.assert_close(logits[path], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compaction_equals_sequential_cache(family):
+    model = tiny_model(family, seed=2)
+    rng = random.Random(3)
+    for trial in range(6):
+        engine = Engine(model, EngineLimits(max_session_tokens=256, cache_chunk=16))
+        prefix = [rng.randrange(128) for _ in range(rng.randrange(1, 40))]
+        kv = prefill(engine, prefix)
+        n = rng.randrange(2, 40)
+        parents = random_parents(n, rng)
+        tokens = [rng.randrange(128) for _ in range(n)]
+        tree_logits(engine, kv, tokens, parents)
+        path = rng.choice(root_to_leaf_paths(parents))
+        path = path[: rng.randrange(1, len(path) + 1)]
+        kv.compact([len(prefix) + i for i in path], len(prefix))
+        ref_engine = Engine(model, EngineLimits(max_session_tokens=256))
+        ref = prefill(ref_engine, prefix + [tokens[i] for i in path])
+        assert kv.length == ref.length == len(prefix) + len(path)
+        for a, b in zip(kv.layers, ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+        # and the compacted cache continues exactly like the sequential one
+        nxt = [rng.randrange(128)]
+        la = tree_logits(engine, kv, nxt, [-1])
+        lb = tree_logits(ref_engine, ref, nxt, [-1])
+        torch.testing.assert_close(la, lb, atol=2e-5, rtol=1e-4)
+
+
+def test_cache_grows_in_chunks_and_respects_limit():
+    from specsplit.spec.kvcache import CacheFull
+
+    model = tiny_model("llama", seed=3)
+    engine = Engine(model, EngineLimits(max_session_tokens=40, cache_chunk=16))
+    kv = prefill(engine, list(range(10)))
+    assert kv.layers[0]._k.shape[2] == 16  # one chunk, not the model's context
+    tree_logits(engine, kv, [1] * 10, list(range(-1, 9)))
+    assert kv.layers[0]._k.shape[2] == 32
+    assert kv.nbytes == sum(layer.nbytes for layer in kv.layers) > 0
+    kv.crop_to(5)  # O(1) rollback keeps the buffer
+    assert kv.length == 5 and kv.layers[0]._k.shape[2] == 32
+    with pytest.raises(CacheFull):
+        kv.layers[0].update(*(torch.zeros(1, 2, 40, 16),) * 2)
