@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from schemas import ErrorCode, FlatTree
+
+if TYPE_CHECKING:  # torch is imported lazily so torch-free processes can use the pure parts
+    import torch
 
 
 class SpecError(Exception):
@@ -124,11 +126,15 @@ def depths_of(parents) -> list[int]:
 
 def positions(depths, start: int) -> torch.Tensor:
     """Position ids of tree nodes: cache length + depth. # [N]"""
+    import torch
+
     return torch.tensor(depths, dtype=torch.long) + start
 
 
 def ancestor_matrix(parents) -> torch.Tensor:
     """[N, N] bool: m[i, j] is True iff j is i or an ancestor of i."""
+    import torch
+
     n = len(parents)
     m = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
@@ -140,6 +146,8 @@ def ancestor_matrix(parents) -> torch.Tensor:
 
 def linear_then_tree(n_linear: int, parents) -> torch.Tensor:
     """[S+N, S+N] bool visibility of S linear tokens (causal) followed by a tree on top of them."""
+    import torch
+
     n = len(parents)
     total = n_linear + n
     vis = torch.zeros(total, total, dtype=torch.bool)
@@ -152,6 +160,8 @@ def linear_then_tree(n_linear: int, parents) -> torch.Tensor:
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool visibility [T, P+T] -> additive float mask [1, 1, T, P+T] (0 allowed, dtype min elsewhere)."""
+    import torch
+
     mask = torch.zeros(visible.shape, dtype=dtype)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
@@ -172,3 +182,22 @@ def root_to_leaf_paths(parents) -> list[list[int]]:
     for p in parents[1:]:
         has_child[p] = True
     return [path_to(i, parents) for i in range(len(parents)) if not has_child[i]]
+
+
+def subtree(tree: FlatTree, node: int) -> FlatTree:
+    """The subtree rooted at ``node``, re-indexed (topological order kept), with its draft
+    distributions. Used to re-root a tree drafted one token ahead."""
+    keep = [node]
+    inside = {node}
+    for i in range(node + 1, len(tree.parents)):
+        if tree.parents[i] in inside:
+            inside.add(i)
+            keep.append(i)
+    index = {old: new for new, old in enumerate(keep)}
+    return FlatTree(
+        token_ids=[tree.token_ids[i] for i in keep],
+        parents=[-1] + [index[tree.parents[i]] for i in keep[1:]],
+        draft_logprobs=[0.0] + [tree.draft_logprobs[i] for i in keep[1:]] if tree.draft_logprobs else [],
+        child_dist_ids=[tree.child_dist_ids[i] for i in keep] if tree.sampled else [],
+        child_dist_probs=[tree.child_dist_probs[i] for i in keep] if tree.sampled else [],
+    )

@@ -1,0 +1,97 @@
+"""Per-session round state, as plain functions and small objects (no sockets, no torch).
+
+Shared by the in-process reference loop (``specsplit.local``) and the orchestrator actors, so
+both follow the same round invariant: after a request's CacheSync is applied, the worker's
+cache holds exactly ``committed[:-1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
+
+
+@dataclass
+class SessionCursor:
+    """What the orchestrator side knows: committed tokens and how many each worker holds."""
+
+    committed: list[int]
+    draft_len: int = 0  # tokens of committed the draft worker is known to hold
+    target_len: int = 0
+
+    def draft_sync(self) -> CacheSync:
+        base = min(self.draft_len, len(self.committed) - 1)
+        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
+
+    def target_sync(self) -> CacheSync:
+        base = min(self.target_len, len(self.committed) - 1)
+        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
+
+    def after_draft(self) -> None:
+        """The draft forwarded the root: it now holds all of committed."""
+        self.draft_len = len(self.committed)
+
+    def apply_verify(self, reply: VerifyReply) -> list[int]:
+        """Commit a verify reply; returns the new tokens (accepted + bonus)."""
+        new = [*reply.accepted_token_ids, reply.bonus_token_id]
+        self.committed.extend(new)
+        self.target_len = reply.cache_len
+        return new
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    def add(self, tree: FlatTree, reply: VerifyReply) -> None:
+        self.rounds += 1
+        self.drafted += tree.num_nodes - 1
+        self.accepted += len(reply.accepted_token_ids)
+        self.accepted_per_round.append(len(reply.accepted_token_ids))
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens committed per target pass (accepted + bonus)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def remaining_tree(tree: TreeSpec, remaining: int) -> TreeSpec:
+    """Never draft deeper than the tokens still wanted (a round yields at most depth + 1)."""
+    depth = max(0, min(tree.max_depth, remaining - 1))
+    return TreeSpec(max_nodes=tree.max_nodes, max_depth=depth, branch=tree.branch)
+
+
+def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[int]) -> bool:
+    """Append new tokens to out up to the budget or a stop id (included); True when finished."""
+    for t in new:
+        out.append(t)
+        if t in stop or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+def best_path(tree: FlatTree) -> list[int]:
+    """Node indices of the most probable root->leaf path by cumulative draft log-prob."""
+    n = tree.num_nodes
+    score = [0.0] * n
+    depth = [0] * n
+    for i in range(1, n):
+        p = tree.parents[i]
+        score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
+        depth[i] = depth[p] + 1
+    has_child = {p for p in tree.parents[1:]}
+    leaves = [i for i in range(n) if i not in has_child]
+    best = max(leaves, key=lambda i: (depth[i], score[i], -i))
+    path = []
+    while best != -1:
+        path.append(best)
+        best = tree.parents[best]
+    return path[::-1]
