@@ -1,0 +1,5 @@
+import sys
+
+from specsplit.cli import main
+
+sys.exit(main())

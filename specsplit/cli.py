@@ -1,0 +1,91 @@
+"""The ``specsplit`` command: one subcommand per process role, plus tools.
+
+    specsplit router draft|target     a session-hash router (brokers)
+    specsplit draft | target          a worker (loads its model)
+    specsplit orchestrator            the asyncio orchestrator
+    specsplit produce PROMPT...       push prompts, stream answers
+    specsplit models pull|path        provision models
+    specsplit bench transport|...     benchmarks
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is ever imported
+
+
+def _worker(service: str, argv: list[str]) -> int:
+    from specsplit.config import WorkerSettings
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings
+    from specsplit.workers import run_worker
+
+    settings = WorkerSettings()
+    configure_logging(settings.log_level, settings.log_json)
+    return run_worker(service, settings, ModelSettings())
+
+
+def _orchestrator(argv: list[str]) -> int:
+    import asyncio
+    import signal
+
+    from specsplit.config import OrchestratorSettings
+    from specsplit.logs import configure_logging
+    from specsplit.orchestrator.server import Orchestrator
+
+    settings = OrchestratorSettings()
+    configure_logging(settings.log_level, settings.log_json)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Orchestrator(settings).run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    if argv and argv[0] == "transport":
+        from ops.bench_transport import main
+
+        return main(argv[1:])
+    from ops.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "router":
+        from brokers.__main__ import main as router_main
+
+        return router_main(rest)
+    if cmd in ("draft", "target"):
+        return _worker(cmd, rest)
+    if cmd == "orchestrator":
+        return _orchestrator(rest)
+    if cmd == "produce":
+        from specsplit.produce import produce_main
+
+        return produce_main(rest)
+    if cmd == "models":
+        from specsplit.models import models_main
+
+        return models_main(rest)
+    if cmd == "bench":
+        return _bench(rest)
+    print(f"specsplit: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Process settings (pydantic-settings, env prefix ``SPECSPLIT_``), built in ``__main__`` only.
+
+Models: ``specsplit.models.ModelSettings`` (SPECSPLIT_PRESET, SPECSPLIT_DRAFT_MODEL, ...).
+Routers: ``brokers.settings.RouterSettings``. Here: workers, the orchestrator and producers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import SamplingSpec, TreeSpec
+
+DRAFT_FRONTEND = "tcp://127.0.0.1:5550"
+DRAFT_BACKEND = "tcp://127.0.0.1:5551"
+TARGET_FRONTEND = "tcp://127.0.0.1:5560"
+TARGET_BACKEND = "tcp://127.0.0.1:5561"
+ORCH_FRONTEND = "tcp://127.0.0.1:5570"
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSPLIT_", extra="ignore")
+
+    log_level: str = "INFO"
+    log_json: bool = False
+
+
+class WorkerSettings(_Base):
+    """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
+
+    worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
+    draft_backend: str = DRAFT_BACKEND
+    target_backend: str = TARGET_BACKEND
+    threads: int | None = None  # torch threads; default: cores / 2 (draft and target share them)
+    max_sessions: int = Field(default=256, ge=1)
+    session_ttl_s: float = Field(default=900.0, gt=0)
+    max_session_tokens: int = Field(default=4096, ge=16)
+    max_tree_nodes: int = Field(default=64, ge=1, le=256)
+    max_tree_depth: int = Field(default=16, ge=1, le=64)
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    liveness: int = Field(default=3, ge=1)
+    max_queue: int = Field(default=1024, ge=1)
+    draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
+
+    def backend(self, service: str) -> str:
+        return self.draft_backend if service == "draft" else self.target_backend
+
+    def identity(self, service: str) -> str:
+        # honcho/foreman set PS (e.g. "target.2"): stable across restarts of that slot
+        return self.worker_id or f"{service}-{os.environ.get('PS', os.getpid())}"
+
+
+class OrchestratorSettings(_Base):
+    """The orchestrator. Env: SPECSPLIT_FRONTEND, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_OVERLAP, ..."""
+
+    frontend: str = ORCH_FRONTEND
+    draft_router: str = DRAFT_FRONTEND
+    target_router: str = TARGET_FRONTEND
+    tree_max_nodes: int = Field(default=16, ge=1, le=256)
+    tree_max_depth: int = Field(default=6, ge=0, le=64)
+    tree_branch: int = Field(default=2, ge=1, le=32)
+    overlap: bool = False  # draft round r+1 while round r is verified
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    max_attempts: int = Field(default=8, ge=1)
+    backoff_s: float = Field(default=0.05, gt=0)
+    backoff_max_s: float = Field(default=2.0, gt=0)
+    max_sessions: int = Field(default=1024, ge=1)
+
+    def tree(self) -> TreeSpec:
+        return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch)
+
+
+class ProducerSettings(_Base):
+    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_REQUEST_TIMEOUT_S."""
+
+    orchestrator: str = ORCH_FRONTEND
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    chunk_timeout_s: float = Field(default=300.0, gt=0)
+
+    @staticmethod
+    def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:
+        return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -1,0 +1,221 @@
+"""One actor (coroutine) per session: draft -> verify rounds over two RPC clients, with recovery.
+
+Recovery is one rule: a worker without the session answers CACHE_MISS and the actor resends with
+the full committed context (``CacheSync(0, committed[:-1])``). Timeouts, NO_WORKER, INTERNAL and
+OVERLOADED are retried with exponential back-off (a timed-out or dead worker's state is unknown,
+so the context is resent in full). Every wait has a timeout. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+
+from schemas import (
+    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, Message,
+    SamplingSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+)
+from specsplit.logs import get_logger
+from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, best_path, remaining_tree
+from specsplit.spec.tree import subtree
+from specsplit.transport.rpc import RpcError, RpcTimeout
+
+RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
+
+
+class SessionFailed(Exception):
+    """A session cannot continue (non-retryable error, or retries exhausted)."""
+
+
+@dataclass(frozen=True)
+class ActorPolicy:
+    tree: TreeSpec
+    request_timeout_s: float = 60.0
+    max_attempts: int = 8
+    backoff_s: float = 0.05
+    backoff_max_s: float = 2.0
+    overlap: bool = False
+
+
+@dataclass
+class _Timing:
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    wall_ms: float = 0.0
+
+
+class SessionActor:
+    """Runs one GenerateRequest to completion; ``emit`` streams TokenChunk/GenerateDone."""
+
+    def __init__(self, req: GenerateRequest, draft_rpc, target_rpc, policy: ActorPolicy,
+                 emit: Callable[[Message], None]):
+        self.req, self.draft_rpc, self.target_rpc = req, draft_rpc, target_rpc
+        self.policy, self.emit = policy, emit
+        self.sid = req.session_id
+        self.tree = req.tree or policy.tree
+        self.sampling: SamplingSpec = req.sampling
+        self.cur = SessionCursor(list(req.prompt_token_ids))
+        self.stats = RoundStats()
+        self.out: list[int] = []
+        self.log = get_logger("specsplit.orchestrator")
+
+    async def run(self) -> GenerateDone:
+        t0 = time.perf_counter()
+        finish = "error"
+        structlog.contextvars.bind_contextvars(session_id=self.sid)
+        try:
+            finish = await self._rounds()
+        except asyncio.CancelledError:
+            finish = "cancelled"
+            raise
+        except SessionFailed as exc:
+            self.log.warning("session_failed", error=str(exc))
+        finally:
+            done = GenerateDone(
+                session_id=self.sid, token_ids=self.out, finish_reason=finish, rounds=self.stats.rounds,
+                drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
+                elapsed_ms=(time.perf_counter() - t0) * 1e3,
+            )
+            self.emit(done)
+            await asyncio.shield(self._end_sessions())
+            structlog.contextvars.unbind_contextvars("session_id", "round")
+        return done
+
+    async def _rounds(self) -> str:
+        stop = set(self.req.stop_token_ids)
+        rnd, tree = 0, None
+        while True:
+            structlog.contextvars.bind_contextvars(round=rnd)
+            timing = _Timing()
+            t_round = time.perf_counter()
+            spec = remaining_tree(self.tree, self.req.max_new_tokens - len(self.out))
+            if tree is None:
+                tree = await self._draft(rnd, spec, timing)
+            ahead = self._draft_ahead(rnd, tree, spec) if self.policy.overlap else None
+            reply = await self._verify(rnd, tree, timing)
+            tree_next = await self._take_ahead(ahead, tree, reply)
+            n_before = len(self.out)
+            new = self.cur.apply_verify(reply)
+            self.stats.add(tree, reply)
+            done = accept_new(self.out, new, self.req.max_new_tokens, stop)
+            self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
+                                 accepted=len(reply.accepted_token_ids)))
+            timing.wall_ms = (time.perf_counter() - t_round) * 1e3
+            self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
+                          draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
+                          transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
+                          overlap_hit=tree_next is not None)
+            if done:
+                return "stop" if self.out[-1] in stop else "length"
+            rnd += 1
+            tree = tree_next
+
+    # ---- one request each, with recovery --------------------------------------------------
+    async def _draft(self, rnd: int, spec: TreeSpec, timing: _Timing) -> FlatTree:
+        def build():
+            return DraftRequest(session_id=self.sid, round=rnd, sync=self.cur.draft_sync(),
+                                root=self.cur.committed[-1], tree=spec, sampling=self.sampling)
+
+        reply: DraftReply = await self._call(self.draft_rpc, build, self._reset_draft)
+        self.cur.after_draft()
+        timing.draft_ms += reply.draft_ms
+        return reply.tree
+
+    async def _verify(self, rnd: int, tree: FlatTree, timing: _Timing) -> VerifyReply:
+        def build():
+            return VerifyRequest(session_id=self.sid, round=rnd, sync=self.cur.target_sync(), tree=tree,
+                                 sampling=self.sampling)
+
+        reply: VerifyReply = await self._call(self.target_rpc, build, self._reset_target)
+        timing.verify_ms += reply.verify_ms
+        return reply
+
+    def _reset_draft(self) -> None:
+        self.cur.draft_len = 0
+
+    def _reset_target(self) -> None:
+        self.cur.target_len = 0
+
+    async def _call(self, rpc, build: Callable[[], Message], reset: Callable[[], None]) -> Message:
+        p = self.policy
+        delay, last = p.backoff_s, "no attempt"
+        for attempt in range(p.max_attempts):
+            try:
+                reply = await rpc.call(build(), session_id=self.sid, timeout_s=p.request_timeout_s)
+            except RpcTimeout:
+                last = "timeout"
+                reset()
+            except RpcError as exc:
+                raise SessionFailed(f"transport closed: {exc}") from exc
+            else:
+                if not isinstance(reply, ErrorReply):
+                    return reply
+                last = f"{reply.code.value}: {reply.message}"
+                if reply.code == ErrorCode.CACHE_MISS:
+                    reset()
+                    continue  # resend at once with the full context
+                if not reply.retryable:
+                    raise SessionFailed(last)
+                if reply.code in RESET_ON:
+                    reset()
+            self.log.info("request_retry", attempt=attempt + 1, reason=last, delay_s=round(delay, 3))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, p.backoff_max_s)
+        raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}")
+
+    # ---- overlap: draft round r+1 while round r is verified ---------------------------------
+    def _draft_ahead(self, rnd: int, tree: FlatTree, spec: TreeSpec):
+        """Assume the best path of ``tree`` is accepted in full and draft from its last node, one
+        level deeper, so the subtree under the real bonus token is next round's tree."""
+        path = best_path(tree)
+        if len(path) < 2 or spec.max_depth < 1:
+            return None
+        guess = [tree.token_ids[i] for i in path[1:]]
+        committed = self.cur.committed
+        base = len(committed)
+        held = min(self.cur.draft_len, base)
+        req = DraftRequest(session_id=self.sid, round=rnd + 1,
+                           sync=CacheSync(base_len=held, append_token_ids=committed[held:] + guess[:-1]), root=guess[-1],
+                           tree=TreeSpec(max_nodes=min(256, spec.max_nodes * 2), max_depth=min(64, spec.max_depth + 1),
+                                         branch=spec.branch), sampling=self.sampling)
+        task = asyncio.ensure_future(self.draft_rpc.call(req, session_id=self.sid, timeout_s=self.policy.request_timeout_s))
+        return path, guess, base, task
+
+    async def _take_ahead(self, ahead, tree: FlatTree, reply: VerifyReply) -> FlatTree | None:
+        if ahead is None:
+            return None
+        path, guess, base, task = ahead
+        accepted = reply.accepted_token_ids
+        common = 0
+        while common < min(len(accepted), len(guess)) and accepted[common] == guess[common]:
+            common += 1
+        try:
+            spec_reply = await task
+        except (RpcError, asyncio.TimeoutError):
+            self._reset_draft()
+            return None
+        if not isinstance(spec_reply, DraftReply):
+            self._reset_draft()
+            return None
+        # the draft now holds committed(before) + guess: valid up to the common prefix
+        self.cur.draft_len = base + common
+        if common != len(guess):
+            return None
+        spec_tree = spec_reply.tree
+        for c in range(1, spec_tree.num_nodes):
+            if spec_tree.parents[c] == 0 and spec_tree.token_ids[c] == reply.bonus_token_id:
+                self.cur.draft_len = base + len(guess)  # = len(new committed) - 1
+                return subtree(spec_tree, c)
+        return None
+
+    async def _end_sessions(self) -> None:
+        msg = EndSession(session_id=self.sid)
+        calls = [rpc.call(msg, session_id=self.sid, timeout_s=2.0) for rpc in (self.draft_rpc, self.target_rpc)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception) and not isinstance(r, (RpcError, asyncio.CancelledError)):
+                self.log.warning("end_session_failed", error=repr(r))

@@ -1,0 +1,147 @@
+"""The orchestrator process: one asyncio loop, a ROUTER frontend for producers, one RPC client
+per service, one SessionActor task per session. Never imports torch.
+
+Producer frames (DEALER): [PROTO, kind, session_id, request_id, body]. GENERATE_REQUEST starts a
+session; TOKEN_CHUNK replies stream its tokens and GENERATE_DONE ends it (same request_id).
+CANCEL stops it; HEARTBEAT is answered (readiness by handshake). Anything else, or anything
+malformed, gets a typed ErrorReply and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from schemas import (
+    PROTO, Cancel, CodecError, ErrorCode, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, pack_frames,
+    unpack_frames,
+)
+from specsplit.config import OrchestratorSettings
+from specsplit.logs import get_logger
+from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.transport.rpc import AsyncRpcClient
+from specsplit.transport.sockets import make_socket
+
+
+class Orchestrator:
+    def __init__(self, settings: OrchestratorSettings, ctx: zmq.asyncio.Context | None = None):
+        self.settings = settings
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.policy = ActorPolicy(
+            tree=settings.tree(), request_timeout_s=settings.request_timeout_s, max_attempts=settings.max_attempts,
+            backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s, overlap=settings.overlap,
+        )
+        self.sessions: dict[str, asyncio.Task] = {}
+        self.log = get_logger("specsplit.orchestrator")
+        self.sock = None
+        self.draft_rpc = self.target_rpc = None
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.frontend)
+        self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
+                                        default_timeout_s=s.request_timeout_s, max_pending=8 * s.max_sessions)
+        self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
+                                         default_timeout_s=s.request_timeout_s, max_pending=8 * s.max_sessions)
+        await self.draft_rpc.start()
+        await self.target_rpc.start()
+        self.log.info("orchestrator_started", frontend=s.frontend, overlap=s.overlap, tree=s.tree().model_dump())
+        self.ready.set()
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                recv = asyncio.ensure_future(self.sock.recv_multipart())
+                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if recv not in done:
+                    recv.cancel()
+                    break
+                self._on_frames(recv.result())
+        finally:
+            stopper.cancel()
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        tasks = list(self.sessions.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.draft_rpc.close()
+        await self.target_rpc.close()
+        self.sock.close(linger=0)
+        self.log.info("orchestrator_stopped")
+
+    # ---- frontend ---------------------------------------------------------------------
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # nothing to answer to
+        client, body = frames[0], frames[1:]
+        try:
+            env = unpack_frames(body)
+        except CodecError as exc:
+            sid, rid = _best_effort_ids(body)
+            self.log.info("bad_frame", error=str(exc))
+            self._send(client, exc.to_reply(sid), sid or "-", rid)
+            return
+        msg = env.msg
+        if isinstance(msg, GenerateRequest):
+            self._start(client, env.request_id, msg)
+        elif isinstance(msg, Cancel):
+            task = self.sessions.get(msg.session_id)
+            if task:
+                task.cancel()
+        elif isinstance(msg, Heartbeat):
+            self._send(client, Heartbeat(sent_at=msg.sent_at), env.session_id, env.request_id)
+        else:
+            err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"the orchestrator does not serve {type(msg).__name__}",
+                                session_id=env.session_id)
+            self._send(client, err, env.session_id, env.request_id)
+
+    def _start(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+        sid = req.session_id
+        if sid in self.sessions:
+            err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"session {sid!r} is already running", session_id=sid)
+            return self._send(client, err, sid, rid)
+        if len(self.sessions) >= self.settings.max_sessions:
+            err = ErrorReply.of(ErrorCode.OVERLOADED, f"{len(self.sessions)} sessions running", session_id=sid)
+            return self._send(client, err, sid, rid)
+
+        def emit(m: Message) -> None:
+            self._send(client, m, sid, rid)
+
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit)
+        task = asyncio.ensure_future(actor.run())
+        self.sessions[sid] = task
+        task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))
+
+    def _finished(self, sid: str, task: asyncio.Task) -> None:
+        self.sessions.pop(sid, None)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("session_crashed", session_id=sid, error=repr(task.exception()))
+
+    def _send(self, client: bytes, msg: Message, sid: str, rid: bytes) -> None:
+        try:
+            frames = pack_frames(msg, sid, rid or b"-")
+            self.sock.send_multipart([client, *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # producer gone (EHOSTUNREACH) or HWM reached (EAGAIN)
+            self.log.info("producer_unreachable", session_id=sid, error=str(exc))
+            if isinstance(msg, GenerateDone):
+                return
+            task = self.sessions.get(sid)
+            if task and exc.errno == zmq.EHOSTUNREACH:
+                task.cancel()
+
+
+def _best_effort_ids(body: list[bytes]) -> tuple[str | None, bytes]:
+    """Session and request ids of a malformed message, where readable, to address the error."""
+    sid, rid = None, b"-"
+    if len(body) >= 4 and bytes(body[0]) == PROTO:
+        try:
+            sid = bytes(body[2]).decode("utf-8")[:128] or None
+        except UnicodeDecodeError:
+            sid = None
+        if 1 <= len(body[3]) <= 32:
+            rid = bytes(body[3])
+    return sid, rid

@@ -1,0 +1,166 @@
+"""``specsplit produce``: push prompts to the orchestrator, stream text back, print figures.
+
+Prompts come from arguments, ``--file`` (one per line), ``--jsonl FILE`` (a ``prompt`` field per
+line, as HumanEval's), or stdin. Instruct models get their chat template (``--chat auto``, the
+default, applies it when the tokenizer has one); stopping follows the tokenizer's and the
+generation config's end tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from schemas import SamplingSpec
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        prompts += [line.rstrip("\n") for line in Path(args.file).read_text().splitlines() if line.strip()]
+    if args.jsonl:
+        for line in Path(args.jsonl).read_text().splitlines():
+            if line.strip():
+                prompts.append(json.loads(line)["prompt"])
+    if not prompts and not sys.stdin.isatty():
+        prompts += [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if args.limit:
+        prompts = prompts[: args.limit]
+    return prompts
+
+
+class PromptCodec:
+    """Tokenizer side of the producer: prompt text -> ids (chat template when wanted), ids -> text."""
+
+    def __init__(self, tokenizer_dir: Path, chat: str = "auto"):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        self.use_chat = chat == "on" or (chat == "auto" and bool(getattr(self.tok, "chat_template", None)))
+        stops = set()
+        if self.tok.eos_token_id is not None:
+            stops.add(int(self.tok.eos_token_id))
+        try:
+            gen = GenerationConfig.from_pretrained(tokenizer_dir, local_files_only=True)
+            eos = gen.eos_token_id
+            stops.update([eos] if isinstance(eos, int) else list(eos or []))
+        except OSError:
+            pass
+        self.stop_token_ids = sorted(stops)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.use_chat:
+            ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tok.encode(prompt)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit produce", description=__doc__)
+    p.add_argument("prompts", nargs="*")
+    p.add_argument("--file")
+    p.add_argument("--jsonl")
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--orchestrator", default=None, help="default: SPECSPLIT_ORCHESTRATOR or tcp://127.0.0.1:5570")
+    p.add_argument("--wait-s", type=float, default=600.0, help="wait this long for the fleet to answer a ping")
+    return p
+
+
+async def produce(args, codec: PromptCodec, addr: str, timeout_s: float) -> int:
+    from specsplit.client import GenerationError, SpecSplitClient
+
+    prompts = read_prompts(args)
+    if not prompts:
+        print("specsplit produce: no prompts", file=sys.stderr)
+        return 2
+    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    stream = args.concurrency == 1 and not args.json
+    sem = asyncio.Semaphore(max(1, args.concurrency))
+    failures = 0
+    async with SpecSplitClient(addr, timeout_s=timeout_s) as client:
+        deadline = time.monotonic() + args.wait_s
+        while not await client.ping(timeout_s=2.0):
+            if time.monotonic() > deadline:
+                print(f"specsplit produce: no orchestrator answered at {addr}", file=sys.stderr)
+                return 3
+        t0 = time.perf_counter()
+
+        async def one(i: int, prompt: str):
+            nonlocal failures
+            ids = codec.encode(prompt)
+            async with sem:
+                on_tokens = None
+                if stream:
+                    print(f"\n=== prompt {i}: {prompt[:80]!r}", file=sys.stderr, flush=True)
+                    on_tokens = lambda toks: print(codec.decode(toks), end="", flush=True)  # noqa: E731
+                try:
+                    res = await client.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                                stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens)
+                except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:
+                    failures += 1
+                    print(f"prompt {i} failed: {exc!r}", file=sys.stderr)
+                    return None
+            report(i, prompt, res, codec, args, stream)
+            return res
+
+        results = [r for r in await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))) if r]
+        wall = time.perf_counter() - t0
+    summary(results, wall)
+    return 1 if failures else 0
+
+
+def report(i, prompt, res, codec, args, streamed: bool) -> None:
+    text = codec.decode(res.token_ids)
+    if args.json:
+        print(json.dumps({
+            "prompt": prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids, "text": text,
+            "finish_reason": res.finish_reason, "new_tokens": len(res.token_ids), "tok_per_s": res.tokens_per_s,
+            "rounds": res.rounds, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
+            "elapsed_s": res.elapsed_s,
+        }), flush=True)
+    elif not streamed:
+        print(f"\n=== prompt {i}: {prompt[:80]!r}\n{text}", flush=True)
+    print(f"[{i}] {len(res.token_ids)} new tokens in {res.elapsed_s:.2f}s = {res.tokens_per_s:.2f} tok/s, "
+          f"{res.rounds} rounds, mean accepted {res.mean_accepted:.2f}/round, acceptance {res.acceptance_rate:.1%}, "
+          f"finish={res.finish_reason}", file=sys.stderr, flush=True)
+
+
+def summary(results, wall: float) -> None:
+    toks = sum(len(r.token_ids) for r in results)
+    rounds = sum(r.rounds for r in results)
+    acc = sum(r.accepted_tokens for r in results)
+    drafted = sum(r.drafted_tokens for r in results)
+    print(f"TOTAL {len(results)} prompts, {toks} new tokens in {wall:.2f}s = {toks / wall if wall else 0:.2f} tok/s, "
+          f"mean accepted {(acc + rounds) / rounds if rounds else 0:.2f}/round, "
+          f"acceptance {acc / drafted if drafted else 0:.1%}", file=sys.stderr, flush=True)
+
+
+def produce_main(argv=None) -> int:
+    from specsplit.config import ProducerSettings
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    args = build_parser().parse_args(argv)
+    settings = ProducerSettings()
+    configure_logging(settings.log_level if settings.log_level != "INFO" else "WARNING", settings.log_json)
+    paths = resolve_model_paths(ModelSettings())
+    codec = PromptCodec(paths.target, chat=args.chat)
+    return asyncio.run(produce(args, codec, args.orchestrator or settings.orchestrator, settings.request_timeout_s))

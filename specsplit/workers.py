@@ -1,0 +1,76 @@
+"""An engine behind a worker loop: ``specsplit draft`` and ``specsplit target``.
+
+Loads the role's model strictly offline, builds the engine, announces a WorkerHello (model id,
+vocab size, tokenizer fingerprint) to the service's router and serves until SIGTERM, which
+finishes the request in hand and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from schemas import WorkerHello
+from specsplit.config import WorkerSettings
+from specsplit.logs import get_logger
+
+
+def default_threads(service: str) -> int:
+    """Draft and target share the machine: half the cores each (at least one)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def model_dtype(service: str, model_settings) -> str:
+    """The role's dtype: explicit settings win; the tiny preset runs in fp32 (exactness tests)."""
+    explicit = os.environ.get(f"SPECSPLIT_{service.upper()}_DTYPE")
+    if explicit:
+        return explicit
+    if model_settings.preset in ("tiny", "smollm2") and not getattr(model_settings, f"{service}_model"):
+        return "float32"
+    return getattr(model_settings, f"{service}_dtype")
+
+
+def build_engine(service: str, settings: WorkerSettings, model_settings):
+    """(engine, hello) for ``service`` from settings; loads the model."""
+    import torch
+
+    from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
+    from specsplit.spec.draft import DraftEngine
+    from specsplit.spec.engine import EngineLimits, model_vocab_size
+    from specsplit.spec.target import TargetEngine
+
+    threads = settings.threads or default_threads(service)
+    torch.set_num_threads(threads)
+    paths = resolve_model_paths(model_settings)
+    path = getattr(paths, service)
+    model, tokenizer = load_model(path, dtype=model_dtype(service, model_settings), threads=threads)
+    if service == "draft" and settings.draft_quantize == "int8":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    limits = EngineLimits(
+        max_sessions=settings.max_sessions, session_ttl_s=settings.session_ttl_s,
+        max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
+        max_tree_depth=settings.max_tree_depth,
+    )
+    engine = (DraftEngine if service == "draft" else TargetEngine)(model, limits)
+    hello = WorkerHello(
+        service=service, model_id=str(path), vocab_size=model_vocab_size(model),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
+    )
+    return engine, hello
+
+
+def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
+    from specsplit.transport.worker_loop import WorkerLoop
+
+    log = get_logger("specsplit.worker", service=service)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    engine, hello = build_engine(service, settings, model_settings)
+    identity = settings.identity(service)
+    log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
+             threads=settings.threads or default_threads(service))
+    loop = WorkerLoop(settings.backend(service), identity.encode(), hello, engine.handle,
+                      heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue)
+    return loop.run(stop)
