@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections import Counter
 
 from schemas import WorkerHello
 from specsplit.config import WorkerSettings
@@ -71,6 +72,15 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
              threads=settings.threads or default_threads(service))
-    loop = WorkerLoop(settings.backend(service), identity.encode(), hello, engine.handle,
+    served: Counter[str] = Counter()
+
+    def handle(msg):
+        served[type(msg).__name__] += 1
+        return engine.handle(msg)
+
+    loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue)
-    return loop.run(stop)
+    rc = loop.run(stop)
+    log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
+             kv_bytes=engine.store.bytes_held())
+    return rc

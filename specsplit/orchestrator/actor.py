@@ -30,6 +30,10 @@ RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
 class SessionFailed(Exception):
     """A session cannot continue (non-retryable error, or retries exhausted)."""
 
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL):
+        super().__init__(message)
+        self.code = code
+
 
 @dataclass(frozen=True)
 class ActorPolicy:
@@ -65,7 +69,7 @@ class SessionActor:
 
     async def run(self) -> GenerateDone:
         t0 = time.perf_counter()
-        finish = "error"
+        finish, failure = "error", None
         structlog.contextvars.bind_contextvars(session_id=self.sid)
         try:
             finish = await self._rounds()
@@ -73,14 +77,18 @@ class SessionActor:
             finish = "cancelled"
             raise
         except SessionFailed as exc:
-            self.log.warning("session_failed", error=str(exc))
+            failure = exc
+            self.log.warning("session_failed", error=str(exc), code=exc.code.value)
         finally:
             done = GenerateDone(
                 session_id=self.sid, token_ids=self.out, finish_reason=finish, rounds=self.stats.rounds,
                 drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
                 elapsed_ms=(time.perf_counter() - t0) * 1e3,
             )
-            self.emit(done)
+            if failure is not None:  # the producer gets the typed error instead of a done
+                self.emit(ErrorReply.of(failure.code, str(failure), session_id=self.sid, retryable=False))
+            else:
+                self.emit(done)
             await asyncio.shield(self._end_sessions())
             structlog.contextvars.unbind_contextvars("session_id", "round")
         return done
@@ -150,7 +158,7 @@ class SessionActor:
                 last = "timeout"
                 reset()
             except RpcError as exc:
-                raise SessionFailed(f"transport closed: {exc}") from exc
+                raise SessionFailed(f"transport closed: {exc}", ErrorCode.INTERNAL) from exc
             else:
                 if not isinstance(reply, ErrorReply):
                     return reply
@@ -159,13 +167,13 @@ class SessionActor:
                     reset()
                     continue  # resend at once with the full context
                 if not reply.retryable:
-                    raise SessionFailed(last)
+                    raise SessionFailed(last, reply.code)
                 if reply.code in RESET_ON:
                     reset()
             self.log.info("request_retry", attempt=attempt + 1, reason=last, delay_s=round(delay, 3))
             await asyncio.sleep(delay)
             delay = min(delay * 2, p.backoff_max_s)
-        raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}")
+        raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}", ErrorCode.NO_WORKER)
 
     # ---- overlap: draft round r+1 while round r is verified ---------------------------------
     def _draft_ahead(self, rnd: int, tree: FlatTree, spec: TreeSpec):

@@ -1,0 +1,148 @@
+"""A real fleet of processes on loopback for system tests (tiny preset, random free ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    """No socket LISTENs on the port (TIME_WAIT leftovers of closed connections don't count)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                return False
+    with socket.socket() as s:  # and the port can be bound again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class Fleet:
+    tmp: Path
+    env: dict = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, tmp: Path, **extra_env) -> Fleet:
+        names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch"]
+        ports = dict(zip(names, free_ports(len(names))))
+        addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
+        env = {
+            **os.environ,
+            "SPECSPLIT_PRESET": "tiny",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "SPECSPLIT_THREADS": "1",
+            "SPECSPLIT_LOG_LEVEL": "INFO",
+            "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"],
+            "SPECSPLIT_TARGET_BACKEND": addr["target_be"],
+            "SPECSPLIT_FRONTEND": addr["orch"],
+            "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
+            "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
+            "SPECSPLIT_MAX_ATTEMPTS": "30",
+            "SPECSPLIT_REQUEST_TIMEOUT_S": "10",
+            **{k: str(v) for k, v in extra_env.items()},
+        }
+        return cls(tmp=tmp, env=env, ports=ports)
+
+    @property
+    def orchestrator(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports['orch']}"
+
+    def addr(self, name: str) -> str:
+        return f"tcp://127.0.0.1:{self.ports[name]}"
+
+    def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "specsplit", *args], env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self, drafts: int = 1, targets: int = 1) -> Fleet:
+        self.spawn("router_draft", "router", "draft", "--frontend", self.addr("draft_fe"), "--backend", self.addr("draft_be"))
+        self.spawn("router_target", "router", "target", "--frontend", self.addr("target_fe"), "--backend", self.addr("target_be"))
+        for i in range(drafts):
+            self.spawn(f"draft{i}", "draft", env={"SPECSPLIT_WORKER_ID": f"draft-{i}"})
+        for i in range(targets):
+            self.spawn(f"target{i}", "target", env={"SPECSPLIT_WORKER_ID": f"target-{i}"})
+        self.spawn("orchestrator", "orchestrator")
+        return self
+
+    def log(self, name: str) -> str:
+        p = self.tmp / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def wait_log(self, name: str, needle: str, count: int = 1, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.log(name).count(needle) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} never logged {needle!r} x{count}:\n{self.log(name)[-3000:]}")
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+            time.sleep(0.2)
+
+    def wait_ready(self, drafts: int = 1, targets: int = 1, timeout_s: float = 240.0) -> None:
+        self.wait_log("router_draft", "worker_admitted", drafts, timeout_s)
+        self.wait_log("router_target", "worker_admitted", targets, timeout_s)
+        self.wait_log("orchestrator", "orchestrator_started", 1, timeout_s)
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 20.0) -> dict[str, int]:
+        """SIGTERM every process by pid, then SIGKILL stragglers; returns exit codes."""
+        codes = {}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes[name] = proc.wait(timeout=10)
+        return codes
+
+
+async def generate_all(addr: str, prompts, max_new_tokens: int, **kw):
+    from specsplit.client import SpecSplitClient
+
+    async with SpecSplitClient(addr, timeout_s=180) as client:
+        return await asyncio.gather(*(client.generate(p, max_new_tokens=max_new_tokens, **kw) for p in prompts))

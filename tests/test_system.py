@@ -1,0 +1,193 @@
+"""System tests: real processes on loopback, the tiny preset, real ZeroMQ sockets.
+
+One fleet (2 draft + 2 target workers) serves the module; the last test tears it down and
+checks that no process or listening socket is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from schemas import (
+    PROTO, CacheSync, DraftRequest, ErrorCode, ErrorReply, MsgKind, SamplingSpec, TreeSpec, pack_frames,
+    unpack_frames,
+)
+from tests.conftest import greedy_reference
+from tests.fleet import Fleet, generate_all, port_is_free
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny_paths():
+    out = subprocess.run([sys.executable, "-m", "specsplit", "models", "path", "tiny"], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_paths):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_paths["target"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_paths):
+    f = Fleet.create(tmp_path_factory.mktemp("fleet"))
+    f.start(drafts=2, targets=2)
+    try:
+        f.wait_ready(drafts=2, targets=2)
+        yield f
+    finally:
+        f.stop()
+
+
+def prompts(n: int, seed: int, vocab: int = 400) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(2, 24))] for _ in range(n)]
+
+
+def test_a_sixteen_concurrent_prompts_equal_greedy(fleet, target_model):
+    ps = prompts(16, seed=1)
+    results = asyncio.run(generate_all(fleet.orchestrator, ps, 40))
+    for p, r in zip(ps, results):
+        ref, _ = greedy_reference(target_model, p, 40)
+        assert r.token_ids == ref and r.finish_reason == "length"
+    assert sum(r.accepted_tokens for r in results) > 0
+    for name in ("draft0", "draft1", "target0", "target1"):  # sessions were spread over workers
+        assert fleet.log(f"router_{name[:-1]}").count("worker_admitted") >= 2
+
+
+def test_b_kill9_target_mid_run_every_session_completes(fleet, target_model):
+    ps = prompts(12, seed=2)
+
+    async def run():
+        task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 96))
+        await asyncio.sleep(1.0)
+        fleet.kill9("target0")
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(task, 120)
+        return results, time.monotonic() - t0
+
+    results, after_kill = asyncio.run(run())
+    for p, r in zip(ps, results):
+        ref, _ = greedy_reference(target_model, p, 96)
+        assert r.token_ids == ref
+    assert after_kill < 90
+    fleet.spawn("target0", "target", env={"SPECSPLIT_WORKER_ID": "target-0"})  # restore for later tests
+    fleet.wait_log("router_target", "worker_admitted", 3)
+
+
+def test_c_late_worker_takes_new_sessions(fleet, target_model):
+    fleet.spawn("draft2", "draft", env={"SPECSPLIT_WORKER_ID": "draft-2"})
+    fleet.wait_log("router_draft", "worker_admitted", 3)
+    ps = prompts(24, seed=3)
+    results = asyncio.run(generate_all(fleet.orchestrator, ps, 12))
+    for p, r in zip(ps, results):
+        assert r.token_ids == greedy_reference(target_model, p, 12)[0]
+    from brokers.rendezvous import pick
+
+    mine = [r for r in results if pick(r.session_id, [b"draft-0", b"draft-1", b"draft-2"]) == b"draft-2"]
+    assert mine, "no session hashed to the new worker (probability ~1e-4)"
+    proc = fleet.procs.pop("draft2")
+    proc.terminate()  # SIGTERM: finish the request in hand, exit 0
+    assert proc.wait(timeout=30) == 0
+    log = fleet.log("draft2")
+    assert "worker_exit" in log and "DraftRequest" in log.split("worker_exit")[-1], log[-2000:]
+
+
+def _roundtrip(addr: str, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    try:
+        s.send_multipart(frames)
+        if not s.poll(timeout_ms):
+            raise TimeoutError(f"no reply from {addr}")
+        return s.recv_multipart()
+    finally:
+        s.close(0)
+
+
+def _error_code(frames: list[bytes]) -> ErrorCode:
+    env = unpack_frames(frames)
+    assert isinstance(env.msg, ErrorReply), env.msg
+    return env.msg.code
+
+
+def test_d_malformed_input_gets_typed_errors_and_fleet_keeps_serving(fleet, target_model):
+    for fe in ("draft_fe", "target_fe"):
+        addr = fleet.addr(fe)
+        # to the router: bad envelopes
+        assert _error_code(_roundtrip(addr, [b"junk"])) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [b"XXXX", b"\x01", b"s", b"r", b"\x80"])) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [PROTO, b"\xee", b"s", b"r", b"\x80"])) == ErrorCode.BAD_REQUEST
+        # through the router to a worker: bodies the router does not read
+        kind = MsgKind.DRAFT_REQUEST.as_byte() if fe == "draft_fe" else MsgKind.VERIFY_REQUEST.as_byte()
+        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r1", b"\xc1garbage"])) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r2", msgpack.packb({"x": 1})])) == ErrorCode.BAD_REQUEST
+    bad_token = DraftRequest(session_id="bad", round=0, sync=CacheSync(base_len=0, append_token_ids=[10**6]), root=1)
+    assert _error_code(_roundtrip(fleet.addr("draft_fe"), pack_frames(bad_token, "bad", b"r3"))) == ErrorCode.BAD_REQUEST
+    # to the orchestrator frontend
+    orch = fleet.orchestrator
+    assert _error_code(_roundtrip(orch, [PROTO, b"\x20", b"s", b"r", b"\x80\x81"])) == ErrorCode.BAD_REQUEST
+    assert _error_code(_roundtrip(orch, [b"garbage", b"x"])) == ErrorCode.BAD_REQUEST
+    assert _error_code(_roundtrip(orch, pack_frames(bad_token, "bad", b"r4"))) == ErrorCode.BAD_REQUEST
+    from specsplit.client import GenerationError
+
+    with pytest.raises(GenerationError) as info:  # token ids outside the vocabulary
+        asyncio.run(generate_all(orch, [[1, 2, 10**6]], 5))
+    assert info.value.reply.code == ErrorCode.BAD_REQUEST
+    # and the fleet still serves, exactly
+    ps = prompts(4, seed=4)
+    for p, r in zip(ps, asyncio.run(generate_all(orch, ps, 16))):
+        assert r.token_ids == greedy_reference(target_model, p, 16)[0]
+    for name, proc in fleet.procs.items():
+        assert proc.poll() is None, f"{name} died"
+
+
+def test_e_produce_cli_json(fleet, target_model):
+    out = subprocess.run(
+        [sys.executable, "-m", "specsplit", "produce", "def add(a, b):", "hello", "--json", "--max-new-tokens", "12",
+         "--concurrency", "2", "--orchestrator", fleet.orchestrator],
+        capture_output=True, text=True, timeout=180, env=fleet.env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def add(a, b):", "hello"]
+    for r in rows:
+        assert r["token_ids"] == greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))[0]
+        assert isinstance(r["text"], str) and r["new_tokens"] == len(r["token_ids"]) > 0
+    assert "TOTAL 2 prompts" in out.stderr
+
+
+def test_f_sampling_reproducible_through_fleet(fleet):
+    ps = prompts(3, seed=5)
+    s = SamplingSpec(temperature=0.8, top_p=0.95, seed=11)
+    a = asyncio.run(generate_all(fleet.orchestrator, ps, 24, sampling=s))
+    b = asyncio.run(generate_all(fleet.orchestrator, ps, 24, sampling=s))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_z_teardown_leaves_nothing(fleet):
+    codes = fleet.stop()
+    assert all(proc.poll() is not None for proc in fleet.procs.values())
+    clean = {n: c for n, c in codes.items() if n != "target0" or c == 0}
+    assert all(c == 0 for c in clean.values()), codes
+    time.sleep(0.5)
+    for name, port in fleet.ports.items():
+        assert port_is_free(port), f"{name} port {port} still bound"
+    leftover = subprocess.run(["pgrep", "-f", str(fleet.ports["orch"])], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""
