@@ -1,0 +1,188 @@
+"""Router state without sockets: admitted workers with their liveness, and requests in flight.
+
+Plain state transitions, driven by the router's poll loop with explicit ``now`` timestamps
+(``time.monotonic()``), so they are tested without sockets. Everything here is bounded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from brokers.rendezvous import pick
+from schemas.messages import WorkerHello
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """An admitted worker: its hello and when it expires unless heard from again."""
+
+    worker_id: bytes
+    hello: WorkerHello
+    admitted_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Outcome of a WORKER_HELLO. ``replaced``: the identity was already admitted (the worker
+    restarted or reconnected), so whatever it had in flight is lost."""
+
+    ok: bool
+    reason: str = ""
+    replaced: bool = False
+
+
+class WorkerRegistry:
+    """Live workers of one service. A worker is live until ``ttl_s`` passes without a message."""
+
+    def __init__(self, service: str, *, ttl_s: float, max_workers: int = 256) -> None:
+        self.service = service
+        self.ttl_s = ttl_s
+        self.max_workers = max_workers
+        self._workers: dict[bytes, WorkerInfo] = {}
+        self._live: tuple[bytes, ...] = ()
+
+    def __contains__(self, worker_id: bytes) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    @property
+    def live(self) -> tuple[bytes, ...]:
+        """Identities of the live workers, sorted."""
+        return self._live
+
+    def get(self, worker_id: bytes) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def admit(self, worker_id: bytes, hello: WorkerHello, now: float) -> Admission:
+        """Admit ``worker_id`` unless its hello disagrees with the service or with the workers
+        already admitted (vocab_size, tokenizer_hash). A refused identity that was admitted
+        before is removed: that identity now belongs to a process we cannot route to."""
+        replaced = worker_id in self._workers
+        reason = self._mismatch(worker_id, hello)
+        if reason:
+            self.remove(worker_id)
+            return Admission(False, reason, replaced)
+        if not replaced and len(self._workers) >= self.max_workers:
+            return Admission(False, f"router already has max_workers={self.max_workers}")
+        self._workers[worker_id] = WorkerInfo(worker_id, hello, now, now + self.ttl_s)
+        self._refresh()
+        return Admission(True, "", replaced)
+
+    def _mismatch(self, worker_id: bytes, hello: WorkerHello) -> str:
+        if hello.service != self.service:
+            return f"worker serves {hello.service!r}, this router serves {self.service!r}"
+        for other in self._workers.values():
+            if other.worker_id == worker_id:
+                continue
+            ref = other.hello
+            if (hello.vocab_size, hello.tokenizer_hash) != (ref.vocab_size, ref.tokenizer_hash):
+                return (
+                    f"vocab_size/tokenizer_hash {hello.vocab_size}/{hello.tokenizer_hash!r} differ "
+                    f"from admitted workers' {ref.vocab_size}/{ref.tokenizer_hash!r}"
+                )
+        return ""
+
+    def model_ids(self) -> set[str]:
+        return {w.hello.model_id for w in self._workers.values()}
+
+    def touch(self, worker_id: bytes, now: float) -> bool:
+        """Any message from a worker proves it alive. False when the worker is not admitted."""
+        info = self._workers.get(worker_id)
+        if info is None:
+            return False
+        info.expires_at = now + self.ttl_s
+        return True
+
+    def remove(self, worker_id: bytes) -> WorkerInfo | None:
+        info = self._workers.pop(worker_id, None)
+        if info is not None:
+            self._refresh()
+        return info
+
+    def expire(self, now: float) -> list[bytes]:
+        """Remove and return the workers not heard from within ``ttl_s``."""
+        dead = [w for w, info in self._workers.items() if info.expires_at <= now]
+        for worker_id in dead:
+            del self._workers[worker_id]
+        if dead:
+            self._refresh()
+        return dead
+
+    def pick(self, session_id: str) -> bytes | None:
+        """Rendezvous hash of ``session_id`` over the live workers (None when there are none)."""
+        return pick(session_id, self._live)
+
+    def _refresh(self) -> None:
+        self._live = tuple(sorted(self._workers))
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A request forwarded to a worker and not yet answered."""
+
+    client_id: bytes
+    request_id: bytes
+    session_id: str
+    worker_id: bytes
+    sent_at: float
+
+
+class InflightTable:
+    """Requests in flight, by (client_id, request_id) and by worker. At most ``max_entries``;
+    entries older than ``ttl_s`` are swept (their clients timed out long ago)."""
+
+    def __init__(self, *, max_entries: int = 65_536, ttl_s: float = 300.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[tuple[bytes, bytes], Inflight] = OrderedDict()
+        self._by_worker: dict[bytes, set[tuple[bytes, bytes]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry: Inflight) -> bool:
+        """Track ``entry``; False (and nothing tracked) when the table is full."""
+        key = (entry.client_id, entry.request_id)
+        if key in self._entries:  # a client reused a request id: the newer request wins
+            self.pop(*key)
+        elif len(self._entries) >= self.max_entries:
+            return False
+        self._entries[key] = entry
+        self._by_worker.setdefault(entry.worker_id, set()).add(key)
+        return True
+
+    def pop(self, client_id: bytes, request_id: bytes) -> Inflight | None:
+        entry = self._entries.pop((client_id, request_id), None)
+        if entry is not None:
+            keys = self._by_worker.get(entry.worker_id)
+            if keys is not None:
+                keys.discard((client_id, request_id))
+                if not keys:
+                    del self._by_worker[entry.worker_id]
+        return entry
+
+    def pop_worker(self, worker_id: bytes) -> list[Inflight]:
+        """Remove and return everything in flight on ``worker_id`` (oldest first)."""
+        keys = self._by_worker.pop(worker_id, set())
+        out = [self._entries.pop(k) for k in keys if k in self._entries]
+        out.sort(key=lambda e: e.sent_at)
+        return out
+
+    def count(self, worker_id: bytes) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def sweep(self, now: float) -> list[Inflight]:
+        """Remove and return entries older than ``ttl_s``."""
+        out: list[Inflight] = []
+        limit = now - self.ttl_s
+        while self._entries:
+            entry = next(iter(self._entries.values()))
+            if entry.sent_at > limit:
+                break
+            self.pop(entry.client_id, entry.request_id)
+            out.append(entry)
+        return out

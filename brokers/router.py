@@ -1,0 +1,411 @@
+"""One router per service (``draft``, ``target``): clients on the frontend, workers on the backend.
+
+Frames, exactly (``env`` = ``[PROTO, kind, session_id, request_id, body]``, see schemas/codec.py):
+
+frontend (ROUTER, binds; orchestrators and clients connect DEALERs)
+    in   [client_id, *env]
+    out  [client_id, *env]                        worker replies, router errors, ping replies
+backend (ROUTER, binds, ROUTER_HANDOVER; workers connect DEALERs)
+    out  [worker_id, client_id, *env]             a client request for the worker
+    in   [worker_id, client_id, *env]             the worker's reply for client_id
+    in   [worker_id, b"", *env]                   addressed to the router: WORKER_HELLO, HEARTBEAT
+    out  [worker_id, b"", *env]                   router to worker: HEARTBEAT (hello accepted when
+                                                  its request_id echoes the hello's), ERROR
+
+Control envelopes use session_id "-". A router validates envelopes with ``check_envelope`` and
+never decodes a client's body. A worker is routed to only once admitted by WORKER_HELLO; a
+retryable ERROR to a worker means "unknown worker: send WORKER_HELLO", a non-retryable one means
+"refused". A HEARTBEAT from a client on the frontend is answered by the router itself (a ping).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from brokers.registry import Inflight, InflightTable, WorkerRegistry
+from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames
+from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
+from specsplit.logs import get_logger
+from specsplit.transport.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket
+
+CONTROL_SID = "-"
+PLACEHOLDER_RID = b"-"
+_DRAIN_BATCH = 512
+_MAX_POLL_MS = 100
+_LRU_SIZE = 1024
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters since start (read them from any thread; they are only ever incremented)."""
+
+    routed: int = 0
+    replies: int = 0
+    bad_frames: int = 0
+    no_worker: int = 0
+    overloaded: int = 0
+    workers_admitted: int = 0
+    workers_refused: int = 0
+    workers_expired: int = 0
+    inflight_failed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _LogLimiter:
+    """At most ``per_s`` warnings a second for one event; the rest are counted, not printed."""
+
+    def __init__(self, log, per_s: int = 10) -> None:
+        self._log, self._per_s = log, per_s
+        self._window, self._count, self._suppressed = 0, 0, 0
+
+    def warning(self, event: str, **kw) -> None:
+        sec = int(time.monotonic())
+        if sec != self._window:
+            if self._suppressed:
+                self._log.warning("log_suppressed", count=self._suppressed)
+            self._window, self._count, self._suppressed = sec, 0, 0
+        self._count += 1
+        if self._count <= self._per_s:
+            self._log.warning(event, **kw)
+        else:
+            self._suppressed += 1
+
+
+def _readable_sid(env: list[bytes]) -> str:
+    if len(env) > 2 and 1 <= len(env[2]) <= 128:
+        try:
+            return bytes(env[2]).decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return CONTROL_SID
+
+
+def _readable_rid(env: list[bytes]) -> bytes:
+    if len(env) > 3 and 1 <= len(env[3]) <= 32:
+        return bytes(env[3])
+    return PLACEHOLDER_RID
+
+
+class Router:
+    """Routes a service's requests to its workers by rendezvous hash of the session id.
+
+    ``run(stop_event)`` owns both sockets in the calling thread (one ``zmq.Poller`` loop) and
+    returns when ``stop_event`` is set or ``close()`` is called. ``ready`` is set once both
+    sockets are bound; ``frontend_endpoint`` / ``backend_endpoint`` then hold the resolved
+    addresses (``tcp://127.0.0.1:*`` binds a free port).
+    """
+
+    def __init__(
+        self,
+        service: str,
+        frontend_addr: str,
+        backend_addr: str,
+        *,
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        max_workers: int = 256,
+        max_inflight: int = 65_536,
+        request_ttl_s: float = 300.0,
+        sndhwm: int = DEFAULT_HWM,
+        rcvhwm: int = DEFAULT_HWM,
+        ctx: zmq.Context | None = None,
+        allow_public_bind: bool = False,
+    ) -> None:
+        if heartbeat_s <= 0 or liveness < 1:
+            raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+        for addr in (frontend_addr, backend_addr):
+            if not allow_public_bind and not is_loopback_address(addr):
+                raise ValueError(f"{addr}: binding beyond loopback requires CURVE keys (not supported yet)")
+        self.service = service
+        self.frontend_addr, self.backend_addr = frontend_addr, backend_addr
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self._hwm = (sndhwm, rcvhwm)
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.Context()
+        self.registry = WorkerRegistry(service, ttl_s=heartbeat_s * liveness, max_workers=max_workers)
+        self.inflight = InflightTable(max_entries=max_inflight, ttl_s=request_ttl_s)
+        self.stats = RouterStats()
+        self.ready = threading.Event()
+        self.frontend_endpoint: str | None = None
+        self.backend_endpoint: str | None = None
+        self._closing = threading.Event()
+        self._done = threading.Event()
+        self._done.set()
+        self._fe: zmq.Socket | None = None
+        self._be: zmq.Socket | None = None
+        self._asked_hello: OrderedDict[bytes, float] = OrderedDict()
+        self._unreachable_logged: OrderedDict[bytes, None] = OrderedDict()
+        self.log = get_logger("brokers.router", service=service)
+        self._warn = _LogLimiter(self.log)
+
+    def live_workers(self) -> tuple[bytes, ...]:
+        """Identities of the admitted, live workers (a snapshot; safe from any thread)."""
+        return self.registry.live
+
+    # ----------------------------------------------------------------- loop
+    def run(self, stop_event: threading.Event) -> None:
+        """Bind, then route until ``stop_event`` is set (or ``close()``). Sockets close on exit."""
+        self._done.clear()
+        try:
+            self._open_sockets()
+            poller = zmq.Poller()
+            poller.register(self._be, zmq.POLLIN)
+            poller.register(self._fe, zmq.POLLIN)
+            now = time.monotonic()
+            self._next_hb = self._next_check = now
+            self.ready.set()
+            self.log.info("router_started", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+            while not (stop_event.is_set() or self._closing.is_set()):
+                events = dict(poller.poll(self._poll_ms()))
+                if self._be in events:
+                    self._drain(self._be, self._on_backend)
+                if self._fe in events:
+                    self._drain(self._fe, self._on_frontend)
+                self._housekeeping(time.monotonic())
+        finally:
+            self.ready.clear()
+            for sock in (self._fe, self._be):
+                if sock is not None:
+                    sock.close(linger=0)
+            self._fe = self._be = None
+            self.log.info("router_stopped", **self.stats.as_dict())
+            self._done.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop ``run`` (if running, waiting up to ``timeout_s``) and release the context."""
+        self._closing.set()
+        if not self._done.wait(timeout_s):
+            self.log.warning("router_close_timeout", timeout_s=timeout_s)
+            return
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    def _open_sockets(self) -> None:
+        snd, rcv = self._hwm
+        self._fe = make_socket(self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, bind=self.frontend_addr)
+        self._be = make_socket(
+            self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=True, bind=self.backend_addr
+        )
+        self.frontend_endpoint, self.backend_endpoint = endpoint(self._fe), endpoint(self._be)
+
+    def _poll_ms(self) -> int:
+        due = min(self._next_hb, self._next_check) - time.monotonic()
+        return max(0, min(_MAX_POLL_MS, int(due * 1000) + 1))
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        """Handle up to one batch of waiting messages; a frame never kills the loop."""
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                handle(frames)
+            except Exception:  # a bug, not a frame problem: log it and keep routing
+                self.log.exception("router_handler_failed", nframes=len(frames))
+
+    def _housekeeping(self, now: float) -> None:
+        if now >= self._next_hb:
+            self._next_hb = now + self.heartbeat_s
+            beat = pack_frames(Heartbeat(sent_at=time.time()), CONTROL_SID, b"hb")
+            for worker_id in self.registry.live:
+                self._send_worker(worker_id, [b"", *beat])
+        if now >= self._next_check:
+            self._next_check = now + min(0.1, self.heartbeat_s / 4)
+            for worker_id in self.registry.expire(now):
+                self.stats.workers_expired += 1
+                self.log.warning("worker_expired", worker=worker_id.hex(), live=len(self.registry))
+                self._fail_inflight(worker_id, "expired")
+            stale = self.inflight.sweep(now)
+            if stale:
+                self.log.info("inflight_swept", count=len(stale))
+
+    # ------------------------------------------------------------- frontend
+    def _on_frontend(self, frames: list[bytes]) -> None:
+        client_id, env = frames[0], frames[1:]
+        try:
+            kind, sid, rid = check_envelope(env)
+        except CodecError as exc:
+            self.stats.bad_frames += 1
+            self._warn.warning("bad_client_frame", client=client_id.hex(), error=str(exc))
+            self._send_error(client_id, _readable_sid(env), _readable_rid(env), ErrorCode.BAD_REQUEST, str(exc))
+            return
+        if kind is MsgKind.HEARTBEAT:  # a ping, answered by the router itself
+            self._send_client(client_id, pack_frames(Heartbeat(sent_at=time.time()), sid, rid))
+            return
+        if kind is MsgKind.WORKER_HELLO:
+            self.stats.bad_frames += 1
+            self._send_error(client_id, sid, rid, ErrorCode.BAD_REQUEST, "WORKER_HELLO belongs on the backend")
+            return
+        self._dispatch(client_id, env, sid, rid)
+
+    def _dispatch(self, client_id: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
+        """Forward to the session's worker; an unreachable worker is dropped and the next tried."""
+        while True:
+            worker_id = self.registry.pick(sid)
+            if worker_id is None:
+                self.stats.no_worker += 1
+                self._send_error(client_id, sid, rid, ErrorCode.NO_WORKER, f"no live {self.service} worker")
+                return
+            if not self.inflight.add(Inflight(client_id, rid, sid, worker_id, time.monotonic())):
+                self.stats.overloaded += 1
+                self._send_error(client_id, sid, rid, ErrorCode.OVERLOADED, "router in-flight table full")
+                return
+            try:
+                self._be.send_multipart([worker_id, client_id, *env], zmq.NOBLOCK)
+            except zmq.Again:
+                self.inflight.pop(client_id, rid)
+                self.stats.overloaded += 1
+                self._send_error(client_id, sid, rid, ErrorCode.OVERLOADED, "worker queue full")
+                return
+            except zmq.ZMQError as exc:
+                self.inflight.pop(client_id, rid)
+                self._lose_worker(worker_id, f"send failed: {exc.strerror}")
+                continue
+            self.stats.routed += 1
+            return
+
+    # -------------------------------------------------------------- backend
+    def _on_backend(self, frames: list[bytes]) -> None:
+        worker_id = frames[0]
+        known = self.registry.touch(worker_id, time.monotonic())
+        if len(frames) < 2:
+            self.stats.bad_frames += 1
+            self._warn.warning("bad_worker_frame", worker=worker_id.hex(), nframes=len(frames))
+            return
+        client_id, env = frames[1], frames[2:]
+        if not client_id:
+            self._on_control(worker_id, env, known)
+            return
+        if not known:
+            self._ask_hello(worker_id)
+        entry = self.inflight.pop(client_id, _readable_rid(env))
+        try:
+            check_envelope(env)
+        except CodecError as exc:
+            self.stats.bad_frames += 1
+            self._warn.warning("bad_worker_reply", worker=worker_id.hex(), error=str(exc))
+            if entry is not None:
+                msg = f"malformed reply from worker: {exc}"
+                self._send_error(client_id, entry.session_id, entry.request_id, ErrorCode.INTERNAL, msg)
+            return
+        self.stats.replies += 1
+        self._send_client(client_id, env)
+
+    def _on_control(self, worker_id: bytes, env: list[bytes], known: bool) -> None:
+        """Messages addressed to the router itself. WORKER_HELLO is the one body a router
+        decodes: it is the worker's registration, addressed to the router, not a client's."""
+        try:
+            kind, _, rid = check_envelope(env)
+        except CodecError as exc:
+            self.stats.bad_frames += 1
+            self._warn.warning("bad_control_frame", worker=worker_id.hex(), error=str(exc))
+            return
+        if kind is MsgKind.WORKER_HELLO:
+            try:
+                hello = decode(kind, env[4])
+            except CodecError as exc:
+                self.stats.workers_refused += 1
+                self._send_control(worker_id, exc.to_reply(), rid)
+                return
+            self._on_hello(worker_id, hello, rid)
+        elif kind is MsgKind.HEARTBEAT:
+            if not known:
+                self._ask_hello(worker_id)
+        elif kind is MsgKind.ERROR:
+            self._warn.warning("worker_sent_error", worker=worker_id.hex(), body_bytes=len(env[4]))
+        else:
+            self._warn.warning("unexpected_control", worker=worker_id.hex(), kind=kind.name)
+
+    def _on_hello(self, worker_id: bytes, hello: WorkerHello, rid: bytes) -> None:
+        adm = self.registry.admit(worker_id, hello, time.monotonic())
+        wid = worker_id.hex()
+        if adm.replaced:
+            self._fail_inflight(worker_id, "re-registered")
+        if not adm.ok:
+            self.stats.workers_refused += 1
+            self.log.error("worker_refused", worker=wid, reason=adm.reason, model_id=hello.model_id)
+            self._send_control(worker_id, ErrorReply.of(ErrorCode.BAD_REQUEST, adm.reason), rid)
+            return
+        self.stats.workers_admitted += 1
+        self._asked_hello.pop(worker_id, None)
+        if len(self.registry.model_ids()) > 1:
+            self.log.warning("worker_model_ids_differ", model_ids=sorted(self.registry.model_ids()))
+        self.log.info(
+            "worker_admitted", worker=wid, model_id=hello.model_id, pid=hello.pid,
+            replaced=adm.replaced, live=len(self.registry),
+        )
+        self._send_control(worker_id, Heartbeat(sent_at=time.time()), rid)
+
+    def _ask_hello(self, worker_id: bytes) -> None:
+        """Tell an unknown worker (router restarted, or it was expired) to register again;
+        at most once a heartbeat per worker."""
+        now = time.monotonic()
+        last = self._asked_hello.get(worker_id)
+        if last is not None and now - last < self.heartbeat_s:
+            return
+        self._asked_hello[worker_id] = now
+        self._asked_hello.move_to_end(worker_id)
+        while len(self._asked_hello) > _LRU_SIZE:
+            self._asked_hello.popitem(last=False)
+        self.log.info("worker_asked_hello", worker=worker_id.hex())
+        msg = ErrorReply.of(ErrorCode.NO_WORKER, "unknown worker: send WORKER_HELLO", retryable=True)
+        self._send_control(worker_id, msg, b"hello?")
+
+    # ------------------------------------------------------- worker loss/io
+    def _lose_worker(self, worker_id: bytes, reason: str) -> None:
+        if self.registry.remove(worker_id) is not None:
+            self.stats.workers_expired += 1
+            self.log.warning("worker_unreachable", worker=worker_id.hex(), reason=reason)
+        self._fail_inflight(worker_id, reason)
+
+    def _fail_inflight(self, worker_id: bytes, reason: str) -> None:
+        """Answer everything in flight on a lost worker with a retryable error at once."""
+        lost = self.inflight.pop_worker(worker_id)
+        for e in lost:
+            msg = f"{self.service} worker lost ({reason}) with the request in flight"
+            self._send_error(e.client_id, e.session_id, e.request_id, ErrorCode.INTERNAL, msg, retryable=True)
+        if lost:
+            self.stats.inflight_failed += len(lost)
+            self.log.warning("inflight_failed", worker=worker_id.hex(), count=len(lost), reason=reason)
+
+    def _send_control(self, worker_id: bytes, msg: Message, rid: bytes) -> None:
+        self._send_worker(worker_id, [b"", *pack_frames(msg, CONTROL_SID, rid)])
+
+    def _send_worker(self, worker_id: bytes, frames: list[bytes]) -> None:
+        try:
+            self._be.send_multipart([worker_id, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            self._warn.warning("worker_send_dropped", worker=worker_id.hex(), reason="hwm")
+        except zmq.ZMQError as exc:
+            if worker_id in self.registry:
+                self._lose_worker(worker_id, f"send failed: {exc.strerror}")
+
+    def _send_error(
+        self, client_id: bytes, sid: str, rid: bytes, code: ErrorCode, message: str, retryable: bool | None = None
+    ) -> None:
+        kw = {} if retryable is None else {"retryable": retryable}
+        reply = ErrorReply.of(code, message, session_id=sid, **kw)
+        self._send_client(client_id, pack_frames(reply, sid, rid))
+
+    def _send_client(self, client_id: bytes, env: list[bytes]) -> None:
+        try:
+            self._fe.send_multipart([client_id, *env], zmq.NOBLOCK)
+        except zmq.Again:
+            self._warn.warning("client_send_dropped", client=client_id.hex(), reason="hwm")
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                self._warn.warning("client_send_failed", client=client_id.hex(), error=exc.strerror)
+            elif client_id not in self._unreachable_logged:  # log once per vanished client
+                self._unreachable_logged[client_id] = None
+                while len(self._unreachable_logged) > _LRU_SIZE:
+                    self._unreachable_logged.popitem(last=False)
+                self.log.info("client_unreachable", client=client_id.hex())

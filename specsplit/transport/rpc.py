@@ -1,0 +1,170 @@
+"""Async request/reply over one DEALER: futures matched by request id (vLLM-client style).
+
+Frames: out ``[PROTO, kind, session_id, request_id, body]``; in the same layout, with the
+request id echoed. One reader task receives every reply and resolves the pending future whose
+request id matches; ``call`` coroutines only send. The socket is confined to the event loop's
+thread (zmq.asyncio), so any number of tasks on that loop may ``call`` concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import zmq
+import zmq.asyncio
+
+from schemas.codec import CodecError, check_envelope, decode, pack_frames
+from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message
+from specsplit.logs import get_logger
+from specsplit.transport.sockets import DEFAULT_HWM, make_socket
+
+
+class RpcError(Exception):
+    """Base of transport-level failures (a typed ErrorReply from the peer is not one)."""
+
+
+class RpcTimeout(RpcError, TimeoutError):
+    """No reply within the timeout; the pending entry has been dropped."""
+
+    def __init__(self, session_id: str, request_id: bytes, timeout_s: float) -> None:
+        super().__init__(f"no reply for session {session_id!r} request {request_id.hex()} in {timeout_s:.3f}s")
+        self.session_id, self.request_id, self.timeout_s = session_id, request_id, timeout_s
+
+
+class RpcClosed(RpcError):
+    """The client was closed while (or before) the call was waiting."""
+
+
+class AsyncRpcClient:
+    """Request/reply client of one router frontend.
+
+    ``call`` returns the reply message (ErrorReply included: typed errors are values, not
+    exceptions), raises ``RpcTimeout`` after ``timeout_s``, returns ``ErrorReply(OVERLOADED)``
+    at once when ``max_pending`` calls are already waiting, and raises ``RpcClosed`` after
+    ``close()``. Start it with ``await client.start()`` or ``async with`` (``call`` also starts it).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        identity: bytes | None = None,
+        max_pending: int = 4096,
+        default_timeout_s: float = 10.0,
+        sndhwm: int = DEFAULT_HWM,
+        rcvhwm: int = DEFAULT_HWM,
+        name: str = "rpc",
+    ) -> None:
+        self.addr = addr
+        self.max_pending = max_pending
+        self.default_timeout_s = default_timeout_s
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context.instance()
+        self._identity, self._hwm = identity, (sndhwm, rcvhwm)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._pending: dict[bytes, asyncio.Future] = {}
+        self._rids = itertools.count(random.getrandbits(48))
+        self._closed = False
+        self.log = get_logger("specsplit.rpc", client=name, addr=addr)
+
+    @property
+    def pending(self) -> int:
+        """Calls waiting for a reply."""
+        return len(self._pending)
+
+    async def start(self) -> None:
+        self._ensure_started()
+
+    async def __aenter__(self) -> AsyncRpcClient:
+        self._ensure_started()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise RpcClosed(f"client of {self.addr} is closed")
+        if self._sock is None:
+            snd, rcv = self._hwm
+            self._sock = make_socket(
+                self._ctx, zmq.DEALER, identity=self._identity, sndhwm=snd, rcvhwm=rcv, connect=self.addr
+            )
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="rpc-reader")
+
+    async def call(self, msg: Message, *, session_id: str, timeout_s: float | None = None) -> Message:
+        """Send ``msg`` for ``session_id`` and wait for the reply with the same request id."""
+        self._ensure_started()
+        if len(self._pending) >= self.max_pending:
+            why = f"client has max_pending={self.max_pending} calls waiting"
+            return ErrorReply.of(ErrorCode.OVERLOADED, why, session_id=session_id)
+        timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
+        rid = (next(self._rids) & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")
+        frames = pack_frames(msg, session_id, rid)  # CodecError here is the caller's bug
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._sock.send_multipart(frames)
+                return await fut
+        except TimeoutError:
+            raise RpcTimeout(session_id, rid, timeout_s) from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def ping(self, timeout_s: float = 1.0) -> Message:
+        """Round trip to the router itself (a HEARTBEAT it answers): readiness by handshake."""
+        return await self.call(Heartbeat(), session_id="-", timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        """Stop the reader, fail every pending call with ``RpcClosed``, close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(RpcClosed(f"client of {self.addr} closed"))
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def _read_loop(self) -> None:
+        """The one reader of the socket: resolve futures by request id, never die of a frame."""
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                self.log.error("rpc_recv_failed", error=str(exc))
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bug, not a frame problem: keep reading
+                self.log.exception("rpc_dispatch_failed")
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        try:
+            kind, sid, rid = check_envelope(frames)
+        except CodecError as exc:
+            self.log.warning("bad_reply_dropped", error=str(exc), nframes=len(frames))
+            return
+        fut = self._pending.pop(rid, None)
+        if fut is None or fut.done():
+            self.log.debug("late_reply_dropped", session_id=sid, request_id=rid.hex(), kind=kind.name)
+            return
+        try:
+            msg = decode(kind, frames[4])
+        except CodecError as exc:
+            # the caller is waiting for exactly this request id: fail it now, not at its timeout
+            self.log.warning("bad_reply_body", session_id=sid, kind=kind.name, error=str(exc))
+            msg = ErrorReply.of(ErrorCode.INTERNAL, f"malformed reply: {exc}", retryable=False, session_id=sid)
+        fut.set_result(msg)

@@ -1,0 +1,94 @@
+"""The one socket factory: every ZeroMQ socket in SpecSplit is made by ``make_socket``.
+
+It sets what the project relies on, explicitly, for every socket: linger (0: closing never
+blocks), send/receive high-water marks, the identity, and ROUTER_MANDATORY / ROUTER_HANDOVER on
+ROUTER sockets. It works for ``zmq.Context`` and ``zmq.asyncio.Context`` alike (the context's
+``socket()`` picks the socket class). Imports zmq only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+import zmq
+
+DEFAULT_HWM = 10_000
+MAX_IDENTITY_BYTES = 255
+
+
+def make_socket(
+    ctx: zmq.Context,
+    zmq_type: int,
+    *,
+    identity: bytes | None = None,
+    sndhwm: int = DEFAULT_HWM,
+    rcvhwm: int = DEFAULT_HWM,
+    linger: int = 0,
+    router_mandatory: bool | None = None,
+    router_handover: bool = False,
+    bind: str | None = None,
+    connect: str | None = None,
+) -> zmq.Socket:
+    """Create a socket of ``zmq_type`` on ``ctx`` with every option set explicitly.
+
+    router_mandatory defaults to True for ROUTER sockets (a send to an unknown or vanished peer
+    raises ``EHOSTUNREACH`` instead of being dropped silently) and must be left unset for other
+    types; router_handover (a reconnecting peer with the same identity takes the identity over)
+    is for ROUTER sockets only. ``bind`` / ``connect`` are applied last; on any failure the
+    socket is closed before the error propagates.
+    """
+    is_router = zmq_type == zmq.ROUTER
+    if not is_router and (router_mandatory or router_handover):
+        raise ValueError("router_mandatory / router_handover apply to ROUTER sockets only")
+    if identity is not None:
+        _check_identity(identity)
+    sock = ctx.socket(zmq_type)
+    try:
+        sock.setsockopt(zmq.LINGER, int(linger))
+        sock.setsockopt(zmq.SNDHWM, int(sndhwm))
+        sock.setsockopt(zmq.RCVHWM, int(rcvhwm))
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if is_router:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0 if router_mandatory is False else 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover else 0)
+        if bind is not None:
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _check_identity(identity: bytes) -> None:
+    if not isinstance(identity, bytes):
+        raise TypeError(f"identity must be bytes, got {type(identity).__name__}")
+    if not 1 <= len(identity) <= MAX_IDENTITY_BYTES:
+        raise ValueError(f"identity must be 1..{MAX_IDENTITY_BYTES} bytes")
+    if identity[0] == 0:
+        raise ValueError("identities starting with a zero byte are reserved by ZeroMQ")
+
+
+def endpoint(sock: zmq.Socket) -> str:
+    """The address a socket last bound to (resolves ``tcp://127.0.0.1:*`` to the real port)."""
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def is_loopback_address(addr: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// addresses on a loopback host (127/8, ::1, localhost)."""
+    parts = urlsplit(addr)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if parts.scheme != "tcp":
+        return False
+    host = parts.netloc.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name
+        return False

@@ -1,0 +1,352 @@
+"""The worker side of a router: a DEALER that registers, heartbeats and serves requests.
+
+Two threads, each owning its sockets:
+- the socket thread (the caller of ``run``) owns the DEALER to the router and one end of an
+  inproc PAIR; it heartbeats, watches the router's liveness (Paranoid Pirate: reconnect with
+  exponential back-off and a fresh WORKER_HELLO when the router is silent for
+  liveness x heartbeat_s), and answers OVERLOADED at once when the engine queue is full;
+- the engine thread runs the synchronous ``handler`` (it may block for seconds: a model forward),
+  one request at a time from a bounded queue, and hands reply frames back over the PAIR.
+
+Frames on the DEALER (the router adds/strips the worker identity):
+    in   [client_id, PROTO, kind, session_id, request_id, body]   a request; reply to client_id
+    in   [b"", PROTO, HEARTBEAT|ERROR, "-", request_id, body]     from the router itself
+    out  [client_id, PROTO, kind, session_id, request_id, body]   a reply
+    out  [b"", PROTO, WORKER_HELLO|HEARTBEAT, "-", request_id, body]
+A HEARTBEAT whose request_id echoes the hello's means "admitted" (``ready`` is set); a retryable
+ERROR means "send WORKER_HELLO again"; a non-retryable one means "refused" (``run`` returns 2).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import zmq
+
+from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames, unpack_frames
+from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
+from specsplit.logs import get_logger
+from specsplit.transport.sockets import DEFAULT_HWM, make_socket
+
+Handler = Callable[[Message], Message]
+
+CONTROL_SID = "-"
+_MAX_POLL_MS = 100
+_DRAIN_BATCH = 512
+_DONE = [b""]  # one empty frame on the PAIR: the engine thread has finished
+
+
+class _Outcome(enum.Enum):
+    STOPPED = "stopped"
+    SILENT = "silent"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    client_id: bytes
+    env: list[bytes]
+    session_id: str
+    request_id: bytes
+
+
+def error_frames(client_id: bytes, sid: str, rid: bytes, code: ErrorCode, message: str) -> list[bytes]:
+    """Reply frames carrying a typed error for (session_id, request_id)."""
+    return [client_id, *pack_frames(ErrorReply.of(code, message, session_id=sid), sid, rid)]
+
+
+class WorkerLoop:
+    """Serve ``handler`` behind the router at ``backend_addr`` as worker ``identity``.
+
+    ``run(stop_event)`` returns 0 after a clean stop (the request in hand is finished and its
+    reply sent; queued ones are answered OVERLOADED), 1 if the engine did not finish within
+    ``drain_timeout_s``, 2 if the router refused the hello. ``ready`` is set while admitted.
+    """
+
+    def __init__(
+        self,
+        backend_addr: str,
+        identity: bytes,
+        hello: WorkerHello,
+        handler: Handler,
+        *,
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        max_queue: int = 1024,
+        reconnect_max_s: float = 8.0,
+        drain_timeout_s: float = 60.0,
+        sndhwm: int = DEFAULT_HWM,
+        rcvhwm: int = DEFAULT_HWM,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
+            raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
+        self.backend_addr, self.identity, self.hello = backend_addr, identity, hello
+        self.handler = handler
+        self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
+        self.reconnect_max_s, self.drain_timeout_s = reconnect_max_s, drain_timeout_s
+        self._hwm = (sndhwm, rcvhwm)
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.Context()
+        # only the socket thread puts, so qsize() is a safe bound (it can only shrink meanwhile)
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._pair_addr = f"inproc://specsplit-worker-{uuid.uuid4().hex}"
+        self._rids = itertools.count(1)
+        self.ready = threading.Event()
+        self.log = get_logger("specsplit.worker_loop", service=hello.service, worker=identity.hex())
+        self._sock: zmq.Socket | None = None
+        self._pair: zmq.Socket | None = None
+        self._engine: threading.Thread | None = None
+        self._engine_done = False
+        self._draining = False
+        self._hello_rid = b""
+        self._last_hello = 0.0
+
+    # ------------------------------------------------------------ lifecycle
+    def run(self, stop_event: threading.Event) -> int:
+        """Serve until ``stop_event`` is set; see the class docstring for the return code."""
+        self._pair = make_socket(self._ctx, zmq.PAIR, sndhwm=0, rcvhwm=0, bind=self._pair_addr)
+        self._engine = threading.Thread(target=self._engine_main, name="specsplit-engine", daemon=True)
+        self._engine.start()
+        delay, rc = self.heartbeat_s, 0
+        try:
+            while True:
+                outcome, heard = self._serve(stop_event)
+                if outcome is _Outcome.STOPPED:
+                    rc = 0 if self._engine_done else 1
+                    break
+                if outcome is _Outcome.REFUSED:
+                    rc = 2
+                    break
+                delay = self.heartbeat_s if heard else min(delay * 2, self.reconnect_max_s)
+                self.log.warning("router_silent_reconnecting", backoff_s=delay)
+                if stop_event.wait(delay):
+                    break
+        finally:
+            engine_stopped = self._stop_engine(wait_s=0.0 if rc == 1 else self.drain_timeout_s)
+            self._pair.close(linger=0)
+            if self._own_ctx and engine_stopped:  # a stuck engine still holds a socket
+                self._ctx.term()
+        self.log.info("worker_stopped", rc=rc)
+        return rc
+
+    def _serve(self, stop_event: threading.Event) -> tuple[_Outcome, bool]:
+        """One connection's lifetime: connect, hello, poll until stopped/silent/refused."""
+        snd, rcv = self._hwm
+        self._sock = make_socket(
+            self._ctx, zmq.DEALER, identity=self.identity, sndhwm=snd, rcvhwm=rcv, connect=self.backend_addr
+        )
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._pair, zmq.POLLIN)
+        self.ready.clear()
+        self._send_hello()
+        silent_after = self.liveness * self.heartbeat_s
+        now = time.monotonic()
+        last_heard, next_hb, heard, deadline = now, now + self.heartbeat_s, False, None
+        try:
+            while True:
+                if stop_event.is_set() and not self._draining:
+                    deadline = time.monotonic() + self.drain_timeout_s
+                    self._begin_drain()
+                wait_ms = max(1, min(_MAX_POLL_MS, int((next_hb - time.monotonic()) * 1000) + 1))
+                events = dict(poller.poll(wait_ms if deadline is None else min(wait_ms, 20)))
+                if self._pair in events:
+                    self._forward_replies()
+                if self._sock in events:
+                    outcome = self._read_router()
+                    last_heard, heard = time.monotonic(), True
+                    if outcome is not None:
+                        return outcome, heard
+                now = time.monotonic()
+                if self._draining and (self._engine_done or now > deadline):
+                    return _Outcome.STOPPED, heard
+                if now >= next_hb:
+                    next_hb = now + self.heartbeat_s
+                    self._send_control(Heartbeat(sent_at=time.time()), b"hb")
+                if not self._draining and now - last_heard > silent_after:
+                    return _Outcome.SILENT, heard
+        finally:
+            self.ready.clear()
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _begin_drain(self) -> None:
+        """Stop taking work: answer queued requests at once, let the engine finish its job."""
+        self._draining = True
+        self.log.info("worker_draining", queued=self._queue.qsize())
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._reject(job.client_id, job.session_id, job.request_id, "worker stopping")
+        self._queue.put(None)  # unbounded SimpleQueue: never blocks
+
+    def _stop_engine(self, wait_s: float) -> bool:
+        """Make sure the engine thread ends; True when it did within ``wait_s``."""
+        if not self._draining:
+            self._begin_drain()  # no socket any more: queued requests are dropped (logged)
+        if self._engine is None:
+            return True
+        self._engine.join(timeout=wait_s)
+        if self._engine.is_alive():
+            self.log.error("engine_thread_stuck", waited_s=wait_s)
+            return False
+        return True
+
+    # -------------------------------------------------------- socket thread
+    def _read_router(self) -> _Outcome | None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if not frames:
+                continue
+            client_id, env = frames[0], frames[1:]
+            if client_id:
+                self._on_request(client_id, env)
+            elif self._on_control(env) is _Outcome.REFUSED:
+                return _Outcome.REFUSED
+        return None
+
+    def _on_request(self, client_id: bytes, env: list[bytes]) -> None:
+        try:
+            _, sid, rid = check_envelope(env)
+        except CodecError as exc:
+            self.log.warning("bad_request_envelope", error=str(exc))
+            self._send([client_id, *pack_frames(exc.to_reply(), CONTROL_SID, b"-")])
+            return
+        if self._draining:
+            self._reject(client_id, sid, rid, "worker stopping")
+            return
+        if self._queue.qsize() >= self.max_queue:
+            self._reject(client_id, sid, rid, f"worker queue full (max_queue={self.max_queue})")
+            return
+        self._queue.put(_Job(client_id, env, sid, rid))
+
+    def _reject(self, client_id: bytes, sid: str, rid: bytes, why: str) -> None:
+        self._send(error_frames(client_id, sid, rid, ErrorCode.OVERLOADED, why))
+
+    def _on_control(self, env: list[bytes]) -> _Outcome | None:
+        try:
+            kind, _, rid = check_envelope(env)
+            if kind is MsgKind.HEARTBEAT:
+                if rid == self._hello_rid and not self.ready.is_set():
+                    self.ready.set()
+                    self.log.info("worker_admitted", router=self.backend_addr)
+                return None
+            if kind is not MsgKind.ERROR:
+                self.log.warning("unexpected_control", kind=kind.name)
+                return None
+            err = decode(kind, env[4])
+        except CodecError as exc:
+            self.log.warning("bad_control_frame", error=str(exc))
+            return None
+        if not err.retryable:
+            self.log.error("worker_refused", code=err.code.value, reason=err.message)
+            return _Outcome.REFUSED
+        if time.monotonic() - self._last_hello >= self.heartbeat_s:
+            self.log.info("worker_rehello", reason=err.message)
+            self._send_hello()
+        return None
+
+    def _forward_replies(self) -> None:
+        while True:
+            try:
+                frames = self._pair.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames == _DONE:
+                self._engine_done = True
+            else:
+                self._send(frames)
+
+    def _send_hello(self) -> None:
+        self._hello_rid = b"hello-%d" % next(self._rids)
+        self._last_hello = time.monotonic()
+        self._send_control(self.hello, self._hello_rid)
+
+    def _send_control(self, msg: Message, rid: bytes) -> None:
+        self._send([b"", *pack_frames(msg, CONTROL_SID, rid)])
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self._sock is None:
+            self.log.warning("reply_dropped", reason="not connected")
+            return
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("reply_dropped", reason="hwm")
+
+    # -------------------------------------------------------- engine thread
+    def _engine_main(self) -> None:
+        out = make_socket(self._ctx, zmq.PAIR, sndhwm=0, rcvhwm=0, linger=1000, connect=self._pair_addr)
+        try:
+            while (job := self._queue.get()) is not None:
+                self._engine_send(out, self._handle(job))
+        finally:
+            self._engine_send(out, _DONE)
+            out.close()
+
+    def _engine_send(self, out: zmq.Socket, frames: list[bytes]) -> None:
+        try:  # unbounded inproc pipe: Again only once the socket thread has gone
+            out.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.log.warning("reply_dropped", reason=f"socket thread gone: {exc.strerror}")
+
+    def _handle(self, job: _Job) -> list[bytes]:
+        """One request -> reply frames. Never raises."""
+        sid, rid = job.session_id, job.request_id
+        try:
+            env = unpack_frames(job.env)
+        except CodecError as exc:
+            return [job.client_id, *pack_frames(exc.to_reply(session_id=sid), sid, rid)]
+        except Exception as exc:  # defensive: the codec promises CodecError only
+            self.log.exception("decode_failed")
+            return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, f"decode failed: {exc!r}")
+        round_ = getattr(env.msg, "round", None)
+        with structlog.contextvars.bound_contextvars(session_id=sid, round=round_):
+            try:
+                reply = self.handler(env.msg)
+            except Exception as exc:
+                reply = self._exception_reply(exc, env.kind)
+            return self._reply_frames(job, reply)
+
+    def _exception_reply(self, exc: Exception, kind: MsgKind) -> Message:
+        to_reply = getattr(exc, "to_reply", None)
+        if callable(to_reply):
+            try:
+                reply = to_reply()
+            except Exception as inner:
+                reply = None
+                self.log.warning("to_reply_failed", error=repr(inner))
+            if isinstance(reply, Message):
+                self.log.info("handler_error_reply", kind=kind.name, error=str(exc))
+                return reply
+        self.log.exception("handler_failed", kind=kind.name)
+        return ErrorReply.of(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _reply_frames(self, job: _Job, reply: Message) -> list[bytes]:
+        sid, rid = job.session_id, job.request_id
+        if isinstance(reply, ErrorReply) and reply.session_id != sid:
+            reply = reply.model_copy(update={"session_id": sid})
+        body_sid = getattr(reply, "session_id", None)
+        if isinstance(body_sid, str) and body_sid not in (sid, CONTROL_SID):
+            self.log.error("reply_session_mismatch", reply_session_id=body_sid)
+            return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, "handler replied for another session")
+        try:
+            return [job.client_id, *pack_frames(reply, sid, rid)]
+        except Exception as exc:
+            self.log.error("reply_encode_failed", reply_type=type(reply).__name__, error=str(exc))
+            return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, f"reply not encodable: {exc}")
