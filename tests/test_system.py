@@ -181,6 +181,31 @@ def test_f_sampling_reproducible_through_fleet(fleet):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
+def test_g_overlap_orchestrator_equals_greedy(fleet, target_model):
+    """A second orchestrator on the same routers, drafting round r+1 while round r is verified."""
+    from tests.fleet import free_ports
+
+    port = free_ports(1)[0]
+    fleet.ports["orch_overlap"] = port
+    fleet.spawn("orch_overlap", "orchestrator", env={"SPECSPLIT_FRONTEND": f"tcp://127.0.0.1:{port}",
+                                                      "SPECSPLIT_OVERLAP": "true"})
+    fleet.wait_log("orch_overlap", "orchestrator_started")
+    ps = prompts(8, seed=6)
+    results = asyncio.run(generate_all(f"tcp://127.0.0.1:{port}", ps, 48))
+    for p, r in zip(ps, results):
+        assert r.token_ids == greedy_reference(target_model, p, 48)[0]
+    assert "overlap_hit=True" in fleet.log("orch_overlap")
+
+
+def test_h_many_concurrent_sessions_on_one_loop(fleet):
+    """The orchestrator holds 256 concurrent sessions on one event loop."""
+    ps = prompts(256, seed=7)
+    t0 = time.monotonic()
+    results = asyncio.run(generate_all(fleet.orchestrator, ps, 4))
+    assert len(results) == 256 and all(len(r.token_ids) == 4 and r.finish_reason == "length" for r in results)
+    assert time.monotonic() - t0 < 170
+
+
 def test_z_teardown_leaves_nothing(fleet):
     codes = fleet.stop()
     assert all(proc.poll() is not None for proc in fleet.procs.values())
