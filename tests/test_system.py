@@ -22,7 +22,7 @@ from schemas import (
     unpack_frames,
 )
 from tests.conftest import greedy_reference
-from tests.fleet import Fleet, generate_all, port_is_free
+from specsplit.launch import Fleet, generate_all, port_is_free
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def target_model(tiny_paths):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_paths):
-    f = Fleet.create(tmp_path_factory.mktemp("fleet"))
+    f = Fleet.create(tmp_path_factory.mktemp("fleet"), SPECSPLIT_REQUEST_TIMEOUT_S=10)
     f.start(drafts=2, targets=2)
     try:
         f.wait_ready(drafts=2, targets=2)
@@ -183,7 +183,7 @@ def test_f_sampling_reproducible_through_fleet(fleet):
 
 def test_g_overlap_orchestrator_equals_greedy(fleet, target_model):
     """A second orchestrator on the same routers, drafting round r+1 while round r is verified."""
-    from tests.fleet import free_ports
+    from specsplit.launch import free_ports
 
     port = free_ports(1)[0]
     fleet.ports["orch_overlap"] = port

@@ -1,4 +1,8 @@
-"""A real fleet of processes on loopback for system tests (tiny preset, random free ports)."""
+"""Launch a local fleet as real processes on loopback (routers, workers, orchestrator).
+
+Used by the system tests (tiny preset, random free ports), ``specsplit bench`` and the demo.
+Every process is started in its own process group and stopped by pid (SIGTERM, then SIGKILL).
+"""
 
 from __future__ import annotations
 
@@ -53,17 +57,18 @@ class Fleet:
     ports: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, tmp: Path, **extra_env) -> Fleet:
+    def create(cls, tmp: Path, preset: str = "tiny", threads: int = 1, **extra_env) -> Fleet:
         names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch"]
         ports = dict(zip(names, free_ports(len(names))))
         addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
+        tmp.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
-            "SPECSPLIT_PRESET": "tiny",
+            "SPECSPLIT_PRESET": preset,
             "OMP_WAIT_POLICY": "PASSIVE",
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
-            "SPECSPLIT_THREADS": "1",
+            "SPECSPLIT_THREADS": str(threads),
             "SPECSPLIT_LOG_LEVEL": "INFO",
             "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"],
             "SPECSPLIT_TARGET_BACKEND": addr["target_be"],
@@ -71,7 +76,7 @@ class Fleet:
             "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
             "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
             "SPECSPLIT_MAX_ATTEMPTS": "30",
-            "SPECSPLIT_REQUEST_TIMEOUT_S": "10",
+            "SPECSPLIT_REQUEST_TIMEOUT_S": "300",
             **{k: str(v) for k, v in extra_env.items()},
         }
         return cls(tmp=tmp, env=env, ports=ports)
