@@ -368,11 +368,12 @@ class Router:
         self._fail_inflight(worker_id, reason)
 
     def _fail_inflight(self, worker_id: bytes, reason: str) -> None:
-        """Answer everything in flight on a lost worker with a retryable error at once."""
+        """Answer everything in flight on a lost worker at once: NO_WORKER, retryable (PROTOCOL.md:
+        "the worker died with the request in flight")."""
         lost = self.inflight.pop_worker(worker_id)
         for e in lost:
             msg = f"{self.service} worker lost ({reason}) with the request in flight"
-            self._send_error(e.client_id, e.session_id, e.request_id, ErrorCode.INTERNAL, msg, retryable=True)
+            self._send_error(e.client_id, e.session_id, e.request_id, ErrorCode.NO_WORKER, msg, retryable=True)
         if lost:
             self.stats.inflight_failed += len(lost)
             self.log.warning("inflight_failed", worker=worker_id.hex(), count=len(lost), reason=reason)

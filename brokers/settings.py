@@ -1,10 +1,11 @@
 """Router configuration (pydantic-settings, env prefix ``SPECSPLIT_``), built in ``__main__``.
 
-Environment variables: SPECSPLIT_SERVICE, SPECSPLIT_FRONTEND_ADDR, SPECSPLIT_BACKEND_ADDR,
-SPECSPLIT_HEARTBEAT_S, SPECSPLIT_LIVENESS, SPECSPLIT_MAX_WORKERS, SPECSPLIT_MAX_INFLIGHT,
-SPECSPLIT_REQUEST_TTL_S, SPECSPLIT_SNDHWM, SPECSPLIT_RCVHWM, SPECSPLIT_LOG_LEVEL,
-SPECSPLIT_LOG_JSON. Unset addresses default to the service's loopback pair
-(``default_addresses``), so one environment can start both routers.
+Addresses: ``frontend_addr`` / ``backend_addr`` (SPECSPLIT_FRONTEND_ADDR / _BACKEND_ADDR, or the
+``--frontend`` / ``--backend`` flags) win; unset, they come from the fleet-wide per-service
+variables that orchestrators and workers read too (SPECSPLIT_DRAFT_ROUTER, SPECSPLIT_DRAFT_BACKEND,
+SPECSPLIT_TARGET_ROUTER, SPECSPLIT_TARGET_BACKEND), whose defaults are ``default_addresses``. So
+one environment configures a whole fleet. Also: SPECSPLIT_SERVICE, _HEARTBEAT_S, _LIVENESS,
+_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class RouterSettings(BaseSettings):
     service: Literal["draft", "target"] = "draft"
     frontend_addr: str | None = None
     backend_addr: str | None = None
+    draft_router: str = _DEFAULT_ADDRESSES["draft"][0]
+    draft_backend: str = _DEFAULT_ADDRESSES["draft"][1]
+    target_router: str = _DEFAULT_ADDRESSES["target"][0]
+    target_backend: str = _DEFAULT_ADDRESSES["target"][1]
     heartbeat_s: float = Field(default=1.0, gt=0.0, le=60.0)
     liveness: int = Field(default=3, ge=1, le=100)
     max_workers: int = Field(default=256, ge=1, le=65_536)
@@ -52,7 +57,10 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _fill_addresses(self) -> RouterSettings:
-        frontend, backend = default_addresses(self.service)
+        if self.service == "draft":
+            frontend, backend = self.draft_router, self.draft_backend
+        else:
+            frontend, backend = self.target_router, self.target_backend
         self.frontend_addr = self.frontend_addr or frontend
         self.backend_addr = self.backend_addr or backend
         if self.frontend_addr == self.backend_addr:

@@ -30,21 +30,32 @@ from specsplit.transport.sockets import make_socket
 _START_TIMEOUT_S = 20.0
 
 
-def _stop_on_sigterm() -> threading.Event:
+def _child_setup() -> threading.Event:
+    """In a child: quiet logs, and SIGTERM/SIGINT set the returned stop event."""
+    from specsplit.logs import configure_logging
+
+    configure_logging("WARNING")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return stop
 
 
+def _report_when_ready(ready: threading.Event, conn, value) -> None:
+    """Send ``value()`` (or None) through ``conn`` once ``ready`` is set (a readiness handshake)."""
+
+    def report() -> None:
+        conn.send(value() if ready.wait(_START_TIMEOUT_S) else None)
+
+    threading.Thread(target=report, daemon=True).start()
+
+
 def _router_proc(conn, heartbeat_s: float) -> None:
     from brokers.router import Router
 
-    stop = _stop_on_sigterm()
+    stop = _child_setup()
     router = Router("target", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=heartbeat_s)
-    threading.Thread(target=lambda: (router.ready.wait(10), conn.send((router.frontend_endpoint,
-                                                                       router.backend_endpoint))),
-                     daemon=True).start()
+    _report_when_ready(router.ready, conn, lambda: (router.frontend_endpoint, router.backend_endpoint))
     router.run(stop)
     router.close()
 
@@ -53,15 +64,15 @@ def _worker_proc(conn, backend: str, heartbeat_s: float) -> None:
     from specsplit.transport.testing import EchoHandler, make_hello
     from specsplit.transport.worker_loop import WorkerLoop
 
-    stop = _stop_on_sigterm()
+    stop = _child_setup()
     loop = WorkerLoop(backend, b"bench-worker", make_hello(pid=os.getpid()), EchoHandler(), heartbeat_s=heartbeat_s)
-    threading.Thread(target=lambda: conn.send(loop.ready.wait(10)), daemon=True).start()
+    _report_when_ready(loop.ready, conn, lambda: True)
     sys.exit(loop.run(stop))
 
 
 def _raw_echo_proc(conn) -> None:
     """A bare ROUTER that sends every message straight back (the raw pyzmq floor)."""
-    stop = _stop_on_sigterm()
+    stop = _child_setup()
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
     conn.send(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
@@ -126,13 +137,16 @@ def _bench_raw(addr: str, frames: list[bytes], n: int, warmup: int) -> list[int]
     return samples
 
 
-def _spawn(ctx, target, *args) -> tuple[mp.Process, object]:
+def _spawn(ctx, procs: list[mp.Process], target, *args) -> object:
+    """Start ``target`` in a spawned process (recorded in ``procs`` at once, so it is always
+    stopped) and return what it reports through its pipe once ready."""
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()
+    procs.append(proc)
     if not parent.poll(_START_TIMEOUT_S):
         raise RuntimeError(f"{target.__name__} did not report ready")
-    return proc, parent.recv()
+    return parent.recv()
 
 
 def _stop(procs: list[mp.Process]) -> None:
@@ -152,14 +166,13 @@ def run(n: int, warmup: int, heartbeat_s: float) -> dict:
     req = make_request()
     frames = pack_frames(req, req.session_id, b"\x00" * 8)
     try:
-        router, (frontend, backend) = _spawn(ctx, _router_proc, heartbeat_s)
-        procs.append(router)
-        worker, admitted = _spawn(ctx, _worker_proc, backend, heartbeat_s)
-        procs.append(worker)
-        if not admitted:
+        addrs = _spawn(ctx, procs, _router_proc, heartbeat_s)
+        if addrs is None:
+            raise RuntimeError("router did not bind")
+        frontend, backend = addrs
+        if not _spawn(ctx, procs, _worker_proc, backend, heartbeat_s):
             raise RuntimeError("worker was not admitted")
-        echo, raw_addr = _spawn(ctx, _raw_echo_proc)
-        procs.append(echo)
+        raw_addr = _spawn(ctx, procs, _raw_echo_proc)
         rpc = asyncio.run(_bench_rpc(frontend, req, n, warmup))
         raw = _bench_raw(raw_addr, frames, n, warmup)
     finally:

@@ -110,6 +110,10 @@ def test_settings_defaults_env_and_loopback_guard(monkeypatch):
     s = RouterSettings(service="draft")
     assert s.heartbeat_s == 0.5 and s.frontend_addr == "ipc:///tmp/x-fe"
     assert s.backend_addr == "tcp://127.0.0.1:5551"
+    monkeypatch.delenv("SPECSPLIT_FRONTEND_ADDR")
+    monkeypatch.setenv("SPECSPLIT_TARGET_BACKEND", "ipc:///tmp/x-tbe")  # the fleet-wide name
+    s = RouterSettings(service="target")
+    assert (s.frontend_addr, s.backend_addr) == ("tcp://127.0.0.1:5560", "ipc:///tmp/x-tbe")
     with pytest.raises(ValueError):
         RouterSettings(service="draft", frontend_addr="tcp://0.0.0.0:5550")
     with pytest.raises(ValueError):
@@ -241,7 +245,8 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
             t0 = time.monotonic()
             stuck.stop_heartbeats()
             reply = await pending
-            assert isinstance(reply, ErrorReply) and reply.retryable and reply.session_id == on_stuck[0]
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
+            assert reply.session_id == on_stuck[0]
             assert time.monotonic() - t0 < 2.0
             router.wait_live(2)
             for s in sessions:
@@ -267,7 +272,7 @@ async def test_restarted_worker_reclaims_its_identity(router):
             assert len(old.requests) == 1
             with WorkerThread(router.backend, b"same-id", EchoHandler(tag=7), **HB):
                 reply = await asyncio.wait_for(lost, 2)
-                assert isinstance(reply, ErrorReply) and reply.retryable
+                assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
                 reply = await client.call(verify("s", 1), session_id="s", timeout_s=5)
                 assert isinstance(reply, VerifyReply) and reply.cache_len == 7
     finally:

@@ -112,6 +112,8 @@ class AsyncRpcClient:
                 return await fut
         except TimeoutError:
             raise RpcTimeout(session_id, rid, timeout_s) from None
+        except zmq.ZMQError as exc:  # the socket went away under us (close() from another task)
+            raise (RpcClosed if self._closed else RpcError)(f"send failed: {exc}") from exc
         finally:
             self._pending.pop(rid, None)
 

@@ -41,6 +41,7 @@ Handler = Callable[[Message], Message]
 CONTROL_SID = "-"
 _MAX_POLL_MS = 100
 _DRAIN_BATCH = 512
+_FLUSH_LINGER_MS = 1000
 _DONE = [b""]  # one empty frame on the PAIR: the engine thread has finished
 
 
@@ -176,7 +177,8 @@ class WorkerLoop:
                     return _Outcome.SILENT, heard
         finally:
             self.ready.clear()
-            self._sock.close(linger=0)
+            # after a drain the last replies may still sit in the socket: give them time to leave
+            self._sock.close(linger=_FLUSH_LINGER_MS if self._draining else 0)
             self._sock = None
 
     def _begin_drain(self) -> None:
@@ -256,6 +258,7 @@ class WorkerLoop:
         if not err.retryable:
             self.log.error("worker_refused", code=err.code.value, reason=err.message)
             return _Outcome.REFUSED
+        self.ready.clear()  # the router does not know us (restarted, or it expired us)
         if time.monotonic() - self._last_hello >= self.heartbeat_s:
             self.log.info("worker_rehello", reason=err.message)
             self._send_hello()
