@@ -16,6 +16,11 @@ Control envelopes use session_id "-". A router validates envelopes with ``check_
 never decodes a client's body. A worker is routed to only once admitted by WORKER_HELLO; a
 retryable ERROR to a worker means "unknown worker: send WORKER_HELLO", a non-retryable one means
 "refused". A HEARTBEAT from a client on the frontend is answered by the router itself (a ping).
+
+Liveness: the router heartbeats its workers every ``heartbeat_s``; any message from a worker
+proves it alive; ``liveness`` beats of silence expire it. A backend disconnect (socket monitor)
+probes the workers at once, so a killed worker is dropped in milliseconds. Either way the lost
+worker's in-flight requests are answered NO_WORKER (retryable) at once, and only its sessions move.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class RouterStats:
     overloaded: int = 0
     workers_admitted: int = 0
     workers_refused: int = 0
-    workers_expired: int = 0
+    workers_expired: int = 0  # silent for liveness x heartbeat_s
+    workers_lost: int = 0  # a send to them failed (disconnected, killed)
     inflight_failed: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -141,6 +147,8 @@ class Router:
         self._done.set()
         self._fe: zmq.Socket | None = None
         self._be: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        self._probe_at = float("inf")
         self._asked_hello: OrderedDict[bytes, float] = OrderedDict()
         self._unreachable_logged: OrderedDict[bytes, None] = OrderedDict()
         self.log = get_logger("brokers.router", service=service)
@@ -159,6 +167,7 @@ class Router:
             poller = zmq.Poller()
             poller.register(self._be, zmq.POLLIN)
             poller.register(self._fe, zmq.POLLIN)
+            poller.register(self._mon, zmq.POLLIN)
             now = time.monotonic()
             self._next_hb = self._next_check = now
             self.ready.set()
@@ -169,13 +178,12 @@ class Router:
                     self._drain(self._be, self._on_backend)
                 if self._fe in events:
                     self._drain(self._fe, self._on_frontend)
+                if self._mon in events:
+                    self._on_disconnect()
                 self._housekeeping(time.monotonic())
         finally:
             self.ready.clear()
-            for sock in (self._fe, self._be):
-                if sock is not None:
-                    sock.close(linger=0)
-            self._fe = self._be = None
+            self._close_sockets()
             self.log.info("router_stopped", **self.stats.as_dict())
             self._done.set()
 
@@ -195,9 +203,20 @@ class Router:
             self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=True, bind=self.backend_addr
         )
         self.frontend_endpoint, self.backend_endpoint = endpoint(self._fe), endpoint(self._be)
+        monitor_addr = f"inproc://specsplit-router-monitor-{id(self):x}-{time.monotonic_ns()}"
+        self._be.monitor(monitor_addr, zmq.EVENT_DISCONNECTED)
+        self._mon = make_socket(self._ctx, zmq.PAIR, connect=monitor_addr)
+
+    def _close_sockets(self) -> None:
+        if self._be is not None and self._mon is not None:
+            self._be.disable_monitor()
+        for sock in (self._mon, self._fe, self._be):
+            if sock is not None:
+                sock.close(linger=0)
+        self._fe = self._be = self._mon = None
 
     def _poll_ms(self) -> int:
-        due = min(self._next_hb, self._next_check) - time.monotonic()
+        due = min(self._next_hb, self._next_check, self._probe_at) - time.monotonic()
         return max(0, min(_MAX_POLL_MS, int(due * 1000) + 1))
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
@@ -212,12 +231,30 @@ class Router:
             except Exception:  # a bug, not a frame problem: log it and keep routing
                 self.log.exception("router_handler_failed", nframes=len(frames))
 
+    def _on_disconnect(self) -> None:
+        """A backend peer disconnected (a worker stopped or was killed): probe the live workers
+        now and once more shortly after, so that a vanished worker's send fails with
+        EHOSTUNREACH and its in-flight requests are answered at once instead of at expiry."""
+        while True:
+            try:
+                self._mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        self._heartbeat_workers()
+        self._probe_at = time.monotonic() + 0.05
+
+    def _heartbeat_workers(self) -> None:
+        beat = pack_frames(Heartbeat(sent_at=time.time()), CONTROL_SID, b"hb")
+        for worker_id in self.registry.live:
+            self._send_worker(worker_id, [b"", *beat])
+
     def _housekeeping(self, now: float) -> None:
+        if now >= self._probe_at:
+            self._probe_at = float("inf")
+            self._heartbeat_workers()
         if now >= self._next_hb:
             self._next_hb = now + self.heartbeat_s
-            beat = pack_frames(Heartbeat(sent_at=time.time()), CONTROL_SID, b"hb")
-            for worker_id in self.registry.live:
-                self._send_worker(worker_id, [b"", *beat])
+            self._heartbeat_workers()
         if now >= self._next_check:
             self._next_check = now + min(0.1, self.heartbeat_s / 4)
             for worker_id in self.registry.expire(now):
@@ -363,7 +400,7 @@ class Router:
     # ------------------------------------------------------- worker loss/io
     def _lose_worker(self, worker_id: bytes, reason: str) -> None:
         if self.registry.remove(worker_id) is not None:
-            self.stats.workers_expired += 1
+            self.stats.workers_lost += 1
             self.log.warning("worker_unreachable", worker=worker_id.hex(), reason=reason)
         self._fail_inflight(worker_id, reason)
 

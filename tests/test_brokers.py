@@ -256,7 +256,8 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
                     assert reply.cache_len == before[s]  # did not move
                 else:
                     assert ids[reply.cache_len] == rendezvous.pick(s, ids[:2])
-        assert router.router.stats.workers_expired == 1 and router.router.stats.inflight_failed == 1
+        stats = router.router.stats
+        assert stats.workers_expired == 1 and stats.workers_lost == 0 and stats.inflight_failed == 1
     finally:
         stuck.close()
         for w in workers:
@@ -299,7 +300,25 @@ async def test_vanished_worker_or_client_does_not_stall_the_router(router):
         await asyncio.sleep(0.3)
         async with AsyncRpcClient(router.frontend) as client:
             assert isinstance(await client.call(verify("after"), session_id="after", timeout_s=3), VerifyReply)
-    assert router.live_workers() == (b"here",)
+        assert router.live_workers() == (b"here",)
+
+
+async def test_killed_worker_is_dropped_on_disconnect_before_expiry():
+    with RouterThread("target", heartbeat_s=0.1, liveness=50) as rt:  # expiry would take 5 s
+        gone = SilentWorker(rt.backend, b"killed").start()
+        try:
+            async with AsyncRpcClient(rt.frontend) as client:
+                lost = asyncio.ensure_future(client.call(verify("k"), session_id="k", timeout_s=10))
+                await asyncio.sleep(0.2)
+                assert len(gone.requests) == 1
+                t0 = time.monotonic()
+                gone.close()  # the process vanishes: its connection drops
+                reply = await lost
+                assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER
+                assert time.monotonic() - t0 < 1.0
+            assert rt.live_workers() == ()
+        finally:
+            gone.close()
 
 
 async def test_router_answers_pings(router):

@@ -233,8 +233,9 @@ async def test_worker_keeps_heartbeating_while_the_handler_blocks(router):
     with WorkerThread(router.backend, b"w", EchoHandler(delay_s=1.0), **HB):
         async with AsyncRpcClient(router.frontend) as client:
             reply = await client.call(verify("slow"), session_id="slow", timeout_s=5)
-    assert isinstance(reply, VerifyReply)
-    assert router.router.stats.workers_expired == 0  # 1 s busy > 0.5 s liveness, yet never expired
+        assert isinstance(reply, VerifyReply)
+        stats = router.router.stats  # 1 s busy > 0.5 s liveness, yet never expired
+        assert stats.workers_expired == stats.workers_lost == 0 and router.live_workers() == (b"w",)
 
 
 async def test_stop_finishes_the_request_in_hand_and_returns_zero(router):
