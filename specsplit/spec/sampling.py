@@ -25,8 +25,10 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     """logits [N, V] -> probabilities [N, V] (float64) after temperature, top-k and top-p.
 
     max_support > 0 additionally caps the support (the draft uses it so its distribution fits
-    in a message). Top-p keeps the smallest prefix of the sorted distribution whose mass reaches
-    top_p (at least one token), as transformers' TopPLogitsWarper does.
+    in a message). The three steps are transformers' TemperatureLogitsWarper, TopKLogitsWarper
+    (ties with the k-th logit survive) and TopPLogitsWarper, computed the same way in float64:
+    top-p drops the tokens whose ascending cumulative probability is <= 1 - top_p (the largest
+    always survives), so results agree with transformers even at exact mass boundaries.
     """
     if sampling.temperature <= 0:
         raise ValueError("probs_from_logits needs temperature > 0")
@@ -37,30 +39,25 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if 0 < k < x.shape[-1]:
         kth = torch.topk(x, k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
     if sampling.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each entry
-        drop_sorted = before >= sampling.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        sorted_x, idx = torch.sort(x, dim=-1)  # ascending
+        drop_sorted = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        drop_sorted[..., -1] = False
+        x = x.masked_fill(drop_sorted.scatter(-1, idx, drop_sorted), float("-inf"))
+    return torch.softmax(x, dim=-1)
 
 
 def sample_from(probs: torch.Tensor, g: torch.Generator, n: int = 1) -> list[int]:
     """n i.i.d. draws from a probability vector [V] (float64 inverse CDF, exact and seeded)."""
     cdf = torch.cumsum(probs.to(torch.float64), dim=0)
     u = torch.rand(n, generator=g, dtype=torch.float64) * cdf[-1]
-    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
-    # searchsorted may land on a zero-probability id only at the float edge; step back to mass.
-    out = []
-    for i in idx.tolist():
-        while probs[i] <= 0 and i > 0:
-            i -= 1
-        out.append(i)
-    return out
+    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)  # [n]
+    # searchsorted may land on a zero-probability id only at the float edge (u rounding up to the
+    # total); step back to the nearest id with mass, vectorized (no per-draw tensor indexing).
+    ids = torch.arange(probs.shape[0])
+    last_with_mass = torch.cummax(torch.where(probs > 0, ids, -1), dim=0).values  # [V]
+    out = last_with_mass[idx]
+    return torch.where(out < 0, idx, out).tolist()
 
 
 def uniform(g: torch.Generator) -> float:

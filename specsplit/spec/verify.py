@@ -46,9 +46,11 @@ def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> V
 
 def _child_q(tree: FlatTree, v: int, child: int, vocab: int) -> torch.Tensor:
     """The distribution child ``child`` of ``v`` was drawn from [V]: the carried draft
-    distribution of a sampled tree, or a point mass for a deterministic draft."""
+    distribution of a sampled tree (renormalized: the wire tolerates sums off by 1e-3, and
+    sample_from draws from the normalized vector), or a point mass for a deterministic draft."""
     if tree.sampled:
-        return S.dense(tree.child_dist_ids[v], tree.child_dist_probs[v], vocab)
+        q = S.dense(tree.child_dist_ids[v], tree.child_dist_probs[v], vocab)
+        return q / q.sum()
     q = torch.zeros(vocab, dtype=torch.float64)
     q[tree.token_ids[child]] = 1.0
     return q

@@ -1,0 +1,255 @@
+"""Unit oracles for sampling.py and verify_sampling, plus seeded reproducibility of generate.
+
+The statistical (distribution-level) tests live in test_sampling_stats.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from schemas import FlatTree, SamplingSpec, TreeSpec
+from specsplit.local import generate
+from specsplit.spec import sampling as S
+from specsplit.spec.tree import validate_tree
+from specsplit.spec.verify import verify_sampling
+
+V = 16
+
+
+def hf_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
+    """Oracle: transformers' warpers in generate's order (temperature, top-k, top-p), then softmax.
+    logits [N, V] -> [N, V] float64."""
+    x = logits.to(torch.float64)
+    x = TemperatureLogitsWarper(sampling.temperature)(None, x)
+    if sampling.top_k > 0:
+        x = TopKLogitsWarper(sampling.top_k)(None, x)
+    if sampling.top_p < 1.0:
+        x = TopPLogitsWarper(sampling.top_p)(None, x)
+    return torch.softmax(x, dim=-1)
+
+
+def make_tree(tokens, parents, dists=None) -> tuple[FlatTree, object]:
+    """A hand-made tree; dists: {node: probability vector [V]} its children were drawn from."""
+    n = len(tokens)
+    kw = {}
+    if dists is not None:
+        kw["child_dist_ids"] = [S.sparse(dists[i])[0] if i in dists else [] for i in range(n)]
+        kw["child_dist_probs"] = [S.sparse(dists[i])[1] if i in dists else [] for i in range(n)]
+    tree = FlatTree(token_ids=tokens, parents=parents, **kw)
+    return tree, validate_tree(tree, vocab_size=V, max_nodes=64, max_depth=16)
+
+
+def logits_of(*probs_rows) -> torch.Tensor:
+    """Probability rows -> logits [N, V] (log, -inf on zeros)."""
+    return torch.stack([torch.as_tensor(p, dtype=torch.float64).log() for p in probs_rows])
+
+
+def vec(entries: dict[int, float]) -> torch.Tensor:
+    out = torch.zeros(V, dtype=torch.float64)
+    for i, p in entries.items():
+        out[i] = p
+    return out
+
+
+# ---- probs_from_logits ---------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
+@pytest.mark.parametrize("top_k", [0, 1, 3, 8, 16, 40])
+@pytest.mark.parametrize("top_p", [1.0, 0.95, 0.8, 0.5, 0.1])
+def test_probs_from_logits_matches_transformers_warpers(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(int(temperature * 10) * 1000 + top_k * 10 + int(top_p * 100))
+    logits = torch.randn(64, V, generator=g) * 3.0  # [64, V] float32, no ties
+    sampling = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p)
+    ours = S.probs_from_logits(logits, sampling)
+    ref = hf_probs(logits, sampling)
+    assert ours.dtype == torch.float64 and ours.shape == (64, V)
+    assert torch.equal(ours > 0, ref > 0), "support differs from transformers"
+    torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(ours.sum(-1), torch.ones(64, dtype=torch.float64))
+
+
+def test_probs_from_logits_top_k_keeps_ties_and_max_support_caps():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0, 2.0, -2.0] + [-5.0] * (V - 8)])
+    sp = SamplingSpec(temperature=1.0, top_k=3)
+    # k=3: 3.0, 2.0 and the three tied 1.0 survive (as in TopKLogitsWarper)
+    assert (S.probs_from_logits(logits, sp) > 0).sum() == 5
+    torch.testing.assert_close(S.probs_from_logits(logits, sp), hf_probs(logits, sp))
+    capped = S.probs_from_logits(logits, SamplingSpec(temperature=1.0), max_support=2)
+    torch.testing.assert_close(capped, hf_probs(logits, SamplingSpec(temperature=1.0, top_k=2)))
+    capped = S.probs_from_logits(logits, SamplingSpec(temperature=1.0, top_k=1), max_support=2)
+    assert capped[0].nonzero().flatten().tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "probs, top_p",
+    [([0.5, 0.3, 0.2], 0.8), ([0.5, 0.3, 0.2], 0.5), ([0.25] * 4, 0.5), ([0.4, 0.2, 0.2, 0.2], 0.6)],
+)
+def test_probs_from_logits_top_p_boundaries_and_ties_match_transformers(probs, top_p):
+    """Mass exactly at top_p and tied probabilities: the same tokens survive as in transformers."""
+    logits = torch.tensor([probs + [0.0] * (V - len(probs))], dtype=torch.float64).log()
+    sp = SamplingSpec(temperature=1.0, top_p=top_p)
+    torch.testing.assert_close(S.probs_from_logits(logits, sp), hf_probs(logits, sp), atol=0, rtol=0)
+
+
+def test_probs_from_logits_rejects_greedy():
+    with pytest.raises(ValueError):
+        S.probs_from_logits(torch.zeros(1, V), SamplingSpec(temperature=0.0))
+
+
+# ---- sample_from ---------------------------------------------------------------------
+def test_sample_from_is_seeded_inverse_cdf():
+    probs = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
+    a = S.sample_from(probs, torch.Generator().manual_seed(5), 500)
+    b = S.sample_from(probs, torch.Generator().manual_seed(5), 500)
+    assert a == b and len(a) == 500
+    u = torch.rand(500, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    cdf = torch.cumsum(probs, 0)
+    expected = [int((cdf <= x).sum()) for x in u.tolist()]  # first id whose cdf exceeds u
+    assert a == expected
+    assert S.sample_from(probs, torch.Generator().manual_seed(6), 500) != a
+
+
+def test_sample_from_never_draws_zero_probability_ids():
+    probs = vec({1: 0.2, 4: 0.5, 9: 0.3})
+    draws = S.sample_from(probs, torch.Generator().manual_seed(0), 20_000)
+    assert set(draws) == {1, 4, 9}
+    freq = torch.bincount(torch.tensor(draws), minlength=V).double() / len(draws)
+    assert (freq - probs).abs().max() < 0.02  # 20k draws: sd <= 0.0036
+    assert set(S.sample_from(vec({V - 1: 1.0}), torch.Generator().manual_seed(0), 50)) == {V - 1}
+    assert set(S.sample_from(vec({0: 1.0}), torch.Generator().manual_seed(0), 50)) == {0}
+    unnormalized = S.sample_from(probs * 3.0, torch.Generator().manual_seed(0), 20_000)
+    assert set(unnormalized) == {1, 4, 9}
+
+
+def test_make_generator_depends_on_seed_round_and_role():
+    def first(*a):
+        return torch.rand(4, generator=S.make_generator(*a)).tolist()
+
+    assert first(1, 2, "target") == first(1, 2, "target")
+    assert len({tuple(first(*a)) for a in [(1, 2, "target"), (1, 2, "draft"), (1, 3, "target"), (2, 2, "target")]}) == 4
+
+
+def test_sparse_dense_round_trip():
+    probs = vec({3: 0.1, 7: 0.6, 2: 0.3})
+    ids, ps = S.sparse(probs)
+    assert ids == [7, 2, 3]
+    torch.testing.assert_close(S.dense(ids, ps, V), probs)
+
+
+# ---- verify_sampling on hand-made trees ------------------------------------------------
+ONE = SamplingSpec(temperature=1.0)
+
+
+def run_verify(tree, layout, logits, sampling=ONE, seeds=range(300)):
+    return [verify_sampling(tree, layout, logits, sampling, torch.Generator().manual_seed(s)) for s in seeds]
+
+
+def test_verify_first_child_carrying_the_only_target_token_wins():
+    """Target is a point mass on 5: children (5 is drawn twice) 3, 5, 5 -> node 2 is accepted
+    whatever the draws; its own child 4 is accepted because the target there is also sure."""
+    q = vec({3: 0.5, 5: 0.5})
+    tree, layout = make_tree([0, 3, 5, 5, 4], [-1, 0, 0, 0, 2], dists={0: q, 2: vec({4: 1.0})})
+    p_root, p_leaf, p_end = vec({5: 1.0}), vec({4: 1.0}), vec({6: 1.0})
+    logits = logits_of(p_root, p_root, p_leaf, p_leaf, p_end)
+    for v in run_verify(tree, layout, logits):
+        assert v.path == [0, 2, 4] and v.bonus == 6
+
+
+def test_verify_chain_accepts_everything_when_draft_equals_target():
+    p = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64), -1)
+    tokens = [0, 2, 9, 4]
+    tree, layout = make_tree(tokens, [-1, 0, 1, 2], dists={0: p[0], 1: p[1], 2: p[2]})
+    bonuses = set()
+    for v in run_verify(tree, layout, p.log()):
+        assert v.path == [0, 1, 2, 3]
+        bonuses.add(v.bonus)
+    assert len(bonuses) > 3  # the bonus is sampled from the leaf's target distribution
+
+
+def test_verify_point_mass_rejection_moves_mass_to_the_other_sibling():
+    """Deterministic proposals 1 and 2 with target support {1, 2}: if 1 is rejected, the residual
+    is a point mass on 2, so node 2 is always accepted -- the round never ends at the root."""
+    tree, layout = make_tree([0, 1, 2], [-1, 0, 0])
+    p = vec({1: 0.3, 2: 0.7})
+    paths = [tuple(v.path) for v in run_verify(tree, layout, logits_of(p, p, p))]
+    assert set(paths) == {(0, 1), (0, 2)}
+    assert abs(paths.count((0, 1)) / len(paths) - 0.3) < 0.1
+
+
+def test_verify_rejected_tokens_never_come_back_as_bonus():
+    """i.i.d. children 3, 3 from q = U{3, 4}; the target never emits 3, so both are rejected and
+    the bonus comes from the residual normalize(max(p - q, 0)) = point mass on 5 here."""
+    q = vec({3: 0.5, 4: 0.5})
+    p = vec({4: 0.4, 5: 0.6})
+    tree, layout = make_tree([0, 3, 3], [-1, 0, 0], dists={0: q})
+    for v in run_verify(tree, layout, logits_of(p, p, p)):
+        assert v.path == [0] and v.bonus == 5
+
+
+def test_verify_single_child_accept_rate_is_min_one_p_over_q():
+    q = vec({3: 0.8, 4: 0.2})
+    p = vec({3: 0.2, 4: 0.3, 6: 0.5})  # accept 3 with prob 0.25; else residual on {4, 6} only
+    tree, layout = make_tree([0, 3], [-1, 0], dists={0: q})
+    verdicts = run_verify(tree, layout, logits_of(p, p), seeds=range(4000))
+    rate = sum(v.path == [0, 1] for v in verdicts) / len(verdicts)
+    assert abs(rate - 0.25) < 5 * (0.25 * 0.75 / 4000) ** 0.5
+    assert {v.bonus for v in verdicts if v.path == [0]} == {4, 6}
+    bonus_after_accept = {v.bonus for v in verdicts if v.path == [0, 1]}
+    assert bonus_after_accept <= {3, 4, 6}
+
+
+def test_verify_applies_target_top_k():
+    """top_k=1 at the target makes it greedy at temperature 1: only argmax tokens survive."""
+    p = torch.softmax(torch.tensor([[0.0, 2.0, 1.0, 3.0] + [-9.0] * (V - 4)] * 3, dtype=torch.float64), -1)
+    tree, layout = make_tree([0, 1, 3], [-1, 0, 0])  # point masses: 1 rejected, 3 accepted
+    for v in run_verify(tree, layout, p.log(), SamplingSpec(temperature=1.0, top_k=1)):
+        assert v.path == [0, 2] and v.bonus == 3
+
+
+def test_verify_is_seeded():
+    q = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 0)
+    tree, layout = make_tree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 1], dists={0: q, 1: q})
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b = run_verify(tree, layout, logits, seeds=range(50)), run_verify(tree, layout, logits, seeds=range(50))
+    assert a == b
+    assert len({(tuple(v.path), v.bonus) for v in a}) > 3
+
+
+# ---- reproducibility through generate ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pair():
+    def model(seed):
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        return m
+
+    return model(1), model(2)
+
+
+@pytest.mark.parametrize("sampling", [SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_k=5, top_p=0.9)])
+def test_generate_same_seed_same_output(tiny_pair, sampling):
+    target, draft = tiny_pair
+    tree = TreeSpec(max_nodes=8, max_depth=3, branch=2)
+    outs = {}
+    for seed, _ in itertools.product(range(6), range(2)):
+        sp = sampling.model_copy(update={"seed": seed})
+        out = generate(draft, target, [3, 1, 4], max_new_tokens=12, tree=tree, sampling=sp)
+        assert len(out) == 12
+        assert outs.setdefault(seed, out) == out, f"seed {seed} is not reproducible"
+    assert len({tuple(o) for o in outs.values()}) >= 3, "different seeds should usually differ"
