@@ -35,6 +35,8 @@ class WorkerSettings(_Base):
     draft_backend: str = DRAFT_BACKEND
     target_backend: str = TARGET_BACKEND
     threads: int | None = None  # torch threads; default: cores / 2 (draft and target share them)
+    draft_threads: int | None = None  # per-role overrides of threads
+    target_threads: int | None = None
     max_sessions: int = Field(default=256, ge=1)
     session_ttl_s: float = Field(default=900.0, gt=0)
     max_session_tokens: int = Field(default=4096, ge=16)
@@ -44,6 +46,9 @@ class WorkerSettings(_Base):
     liveness: int = Field(default=3, ge=1)
     max_queue: int = Field(default=1024, ge=1)
     draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
+
+    def threads_for(self, service: str) -> int | None:
+        return getattr(self, f"{service}_threads") or self.threads
 
     def backend(self, service: str) -> str:
         return self.draft_backend if service == "draft" else self.target_backend

@@ -41,7 +41,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     from specsplit.spec.engine import EngineLimits, model_vocab_size
     from specsplit.spec.target import TargetEngine
 
-    threads = settings.threads or default_threads(service)
+    threads = settings.threads_for(service) or default_threads(service)
     torch.set_num_threads(threads)
     paths = resolve_model_paths(model_settings)
     path = getattr(paths, service)
@@ -71,7 +71,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     engine, hello = build_engine(service, settings, model_settings)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
-             threads=settings.threads or default_threads(service))
+             threads=settings.threads_for(service) or default_threads(service))
     served: Counter[str] = Counter()
 
     def handle(msg):

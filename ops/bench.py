@@ -1,0 +1,155 @@
+"""``specsplit bench``: the target alone vs transformers assisted generation vs the SpecSplit fleet.
+
+Alternates the three systems prompt by prompt in one invocation (the order rotates), with the
+same prompt formatting (the tokenizer's chat template), the same dtypes and the same threads.
+Prints a markdown table, writes ``--json FILE`` (per-prompt rows and ``summary.speedup_vs_target``
+/ ``summary.speedup_vs_assisted``: ratios of total tokens over total time) and a PNG plot.
+
+    specsplit bench --limit 20 --max-new-tokens 128 --json runs/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ops import bench_report as R
+from ops.bench_systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="specsplit bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (default: HumanEval)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts first")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
+    p.add_argument("--systems", default="target,assisted,specsplit")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
+    p.add_argument("--draft-threads", type=int, default=1)
+    p.add_argument("--target-threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--draft-dtype", default=None)
+    p.add_argument("--target-dtype", default=None)
+    p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
+    p.add_argument("--tree", default="12,8,2", help="max_nodes,max_depth,branch of the fleet's trees")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--assisted-tokens", default="auto", help="'auto' tunes it on the first prompt, or an int")
+    p.add_argument("--json", dest="json_path")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fleet_env(args, model_settings) -> dict:
+    n, d, b = (int(x) for x in args.tree.split(","))
+    env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
+           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
+           "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
+           "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
+    return {k: str(v) for k, v in env.items() if v is not None}
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
+    args = parse(argv)
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+    from specsplit.produce import PromptCodec
+    from specsplit.workers import model_dtype
+
+    configure_logging("WARNING")
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
+    args.draft_dtype = args.draft_dtype or model_dtype("draft", ms)
+    args.target_dtype = args.target_dtype or model_dtype("target", ms)
+    systems = [s for s in args.systems.split(",") if s]
+    paths = resolve_model_paths(ms)
+    texts = (jsonl_prompts(args.prompts) if args.prompts else humaneval_prompts())[args.offset: args.offset + args.limit]
+    codec = PromptCodec(paths.target, chat=args.chat)
+    encoded = [codec.encode(t) for t in texts]
+
+    fleet = runner = None
+    tmp = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
+    try:
+        if "specsplit" in systems:
+            from schemas import SamplingSpec
+            from specsplit.launch import Fleet
+
+            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(1, 1)
+            log(f"fleet starting (logs in {tmp})")
+        hf = None
+        if {"target", "assisted"} & set(systems):
+            import torch
+
+            torch.set_num_threads(args.threads)
+            target, tok = load_model(paths.target, dtype=args.target_dtype)
+            draft = load_model(paths.draft, dtype=args.draft_dtype)[0] if "assisted" in systems else None
+            hf = HFRunner(target, draft, codec.stop_token_ids, tok.pad_token_id or codec.stop_token_ids[0],
+                          args.temperature, args.seed)
+        if fleet is not None:
+            fleet.wait_ready(timeout_s=900)
+            runner = FleetRunner(fleet.orchestrator, codec.stop_token_ids,
+                                 SamplingSpec(temperature=args.temperature, seed=args.seed))
+            runner.start()
+            runner.warm(encoded[0])
+        if hf is not None and "assisted" in systems:
+            if args.assisted_tokens == "auto":
+                best = hf.tune_assisted(encoded[0], min(48, args.max_new_tokens), log)
+                log(f"assisted generation tuned: {best}")
+            else:
+                hf.assisted_kwargs = {"num_assistant_tokens": int(args.assisted_tokens),
+                                      "num_assistant_tokens_schedule": "constant"}
+        rows = run_all(args, systems, texts, encoded, hf, runner)
+    finally:
+        if runner is not None:
+            runner.close()
+        if fleet is not None:
+            fleet.stop()
+    summary = R.summarize(rows)
+    print(R.markdown(rows, summary))
+    config = {k: v for k, v in vars(args).items()} | {"draft": str(paths.draft), "target": str(paths.target),
+                                                       "assisted_kwargs": hf.assisted_kwargs if hf else None,
+                                                       "cpu_count": os.cpu_count()}
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        R.write_json(args.json_path, config, rows, summary)
+        plot_path = args.plot or str(Path(args.json_path).with_suffix(".png"))
+        R.plot(plot_path, rows, summary)
+        log(f"wrote {args.json_path} and {plot_path}")
+    return 0
+
+
+def run_all(args, systems, texts, encoded, hf, fleet_runner) -> list[dict]:
+    from tqdm import tqdm
+
+    calls = {"target": (lambda ids: hf.target_alone(ids, args.max_new_tokens)),
+             "assisted": (lambda ids: hf.assisted(ids, args.max_new_tokens)),
+             "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens))}
+    rows = []
+    for i, (text, ids) in enumerate(tqdm(list(zip(texts, encoded)), desc="bench", file=sys.stderr)):
+        order = systems[i % len(systems):] + systems[: i % len(systems)]  # rotate to cancel drift
+        answers: dict[str, Answer] = {}
+        for name in order:
+            answers[name] = calls[name](ids)
+        row = R.make_row(args.offset + i, text, len(ids), {n: answers[n] for n in systems})
+        rows.append(row)
+        log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
+            + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

