@@ -54,8 +54,9 @@ class WorkerSettings(_Base):
         return self.draft_backend if service == "draft" else self.target_backend
 
     def identity(self, service: str) -> str:
-        # honcho/foreman set PS (e.g. "target.2"): stable across restarts of that slot
-        return self.worker_id or f"{service}-{os.environ.get('PS', os.getpid())}"
+        # honcho sets HONCHO_PROCESS_NAME ("target.2"), foreman PS: stable across restarts of that slot
+        slot = os.environ.get("HONCHO_PROCESS_NAME") or os.environ.get("PS") or str(os.getpid())
+        return self.worker_id or f"{service}-{slot}"
 
 
 class OrchestratorSettings(_Base):

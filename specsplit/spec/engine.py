@@ -31,7 +31,13 @@ class EngineLimits:
 
 
 def model_vocab_size(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Rows of the output projection (may exceed the tokenizer's size)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    weight = weight() if callable(weight) else weight  # dynamically quantized Linear
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
 def model_num_layers(model) -> int:
