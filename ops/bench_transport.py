@@ -3,7 +3,9 @@
 Starts a router and a no-op worker (a VerifyReply for a 16-node VerifyRequest) in separate
 spawned processes, measures sequential AsyncRpcClient round trips (p50/p99 in microseconds,
 after a warm-up), and next to it a raw pyzmq DEALER<->ROUTER echo of the same frames in the same
-run (one hop, no codec: the floor). All child processes are stopped by pid at the end.
+run (one hop, no codec: the floor). Then, unless ``--no-fleet``, fleet tok/s vs the in-process
+reference loop on the tiny models (``ops.bench_fleet``; JSON key ``fleet``). All child processes
+are stopped by pid at the end.
 
     python -m ops.bench_transport --n 5000 --json runs/bench_transport.json
 """
@@ -186,13 +188,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=500)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--json", dest="json_path", help="write the results here")
+    p.add_argument("--no-fleet", action="store_true", help="skip fleet tok/s vs the in-process loop")
+    p.add_argument("--fleet-prompts", type=int, default=8)
+    p.add_argument("--fleet-max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every child
     result = run(args.n, args.warmup, args.heartbeat_s)
+    if not args.no_fleet:
+        from ops.bench_fleet import run_fleet_vs_local
+
+        result["fleet"] = run_fleet_vs_local(args.fleet_prompts, args.fleet_max_new_tokens)
     print(f"{'path':<34}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for label, key in (("rpc client->router->worker", "rtt_us"), ("raw pyzmq DEALER<->ROUTER echo", "raw_zmq_rtt_us")):
         r = result[key]
         print(f"{label:<34}{r['p50']:>10.1f}{r['p99']:>10.1f}{r['mean']:>10.1f}")
     print(f"n={result['n']} body_bytes={result['body_bytes']}")
+    if "fleet" in result:
+        from ops.bench_fleet import print_table
+
+        print()
+        print_table(result["fleet"])
     if args.json_path:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
         with open(args.json_path, "w") as f:

@@ -1,0 +1,190 @@
+"""Fleet tok/s vs the in-process reference loop (``specsplit.local.generate``) on the tiny models.
+
+One fleet (router pair, 1 draft + 1 target worker at one torch thread each) with two
+orchestrators on the same routers: the default one (overlap off) and a second one with
+``SPECSPLIT_OVERLAP=true``. The reference loop runs in this process with the same tiny pair in
+fp32 at one torch thread. One session at a time, the same random token-id prompts (fixed seed),
+the same TreeSpec and greedy sampling, the order of the three systems rotating per prompt.
+Goal (the issue): fleet >= 0.9x the reference loop without overlap, above it with overlap.
+
+    specsplit bench transport --json runs/bench_transport.json   (``--no-fleet`` skips this part)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas import SamplingSpec, TreeSpec
+
+SYSTEMS = ("local", "fleet", "fleet_overlap")
+
+
+def random_prompts(n: int, vocab: int, seed: int, min_len: int = 8, max_len: int = 32) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Systems:
+    """The three systems behind one call: the in-process loop here, and one SpecSplitClient per
+    orchestrator on one event loop. ``run`` returns (new token ids, rounds, accepted tokens)."""
+
+    def __init__(self, draft, target, addrs: dict[str, str], tree: TreeSpec, timeout_s: float = 300.0):
+        from specsplit.client import SpecSplitClient
+
+        self.draft, self.target, self.tree = draft, target, tree
+        self.loop = asyncio.new_event_loop()
+        self.clients = {name: SpecSplitClient(addr, timeout_s=timeout_s) for name, addr in addrs.items()}
+
+    def wait_ready(self, timeout_s: float) -> None:
+        async def go():
+            for name, client in self.clients.items():
+                client.start()
+                deadline = time.monotonic() + timeout_s
+                while not await client.ping(timeout_s=2.0):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"orchestrator {name} did not answer")
+
+        self.loop.run_until_complete(go())
+
+    def run(self, name: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], int, int]:
+        if name == "local":
+            from specsplit.local import generate
+            from specsplit.orchestrator.state import RoundStats
+
+            stats = RoundStats()
+            out = generate(self.draft, self.target, prompt, max_new_tokens=max_new_tokens, tree=self.tree,
+                           sampling=SamplingSpec(), stats=stats, session_id="bench-local")
+            return out, stats.rounds, stats.accepted
+        res = self.loop.run_until_complete(self.clients[name].generate(
+            prompt, max_new_tokens=max_new_tokens, sampling=SamplingSpec(), tree=self.tree))
+        return res.token_ids, res.rounds, res.accepted_tokens
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            self.loop.run_until_complete(client.close())
+        self.loop.close()
+
+
+@dataclass
+class _Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+def _start_fleet(tmp: Path):
+    """The fleet plus a second orchestrator with overlap on; returns (fleet, {system: address})."""
+    from specsplit.launch import Fleet, free_ports
+
+    fleet = Fleet.create(tmp, preset="tiny", threads=1).start(drafts=1, targets=1)
+    port = free_ports(1)[0]
+    fleet.ports["orch_overlap"] = port
+    fleet.spawn("orch_overlap", "orchestrator", env={"SPECSPLIT_FRONTEND": f"tcp://127.0.0.1:{port}",
+                                                      "SPECSPLIT_OVERLAP": "true"})
+    return fleet, {"fleet": fleet.orchestrator, "fleet_overlap": f"tcp://127.0.0.1:{port}"}
+
+
+def _time_prompts(systems: _Systems, prompts, max_new_tokens: int, log) -> tuple[dict[str, _Tally], bool]:
+    """Every prompt through every system, the order rotating per prompt; (tallies, identical)."""
+    for name in SYSTEMS:  # warm-up: first-call costs (allocator, sockets, engine caches) out of the timing
+        systems.run(name, prompts[0], 8)
+    tally = {name: _Tally() for name in SYSTEMS}
+    identical = True
+    for i, prompt in enumerate(prompts):
+        outs = {}
+        for name in SYSTEMS[i % 3:] + SYSTEMS[: i % 3]:
+            t0 = time.perf_counter()
+            outs[name], rounds, accepted = systems.run(name, prompt, max_new_tokens)
+            t = tally[name]
+            t.seconds += time.perf_counter() - t0
+            t.tokens, t.rounds, t.accepted = t.tokens + len(outs[name]), t.rounds + rounds, t.accepted + accepted
+        identical &= outs["local"] == outs["fleet"] == outs["fleet_overlap"]
+        log(f"prompt {i}: {len(prompt)} -> {len(outs['local'])} tokens, cumulative "
+            + ", ".join(f"{n} {tally[n].seconds:.2f}s" for n in SYSTEMS) + f", identical={identical}")
+    return tally, identical
+
+
+def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: TreeSpec | None = None,
+                       seed: int = 0, log=_log) -> dict:
+    """Time the three systems prompt by prompt; tok/s = total new tokens / total seconds each."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+    from specsplit.spec.engine import model_vocab_size
+
+    hf_logging.disable_progress_bar()
+    tree = tree or TreeSpec()
+    paths = resolve_model_paths(ModelSettings(preset="tiny"), progress=False)
+    load_before = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="specsplit-bench-fleet-"))
+    fleet, addrs = _start_fleet(tmp)
+    systems, ok = None, False
+    try:
+        torch.set_num_threads(1)  # while the fleet's workers load
+        draft, _ = load_model(paths.draft, dtype="float32", threads=1)
+        target, _ = load_model(paths.target, dtype="float32", threads=1)
+        prompts = random_prompts(n_prompts, model_vocab_size(target), seed)
+        fleet.wait_ready(timeout_s=240)
+        fleet.wait_log("orch_overlap", "orchestrator_started", timeout_s=240)
+        systems = _Systems(draft, target, addrs, tree)
+        systems.wait_ready(timeout_s=60)
+        tally, identical = _time_prompts(systems, prompts, max_new_tokens, log)
+        overlap_log = fleet.log("orch_overlap")  # warm-up rounds included
+        overlap_hits, overlap_rounds = overlap_log.count("overlap_hit=True"), overlap_log.count("round_done")
+        ok = True
+    finally:
+        if systems is not None:
+            systems.close()
+        fleet.stop()
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            log(f"fleet logs kept in {tmp}")
+    local = tally["local"].tok_s
+    return {
+        **{f"{name}_tok_s": round(tally[name].tok_s, 1) for name in SYSTEMS},
+        "fleet_vs_local": round(tally["fleet"].tok_s / local, 3) if local else 0.0,
+        "fleet_overlap_vs_local": round(tally["fleet_overlap"].tok_s / local, 3) if local else 0.0,
+        "identical": identical, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
+        "new_tokens": {k: t.tokens for k, t in tally.items()},
+        "seconds": {k: round(t.seconds, 3) for k, t in tally.items()},
+        "mean_accepted": {k: round(t.mean_accepted, 2) for k, t in tally.items()},
+        "overlap_hit_rounds": overlap_hits, "overlap_rounds": overlap_rounds,
+        "tree": tree.model_dump(), "seed": seed, "threads": 1, "cpu_count": os.cpu_count(),
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def print_table(fleet: dict) -> None:
+    print(f"{'system (tiny, 1 session, greedy)':<34}{'tok/s':>10}{'vs local':>10}{'tok/round':>10}")
+    for label, key, ratio in (("in-process loop (local.generate)", "local", 1.0),
+                              ("fleet, overlap off", "fleet", fleet["fleet_vs_local"]),
+                              ("fleet, overlap on", "fleet_overlap", fleet["fleet_overlap_vs_local"])):
+        print(f"{label:<34}{fleet[f'{key}_tok_s']:>10.1f}{ratio:>9.3f}x{fleet['mean_accepted'][key]:>10.2f}")
+    print(f"prompts={fleet['prompts']} max_new_tokens={fleet['max_new_tokens']} identical={fleet['identical']} "
+          f"goal: fleet >= 0.9x, fleet+overlap > 1.0x  load avg {fleet['load_avg_before']} -> "
+          f"{fleet['load_avg_after']} on {fleet['cpu_count']} cpus")
