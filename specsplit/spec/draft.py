@@ -43,6 +43,17 @@ class _Pool:
         return len(self.tokens) - 1
 
 
+def _first_of_token(pool: _Pool, nodes: list[int]) -> list[int]:
+    """Nodes whose token no earlier sibling carries (siblings are drawn i.i.d. and may repeat)."""
+    seen, out = set(), []
+    for i in nodes:
+        key = (pool.parents[i], pool.tokens[i])
+        if key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
+
+
 class DraftEngine(Engine):
     role = "draft"
 
@@ -107,6 +118,8 @@ class DraftEngine(Engine):
                 new = self._expand_sampled(pool, frontier, rows, spec, sampling, g)
             if depth == spec.max_depth or not new:
                 break
+            if not greedy:  # a repeat of an earlier sibling's token is reached only if that one was
+                new = _first_of_token(pool, new)  # rejected, and then it is rejected too: don't grow it
             frontier = heapq.nlargest(spec.branch, new, key=lambda i: (pool.scores[i], -i))
             if greedy and self._settled(pool, frontier, keep):
                 break
