@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from brokers.router import Router
 from brokers.settings import SERVICES, RouterSettings
-from specsplit.logs import configure_logging, get_logger
+from brokers.logs import configure_logging, get_logger
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

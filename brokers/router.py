@@ -36,8 +36,8 @@ import zmq
 from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
-from specsplit.logs import get_logger
-from specsplit.transport.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket
+from brokers.logs import get_logger
+from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket
 
 CONTROL_SID = "-"
 PLACEHOLDER_RID = b"-"

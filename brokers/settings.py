@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from specsplit.transport.sockets import DEFAULT_HWM, is_loopback_address
+from brokers.sockets import DEFAULT_HWM, is_loopback_address
 
 SERVICES: tuple[str, ...] = ("draft", "target")
 _DEFAULT_ADDRESSES: dict[str, tuple[str, str]] = {

@@ -362,3 +362,17 @@ def test_brokers_and_transport_never_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_layers_brokers_need_nothing_from_specsplit_and_orchestrator_no_torch():
+    """brokers/ depends on schemas and zmq only; the orchestrator and client never import torch."""
+    code = (
+        "import sys, brokers, brokers.router, brokers.settings, brokers.__main__\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('specsplit', 'torch', 'transformers')]\n"
+        "assert not bad, bad\n"
+        "import specsplit.orchestrator.server, specsplit.orchestrator.actor, specsplit.client\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
