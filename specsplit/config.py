@@ -34,7 +34,7 @@ class WorkerSettings(_Base):
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
     draft_backend: str = DRAFT_BACKEND
     target_backend: str = TARGET_BACKEND
-    threads: int | None = None  # torch threads; default: cores / 2 (draft and target share them)
+    threads: int | None = None  # torch threads; default: all cores (see workers.default_threads)
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
     max_sessions: int = Field(default=256, ge=1)
@@ -65,7 +65,7 @@ class OrchestratorSettings(_Base):
     frontend: str = ORCH_FRONTEND
     draft_router: str = DRAFT_FRONTEND
     target_router: str = TARGET_FRONTEND
-    tree_max_nodes: int = Field(default=16, ge=1, le=256)
+    tree_max_nodes: int = Field(default=10, ge=1, le=256)
     tree_max_depth: int = Field(default=6, ge=0, le=64)
     tree_branch: int = Field(default=2, ge=1, le=32)
     overlap: bool = False  # draft round r+1 while round r is verified

@@ -18,8 +18,11 @@ from specsplit.logs import get_logger
 
 
 def default_threads(service: str) -> int:
-    """Draft and target share the machine: half the cores each (at least one)."""
-    return max(1, (os.cpu_count() or 2) // 2)
+    """All cores: a session's draft and verify steps alternate, so each role mostly runs alone;
+    OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning when both are busy.
+    Measured on 2 cores (qwen-coder, int8 draft, tree 10/6/2): 2+2 threads 4.8 tok/s vs
+    1+1 threads with overlap 4.3 tok/s."""
+    return max(1, os.cpu_count() or 1)
 
 
 def model_dtype(service: str, model_settings) -> str:
@@ -47,7 +50,11 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     path = getattr(paths, service)
     model, tokenizer = load_model(path, dtype=model_dtype(service, model_settings), threads=threads)
     if service == "draft" and settings.draft_quantize == "int8":
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        import warnings
+
+        with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated but still the fastest here
+            warnings.simplefilter("ignore")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     limits = EngineLimits(
         max_sessions=settings.max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
