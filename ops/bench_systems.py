@@ -69,20 +69,23 @@ class HFRunner:
     def assisted(self, ids: list[int], max_new: int) -> Answer:
         return self._generate(ids, max_new, assistant_model=self.draft, **self.assisted_kwargs)
 
-    def tune_assisted(self, ids: list[int], max_new: int, log) -> dict:
-        """Pick assisted generation's best draft length on this machine (tok/s on one prompt)."""
-        options = [
-            {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"} for k in (3, 5, 8)
-        ] + [{"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient"}]
-        best, best_rate = options[0], -1.0
-        for opt in options:
-            self.assisted_kwargs = opt
-            ans = self.assisted(ids, max_new)
-            log(f"assisted tuning {opt}: {ans.tok_s:.2f} tok/s")
-            if ans.tok_s > best_rate:
-                best, best_rate = opt, ans.tok_s
-        self.assisted_kwargs = best
-        return best
+    def tune_assisted(self, ids: list[int], max_new: int, log, drafts: dict | None = None) -> dict:
+        """Pick assisted generation's best draft length and draft variant (e.g. fp32 / int8) on
+        this machine, by tok/s on one prompt; keeps the winner for the measured runs."""
+        drafts = drafts or {"default": self.draft}
+        best, best_rate = None, -1.0
+        for name, model in drafts.items():
+            self.draft = model
+            for opt in ({"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant"},
+                        {"num_assistant_tokens": 8, "num_assistant_tokens_schedule": "constant"},
+                        {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic_transient"}):
+                self.assisted_kwargs = opt
+                ans = self.assisted(ids, max_new)
+                log(f"assisted tuning draft={name} {opt}: {ans.tok_s:.2f} tok/s")
+                if ans.tok_s > best_rate:
+                    best, best_rate = (name, model, opt), ans.tok_s
+        name, self.draft, self.assisted_kwargs = best
+        return {"draft": name, **self.assisted_kwargs}
 
 
 class FleetRunner:
