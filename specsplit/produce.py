@@ -131,7 +131,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
     text = codec.decode(res.token_ids)
     if args.json:
         print(json.dumps({
-            "prompt": prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids, "text": text,
+            "index": i, "prompt": prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids, "text": text,
             "finish_reason": res.finish_reason, "new_tokens": len(res.token_ids), "tok_per_s": res.tokens_per_s,
             "rounds": res.rounds, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
             "elapsed_s": res.elapsed_s,

@@ -165,8 +165,8 @@ def test_e_produce_cli_json(fleet, target_model):
         capture_output=True, text=True, timeout=180, env=fleet.env,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["prompt"] for r in rows] == ["def add(a, b):", "hello"]
+    rows = sorted((json.loads(line) for line in out.stdout.splitlines()), key=lambda r: r["index"])
+    assert [r["prompt"] for r in rows] == ["def add(a, b):", "hello"]  # rows come in completion order
     for r in rows:
         assert r["token_ids"] == greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))[0]
         assert isinstance(r["text"], str) and r["new_tokens"] == len(r["token_ids"]) > 0

@@ -113,7 +113,7 @@ async def test_late_and_malformed_replies_are_dropped(silent_router):
             await silent_router.send_multipart([req[0], *frames[:4], body or frames[4]])
 
         task = asyncio.ensure_future(answer(None))
-        got = await client.call(verify("s", 1), session_id="s", timeout_s=2)
+        got = await client.call(verify("s", 1), session_id="s", timeout_s=10)
         await task
         assert isinstance(got, VerifyReply) and got.round == 1
         # a well-addressed reply with an undecodable body fails the call at once (no timeout)

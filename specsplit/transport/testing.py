@@ -87,7 +87,7 @@ class RouterThread:
     def backend(self) -> str:
         return self.router.backend_endpoint
 
-    def start(self, timeout_s: float = 5.0) -> RouterThread:
+    def start(self, timeout_s: float = 30.0) -> RouterThread:
         self._thread.start()
         if not self.router.ready.wait(timeout_s):
             raise TimeoutError("router did not bind")
@@ -101,7 +101,7 @@ class RouterThread:
     def live_workers(self) -> tuple[bytes, ...]:
         return self.router.live_workers()
 
-    def wait_live(self, n: int, timeout_s: float = 5.0) -> None:
+    def wait_live(self, n: int, timeout_s: float = 15.0) -> None:
         """Wait until exactly ``n`` workers are live."""
         deadline = time.monotonic() + timeout_s
         while len(self.router.live_workers()) != n:
@@ -131,7 +131,7 @@ class WorkerThread:
     def _main(self) -> None:
         self.rc = self.loop.run(self.stop_event)
 
-    def start(self, wait_ready: bool = True, timeout_s: float = 5.0) -> WorkerThread:
+    def start(self, wait_ready: bool = True, timeout_s: float = 30.0) -> WorkerThread:
         self._thread.start()
         if wait_ready and not self.loop.ready.wait(timeout_s):
             raise TimeoutError("worker was not admitted")
@@ -172,7 +172,7 @@ class SilentWorker:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name=f"silent-{identity!r}")
 
-    def start(self, wait_admitted: bool = True, timeout_s: float = 5.0) -> SilentWorker:
+    def start(self, wait_admitted: bool = True, timeout_s: float = 30.0) -> SilentWorker:
         self._thread.start()
         if wait_admitted and not self.admitted.wait(timeout_s):
             raise TimeoutError("silent worker was not admitted")
