@@ -14,6 +14,18 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write, so a logger configured
+    while stderr was temporarily replaced (a test's capture, a redirect) never writes to a
+    closed stream later."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO", json: bool = False) -> None:
     """Configure structlog for this process. Idempotent; call once from ``__main__``."""
     global _configured
@@ -35,7 +47,7 @@ def configure_logging(level: str = "INFO", json: bool = False) -> None:
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
     _configured = True
