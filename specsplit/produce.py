@@ -96,11 +96,9 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float) -> int:
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
     async with SpecSplitClient(addr, timeout_s=timeout_s) as client:
-        deadline = time.monotonic() + args.wait_s
-        while not await client.ping(timeout_s=2.0):
-            if time.monotonic() > deadline:
-                print(f"specsplit produce: no orchestrator answered at {addr}", file=sys.stderr)
-                return 3
+        if not await wait_until_serving(client, codec.encode(prompts[0])[:8], args.wait_s):
+            print(f"specsplit produce: the fleet at {addr} did not serve within {args.wait_s:.0f}s", file=sys.stderr)
+            return 3
         t0 = time.perf_counter()
 
         async def one(i: int, prompt: str):
@@ -125,6 +123,24 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float) -> int:
         wall = time.perf_counter() - t0
     summary(results, wall)
     return 1 if failures else 0
+
+
+async def wait_until_serving(client, probe_ids: list[int], wait_s: float) -> bool:
+    """Readiness by handshake: the orchestrator answers a ping, then a one-token generation
+    succeeds end to end (workers may still be loading their models when the fleet starts)."""
+    from specsplit.client import GenerationError
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if await client.ping(timeout_s=2.0):
+            try:
+                await client.generate(probe_ids, max_new_tokens=1)
+                return True
+            except GenerationError as exc:
+                if not exc.reply.retryable and exc.reply.code.value != "NO_WORKER":
+                    raise
+        await asyncio.sleep(1.0)
+    return False
 
 
 def report(i, prompt, res, codec, args, streamed: bool) -> None:
