@@ -154,6 +154,8 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
         }), flush=True)
     elif not streamed:
         print(f"\n=== prompt {i}: {prompt[:80]!r}\n{text}", flush=True)
+    else:
+        print(flush=True)  # end the streamed answer's line
     print(f"[{i}] {len(res.token_ids)} new tokens in {res.elapsed_s:.2f}s = {res.tokens_per_s:.2f} tok/s, "
           f"{res.rounds} rounds, mean accepted {res.mean_accepted:.2f}/round, acceptance {res.acceptance_rate:.1%}, "
           f"finish={res.finish_reason}", file=sys.stderr, flush=True)
