@@ -157,7 +157,8 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner) -> list[dict]:
         answers: dict[str, Answer] = {}
         for name in order:
             answers[name] = calls[name](ids)
-        row = R.make_row(args.offset + i, text, len(ids), {n: answers[n] for n in systems})
+        row = R.make_row(args.offset + i, text, len(ids), {n: answers[n] for n in systems},
+                         greedy=args.temperature == 0)
         rows.append(row)
         log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
             + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else ""))

@@ -15,7 +15,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def make_row(i: int, prompt: str, n_prompt: int, answers: dict) -> dict:
+def make_row(i: int, prompt: str, n_prompt: int, answers: dict, greedy: bool = True) -> dict:
     row = {"prompt_index": i, "prompt_head": prompt[:60], "prompt_tokens": n_prompt}
     for name, ans in answers.items():
         row[name] = {"new_tokens": len(ans.token_ids), "seconds": round(ans.seconds, 4), "tok_s": round(ans.tok_s, 3)}
@@ -24,7 +24,7 @@ def make_row(i: int, prompt: str, n_prompt: int, answers: dict) -> dict:
         row["specsplit"].update(rounds=spec.rounds, accepted=spec.accepted, drafted=spec.drafted,
                                 mean_accepted=round((spec.accepted + spec.rounds) / spec.rounds, 3) if spec.rounds else 0.0,
                                 acceptance_rate=round(spec.accepted / spec.drafted, 4) if spec.drafted else 0.0)
-        if "target" in answers:
+        if "target" in answers and greedy:  # sampled outputs are compared by distribution, not tokens
             row["identical_to_target"] = spec.token_ids == answers["target"].token_ids
             row["first_divergence"] = first_divergence(spec.token_ids, answers["target"].token_ids)
     return row
