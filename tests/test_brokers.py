@@ -22,16 +22,14 @@ from schemas.codec import PROTO, MsgKind, decode, pack_frames
 from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, VerifyReply, VerifyRequest
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
-from specsplit.transport.testing import EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
+from specsplit.transport.testing import make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
 
 pytestmark = pytest.mark.timeout(30)
 
 HB = dict(heartbeat_s=0.1, liveness=5)  # generous: router, workers and test share one GIL
 
 
-def verify(session_id: str, round_: int = 0) -> VerifyRequest:
-    tree = FlatTree(token_ids=[5, 6, 7, 8], parents=[-1, 0, 1, 1])
-    return VerifyRequest(session_id=session_id, round=round_, sync=CacheSync(base_len=0), tree=tree)
+verify = make_verify
 
 
 @pytest.fixture

@@ -22,16 +22,14 @@ from schemas.messages import (
 )
 from specsplit.transport.rpc import AsyncRpcClient, RpcClosed, RpcTimeout
 from specsplit.transport.sockets import endpoint, is_loopback_address, make_socket
-from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread
+from specsplit.transport.testing import make_verify, EchoHandler, RouterThread, WorkerThread
 
 pytestmark = pytest.mark.timeout(30)
 
 HB = dict(heartbeat_s=0.1, liveness=20)  # generous (2 s): router, workers and test share one GIL, and CI boxes are busy
 
 
-def verify(session_id: str, round_: int = 0) -> VerifyRequest:
-    tree = FlatTree(token_ids=[5, 6, 7, 8], parents=[-1, 0, 1, 1])
-    return VerifyRequest(session_id=session_id, round=round_, sync=CacheSync(base_len=0), tree=tree)
+verify = make_verify
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from brokers.router import Router
 from schemas.codec import MsgKind, pack_frames
 from schemas.messages import (
     Ack,
+    CacheSync,
     DraftReply,
     DraftRequest,
     EndSession,
@@ -62,6 +63,12 @@ class EchoHandler:
         if isinstance(msg, EndSession):
             return Ack(session_id=msg.session_id, existed=False)
         return ErrorReply.of(ErrorCode.BAD_REQUEST, f"echo handler does not serve {type(msg).__name__}")
+
+
+def make_verify(session_id: str, round_: int = 0) -> VerifyRequest:
+    """A small, valid VerifyRequest (a 4-node tree) for transport tests."""
+    tree = FlatTree(token_ids=[5, 6, 7, 8], parents=[-1, 0, 1, 1])
+    return VerifyRequest(session_id=session_id, round=round_, sync=CacheSync(base_len=0), tree=tree)
 
 
 def make_hello(service: str = "target", *, vocab_size: int = 1000, tokenizer_hash: str = "tok", **kw) -> WorkerHello:
