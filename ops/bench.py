@@ -34,13 +34,15 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--systems", default="target,assisted,specsplit")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
-    p.add_argument("--draft-threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--target-threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--draft-threads", type=int, default=None, help="default: the workers' default")
+    p.add_argument("--target-threads", type=int, default=None, help="default: the workers' default")
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
-    p.add_argument("--tree", default="10,6,2", help="max_nodes,max_depth,branch of the fleet's trees")
+    p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--grow", action=argparse.BooleanOptionalAction, default=True,
+                   help="the draft grows its tree while the target verifies (greedy)")
     p.add_argument("--assisted-tokens", default="auto", help="'auto' tunes it on the first prompt, or an int")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
@@ -53,10 +55,13 @@ def log(msg: str) -> None:
 
 
 def fleet_env(args, model_settings) -> dict:
-    n, d, b = (int(x) for x in args.tree.split(","))
+    from specsplit.workers import default_threads
+
+    n, d, b, *rest = args.tree.split(",")
     env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
-           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
-           "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
+           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads or default_threads("draft"),
+           "SPECSPLIT_TARGET_THREADS": args.target_threads or default_threads("target"), "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}

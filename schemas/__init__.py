@@ -29,6 +29,8 @@ from schemas.messages import (
     Cancel,
     DraftReply,
     DraftRequest,
+    GrowReply,
+    GrowRequest,
     EndSession,
     ErrorCode,
     ErrorReply,

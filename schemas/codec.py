@@ -20,6 +20,8 @@ from schemas.messages import (
     Cancel,
     DraftReply,
     DraftRequest,
+    GrowReply,
+    GrowRequest,
     EndSession,
     ErrorCode,
     ErrorReply,
@@ -54,6 +56,8 @@ class MsgKind(enum.IntEnum):
     TOKEN_CHUNK = 0x21
     GENERATE_DONE = 0x22
     CANCEL = 0x23
+    GROW_REQUEST = 0x08
+    GROW_REPLY = 0x09
 
     def as_byte(self) -> bytes:
         return bytes([self.value])
@@ -62,6 +66,8 @@ class MsgKind(enum.IntEnum):
 KIND_TO_CLASS: dict[MsgKind, type[Message]] = {
     MsgKind.DRAFT_REQUEST: DraftRequest,
     MsgKind.DRAFT_REPLY: DraftReply,
+    MsgKind.GROW_REQUEST: GrowRequest,
+    MsgKind.GROW_REPLY: GrowReply,
     MsgKind.VERIFY_REQUEST: VerifyRequest,
     MsgKind.VERIFY_REPLY: VerifyReply,
     MsgKind.END_SESSION: EndSession,

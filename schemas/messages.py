@@ -71,11 +71,14 @@ class TreeSpec(Message):
 
     A chain of k drafted tokens is TreeSpec(max_nodes=k + 1, max_depth=k, branch=1).
     max_nodes=1 or max_depth=0 means no speculation (plain decoding, one token per round).
+    min_path_prob: the draft stops adding levels once the most probable frontier path (product
+    of draft probabilities from the root) falls below it; 0 always drafts to max_depth.
     """
 
     max_nodes: int = Field(default=16, ge=1, le=MAX_TREE_NODES)
     max_depth: int = Field(default=6, ge=0, le=MAX_TREE_DEPTH)
     branch: int = Field(default=2, ge=1, le=MAX_BRANCH)
+    min_path_prob: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
 class FlatTree(Message):
@@ -144,10 +147,33 @@ class DraftRequest(Message):
 
 
 class DraftReply(Message):
+    """reused_nodes: tree nodes the draft already held from growing the previous round's tree
+    (0 when it drafted from scratch)."""
+
     session_id: SessionId
     round: Round
     tree: FlatTree
     draft_ms: float = Field(default=0.0, ge=0.0)
+    reused_nodes: int = Field(default=0, ge=0)
+
+
+class GrowRequest(Message):
+    """Sent to the draft worker while the target verifies round ``round`` (greedy sessions only):
+    keep expanding that round's tree, most probable paths first, for at most ``budget_ms``
+    (stopping early when other requests wait), so the next DraftRequest can start from the
+    subtree under the real bonus token instead of from scratch. ``width`` nodes per forward."""
+
+    session_id: SessionId
+    round: Round
+    budget_ms: float = Field(gt=0.0, le=60_000.0)
+    width: int = Field(default=4, ge=1, le=MAX_BRANCH)
+
+
+class GrowReply(Message):
+    session_id: SessionId
+    round: Round
+    grown_nodes: int = Field(default=0, ge=0)
+    grow_ms: float = Field(default=0.0, ge=0.0)
 
 
 class VerifyRequest(Message):

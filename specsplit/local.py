@@ -6,7 +6,7 @@ the baseline for what the transport costs.
 
 from __future__ import annotations
 
-from schemas import CacheSync, DraftRequest, ErrorReply, SamplingSpec, TreeSpec, VerifyRequest
+from schemas import CacheSync, DraftRequest, ErrorReply, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, remaining_tree
 from specsplit.spec.draft import DraftEngine
 from specsplit.spec.engine import EngineLimits
@@ -24,10 +24,13 @@ def generate(
     stop_token_ids=(),
     stats: RoundStats | None = None,
     session_id: str = "local",
+    grow_budget_ms: float = 0.0,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
-    result equals plain greedy decoding of ``target``."""
+    result equals plain greedy decoding of ``target``. ``grow_budget_ms`` > 0 (greedy only) grows
+    each draft tree before it is verified, as the fleet does while the target verifies (here it
+    runs in turn, so it exercises re-rooting rather than saving time)."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -50,6 +53,9 @@ def generate(
                                             root=cur.committed[-1], tree=spec, sampling=sampling))
         _raise_if_error(d_reply)
         cur.after_draft()
+        stats.reused_rounds += d_reply.reused_nodes > 0
+        if grow_budget_ms > 0 and sampling.greedy:
+            _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms)))
         v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(),
                                              tree=d_reply.tree, sampling=sampling))
         _raise_if_error(v_reply)

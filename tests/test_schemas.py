@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from schemas import (
     KIND_TO_CLASS, PROTO, Ack, CacheSync, Cancel, CodecError, DraftReply, DraftRequest, EndSession, ErrorCode,
-    ErrorReply, FlatTree, GenerateDone, GenerateRequest, Heartbeat, MsgKind, SamplingSpec, TokenChunk, TreeSpec,
+    ErrorReply, FlatTree, GenerateDone, GenerateRequest, GrowReply, GrowRequest, Heartbeat, MsgKind, SamplingSpec, TokenChunk, TreeSpec,
     VerifyReply, VerifyRequest, WorkerHello, decode, encode, pack_frames, unpack_frames,
 )
 
@@ -17,8 +17,10 @@ TREE = FlatTree(token_ids=[5, 6, 7], parents=[-1, 0, 0], draft_logprobs=[0.0, -0
                 child_dist_ids=[[6, 7], [], []], child_dist_probs=[[0.75, 0.25], [], []])
 SAMPLES = [
     DraftRequest(session_id="s", round=3, sync=CacheSync(base_len=4, append_token_ids=[1, 2]), root=9,
-                 tree=TreeSpec(max_nodes=8, max_depth=3, branch=2), sampling=SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, seed=5)),
-    DraftReply(session_id="s", round=3, tree=TREE, draft_ms=1.5),
+                 tree=TreeSpec(max_nodes=8, max_depth=3, branch=2, min_path_prob=0.25), sampling=SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, seed=5)),
+    DraftReply(session_id="s", round=3, tree=TREE, draft_ms=1.5, reused_nodes=2),
+    GrowRequest(session_id="s", round=3, budget_ms=250.0, width=4),
+    GrowReply(session_id="s", round=3, grown_nodes=12, grow_ms=240.0),
     VerifyRequest(session_id="s", round=3, sync=CacheSync(base_len=0), tree=TREE),
     VerifyReply(session_id="s", round=3, accepted_token_ids=[6], accepted_nodes=[1], bonus_token_id=2, cache_len=7, verify_ms=3.0),
     EndSession(session_id="s"),

@@ -16,7 +16,7 @@ from typing import Callable
 import structlog
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, Message,
+    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, GrowRequest, Message,
     SamplingSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
@@ -25,6 +25,11 @@ from specsplit.spec.tree import subtree
 from specsplit.transport.rpc import RpcError, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
+
+
+def _swallow(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a lost grow reply is harmless
 
 
 class SessionFailed(Exception):
@@ -43,6 +48,9 @@ class ActorPolicy:
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
     overlap: bool = False
+    grow: bool = False  # greedy sessions: the draft grows its tree while the target verifies
+    grow_fraction: float = 0.9  # of the previous round's verify time
+    grow_width: int = 4
 
 
 @dataclass
@@ -50,6 +58,7 @@ class _Timing:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     wall_ms: float = 0.0
+    reused: int = 0
 
 
 class SessionActor:
@@ -65,6 +74,7 @@ class SessionActor:
         self.cur = SessionCursor(list(req.prompt_token_ids))
         self.stats = RoundStats()
         self.out: list[int] = []
+        self._last_verify_ms = 0.0
         self.log = get_logger("specsplit.orchestrator")
 
     async def run(self) -> GenerateDone:
@@ -104,7 +114,10 @@ class SessionActor:
             if tree is None:
                 tree = await self._draft(rnd, spec, timing)
             ahead = self._draft_ahead(rnd, tree, spec) if self.policy.overlap else None
+            if ahead is None:
+                self._grow(rnd)
             reply = await self._verify(rnd, tree, timing)
+            self._last_verify_ms = reply.verify_ms
             tree_next = await self._take_ahead(ahead, tree, reply)
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
@@ -116,7 +129,7 @@ class SessionActor:
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
-                          overlap_hit=tree_next is not None)
+                          overlap_hit=tree_next is not None, draft_reused=timing.reused)
             if done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
@@ -131,7 +144,21 @@ class SessionActor:
         reply: DraftReply = await self._call(self.draft_rpc, build, self._reset_draft)
         self.cur.after_draft()
         timing.draft_ms += reply.draft_ms
+        timing.reused = reply.reused_nodes
+        self.stats.reused_rounds += reply.reused_nodes > 0
         return reply.tree
+
+    def _grow(self, rnd: int) -> None:
+        """Let the draft worker grow this round's tree while the target verifies it (fire and
+        forget: the next DraftRequest queues behind it on the same worker; failures only cost
+        the head start). Needs a previous verify time to size the budget."""
+        p = self.policy
+        if not (p.grow and self.sampling.greedy and self._last_verify_ms > 0):
+            return
+        budget = min(60_000.0, p.grow_fraction * self._last_verify_ms)
+        req = GrowRequest(session_id=self.sid, round=rnd, budget_ms=budget, width=p.grow_width)
+        task = asyncio.ensure_future(self.draft_rpc.call(req, session_id=self.sid, timeout_s=p.request_timeout_s))
+        task.add_done_callback(_swallow)
 
     async def _verify(self, rnd: int, tree: FlatTree, timing: _Timing) -> VerifyReply:
         def build():
@@ -188,8 +215,8 @@ class SessionActor:
         held = min(self.cur.draft_len, base)
         req = DraftRequest(session_id=self.sid, round=rnd + 1,
                            sync=CacheSync(base_len=held, append_token_ids=committed[held:] + guess[:-1]), root=guess[-1],
-                           tree=TreeSpec(max_nodes=min(256, spec.max_nodes * 2), max_depth=min(64, spec.max_depth + 1),
-                                         branch=spec.branch), sampling=self.sampling)
+                           tree=spec.model_copy(update={"max_nodes": min(256, spec.max_nodes * 2),
+                                                        "max_depth": min(64, spec.max_depth + 1)}), sampling=self.sampling)
         task = asyncio.ensure_future(self.draft_rpc.call(req, session_id=self.sid, timeout_s=self.policy.request_timeout_s))
         return path, guess, base, task
 

@@ -46,6 +46,7 @@ class RoundStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+    reused_rounds: int = 0  # rounds whose draft tree started from the grown previous tree
 
     def add(self, tree: FlatTree, reply: VerifyReply) -> None:
         self.rounds += 1
@@ -66,7 +67,7 @@ class RoundStats:
 def remaining_tree(tree: TreeSpec, remaining: int) -> TreeSpec:
     """Never draft deeper than the tokens still wanted (a round yields at most depth + 1)."""
     depth = max(0, min(tree.max_depth, remaining - 1))
-    return TreeSpec(max_nodes=tree.max_nodes, max_depth=depth, branch=tree.branch)
+    return tree.model_copy(update={"max_depth": depth})
 
 
 def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[int]) -> bool:

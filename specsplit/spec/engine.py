@@ -97,15 +97,17 @@ class Engine:
         return session
 
     @staticmethod
-    def check_locked(session: Session, round: int, sync: CacheSync) -> None:
+    def committed_len(session: Session) -> int:
+        """Committed tokens the session's cache holds (it may hold draft-tree entries after them)."""
+        return session.kv.length
+
+    def check_locked(self, session: Session, round: int, sync: CacheSync) -> None:
         """Checks made under the session lock, before anything changes."""
         if round < session.last_round:
             raise SpecError(ErrorCode.STALE_ROUND, f"round {round} is older than {session.last_round}")
-        if session.kv.length < sync.base_len:
-            raise SpecError(
-                ErrorCode.CACHE_MISS,
-                f"session holds {session.kv.length} tokens, request assumes {sync.base_len}",
-            )
+        held = self.committed_len(session)
+        if held < sync.base_len:
+            raise SpecError(ErrorCode.CACHE_MISS, f"session holds {held} tokens, request assumes {sync.base_len}")
 
     # ---- compute ---------------------------------------------------------------------
     @torch.no_grad()

@@ -21,6 +21,7 @@ class Session:
     kv: SessionKV
     last_round: int = -1
     last_used: float = 0.0
+    draft_tree: object = None  # a greedy draft tree kept for the next request (DraftEngine)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -111,6 +111,10 @@ class WorkerLoop:
         self._hello_rid = b""
         self._last_hello = 0.0
 
+    def requests_waiting(self) -> bool:
+        """True when requests are queued for the engine behind the one in hand."""
+        return not self._queue.empty()
+
     # ------------------------------------------------------------ lifecycle
     def run(self, stop_event: threading.Event) -> int:
         """Serve until ``stop_event`` is set; see the class docstring for the return code."""
