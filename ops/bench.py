@@ -55,13 +55,11 @@ def log(msg: str) -> None:
 
 
 def fleet_env(args, model_settings) -> dict:
-    from specsplit.workers import default_threads
-
     n, d, b, *rest = args.tree.split(",")
     env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
            "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
-           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads or default_threads("draft"),
-           "SPECSPLIT_TARGET_THREADS": args.target_threads or default_threads("target"), "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
+           "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
@@ -71,6 +69,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
+    from specsplit.workers import default_threads
+
+    args.draft_threads = args.draft_threads or default_threads("draft")  # recorded in the JSON config
+    args.target_threads = args.target_threads or default_threads("target")
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings, load_model, resolve_model_paths
     from specsplit.produce import PromptCodec

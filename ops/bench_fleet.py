@@ -1,11 +1,14 @@
 """Fleet tok/s vs the in-process reference loop (``specsplit.local.generate``) on the tiny models.
 
-One fleet (router pair, 1 draft + 1 target worker at one torch thread each) with two
-orchestrators on the same routers: the default one (overlap off) and a second one with
-``SPECSPLIT_OVERLAP=true``. The reference loop runs in this process with the same tiny pair in
+One fleet (router pair, 1 draft + 1 target worker at one torch thread each) with three
+orchestrators on the same routers: one with no overlap at all (``SPECSPLIT_GROW=false``), one
+with ``SPECSPLIT_OVERLAP=true`` (draft round r+1 from the best path while r is verified) and one
+with tree growth (the default: the draft grows the whole tree while the target verifies it and
+re-roots it at the bonus token). The reference loop runs in this process with the same tiny pair in
 fp32 at one torch thread. One session at a time, the same random token-id prompts (fixed seed),
 the same TreeSpec and greedy sampling, the order of the three systems rotating per prompt.
 Goal (the issue): fleet >= 0.9x the reference loop without overlap, above it with overlap.
+The reference loop drafts and verifies in turn in one process (growth cannot help it).
 
     specsplit bench transport --json runs/bench_transport.json   (``--no-fleet`` skips this part)
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from schemas import SamplingSpec, TreeSpec
 
-SYSTEMS = ("local", "fleet", "fleet_overlap")
+SYSTEMS = ("local", "fleet", "fleet_overlap", "fleet_grow")
 
 
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 8, max_len: int = 32) -> list[list[int]]:
@@ -94,15 +97,18 @@ class _Tally:
 
 
 def _start_fleet(tmp: Path):
-    """The fleet plus a second orchestrator with overlap on; returns (fleet, {system: address})."""
+    """The fleet (no overlap) plus orchestrators with overlap and with growth; returns
+    (fleet, {system: address})."""
     from specsplit.launch import Fleet, free_ports
 
-    fleet = Fleet.create(tmp, preset="tiny", threads=1).start(drafts=1, targets=1)
-    port = free_ports(1)[0]
-    fleet.ports["orch_overlap"] = port
-    fleet.spawn("orch_overlap", "orchestrator", env={"SPECSPLIT_FRONTEND": f"tcp://127.0.0.1:{port}",
-                                                      "SPECSPLIT_OVERLAP": "true"})
-    return fleet, {"fleet": fleet.orchestrator, "fleet_overlap": f"tcp://127.0.0.1:{port}"}
+    fleet = Fleet.create(tmp, preset="tiny", threads=1, SPECSPLIT_GROW="false").start(drafts=1, targets=1)
+    addrs = {"fleet": fleet.orchestrator}
+    for name, env in (("fleet_overlap", {"SPECSPLIT_OVERLAP": "true"}), ("fleet_grow", {"SPECSPLIT_GROW": "true"})):
+        port = free_ports(1)[0]
+        fleet.ports[name] = port
+        fleet.spawn(name, "orchestrator", env={"SPECSPLIT_FRONTEND": f"tcp://127.0.0.1:{port}", **env})
+        addrs[name] = f"tcp://127.0.0.1:{port}"
+    return fleet, addrs
 
 
 def _time_prompts(systems: _Systems, prompts, max_new_tokens: int, log) -> tuple[dict[str, _Tally], bool]:
@@ -113,13 +119,14 @@ def _time_prompts(systems: _Systems, prompts, max_new_tokens: int, log) -> tuple
     identical = True
     for i, prompt in enumerate(prompts):
         outs = {}
-        for name in SYSTEMS[i % 3:] + SYSTEMS[: i % 3]:
+        k = i % len(SYSTEMS)
+        for name in SYSTEMS[k:] + SYSTEMS[:k]:
             t0 = time.perf_counter()
             outs[name], rounds, accepted = systems.run(name, prompt, max_new_tokens)
             t = tally[name]
             t.seconds += time.perf_counter() - t0
             t.tokens, t.rounds, t.accepted = t.tokens + len(outs[name]), t.rounds + rounds, t.accepted + accepted
-        identical &= outs["local"] == outs["fleet"] == outs["fleet_overlap"]
+        identical &= all(outs[name] == outs["local"] for name in SYSTEMS)
         log(f"prompt {i}: {len(prompt)} -> {len(outs['local'])} tokens, cumulative "
             + ", ".join(f"{n} {tally[n].seconds:.2f}s" for n in SYSTEMS) + f", identical={identical}")
     return tally, identical
@@ -148,12 +155,15 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
         target, _ = load_model(paths.target, dtype="float32", threads=1)
         prompts = random_prompts(n_prompts, model_vocab_size(target), seed)
         fleet.wait_ready(timeout_s=240)
-        fleet.wait_log("orch_overlap", "orchestrator_started", timeout_s=240)
+        for name in ("fleet_overlap", "fleet_grow"):
+            fleet.wait_log(name, "orchestrator_started", timeout_s=240)
         systems = _Systems(draft, target, addrs, tree)
         systems.wait_ready(timeout_s=60)
         tally, identical = _time_prompts(systems, prompts, max_new_tokens, log)
-        overlap_log = fleet.log("orch_overlap")  # warm-up rounds included
+        overlap_log, grow_log = fleet.log("fleet_overlap"), fleet.log("fleet_grow")  # warm-up rounds included
         overlap_hits, overlap_rounds = overlap_log.count("overlap_hit=True"), overlap_log.count("round_done")
+        grow_rounds = grow_log.count("round_done")
+        grow_hits = grow_rounds - grow_log.count("draft_reused=0")
         ok = True
     finally:
         if systems is not None:
@@ -168,11 +178,13 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
         **{f"{name}_tok_s": round(tally[name].tok_s, 1) for name in SYSTEMS},
         "fleet_vs_local": round(tally["fleet"].tok_s / local, 3) if local else 0.0,
         "fleet_overlap_vs_local": round(tally["fleet_overlap"].tok_s / local, 3) if local else 0.0,
+        "fleet_grow_vs_local": round(tally["fleet_grow"].tok_s / local, 3) if local else 0.0,
         "identical": identical, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
         "new_tokens": {k: t.tokens for k, t in tally.items()},
         "seconds": {k: round(t.seconds, 3) for k, t in tally.items()},
         "mean_accepted": {k: round(t.mean_accepted, 2) for k, t in tally.items()},
         "overlap_hit_rounds": overlap_hits, "overlap_rounds": overlap_rounds,
+        "grow_reused_rounds": grow_hits, "grow_rounds": grow_rounds,
         "tree": tree.model_dump(), "seed": seed, "threads": 1, "cpu_count": os.cpu_count(),
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
@@ -183,7 +195,8 @@ def print_table(fleet: dict) -> None:
     print(f"{'system (tiny, 1 session, greedy)':<34}{'tok/s':>10}{'vs local':>10}{'tok/round':>10}")
     for label, key, ratio in (("in-process loop (local.generate)", "local", 1.0),
                               ("fleet, overlap off", "fleet", fleet["fleet_vs_local"]),
-                              ("fleet, overlap on", "fleet_overlap", fleet["fleet_overlap_vs_local"])):
+                              ("fleet, overlap (best path)", "fleet_overlap", fleet["fleet_overlap_vs_local"]),
+                              ("fleet, overlap (tree growth)", "fleet_grow", fleet["fleet_grow_vs_local"])):
         print(f"{label:<34}{fleet[f'{key}_tok_s']:>10.1f}{ratio:>9.3f}x{fleet['mean_accepted'][key]:>10.2f}")
     print(f"prompts={fleet['prompts']} max_new_tokens={fleet['max_new_tokens']} identical={fleet['identical']} "
           f"goal: fleet >= 0.9x, fleet+overlap > 1.0x  load avg {fleet['load_avg_before']} -> "

@@ -197,6 +197,19 @@ def test_g_overlap_orchestrator_equals_greedy(fleet, target_model):
     assert "overlap_hit=True" in fleet.log("orch_overlap")
 
 
+def test_g2_tree_growth_is_reused_and_exact(fleet, target_model):
+    """The default orchestrator grows each greedy tree while it is verified; one session at a
+    time (so growth is not pre-empted by other requests), the output is still exactly greedy and
+    some rounds start from the grown tree."""
+    before = fleet.log("orchestrator").count("round_done")
+    for p in prompts(4, seed=8):
+        r = asyncio.run(generate_all(fleet.orchestrator, [p], 48))[0]
+        assert r.token_ids == greedy_reference(target_model, p, 48)[0]
+    rounds = fleet.log("orchestrator").split("\n")
+    done = [line for line in rounds if "round_done" in line][before:]
+    assert done and any("draft_reused=" in line and "draft_reused=0 " not in line for line in done), done[:5]
+
+
 def test_h_many_concurrent_sessions_on_one_loop(fleet):
     """The orchestrator holds 256 concurrent sessions on one event loop."""
     ps = prompts(256, seed=7)

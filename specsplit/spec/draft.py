@@ -188,7 +188,7 @@ class DraftEngine(Engine):
                     reused = len(grown.tokens) - 1 if grown is not None else 0
                     if grown is None:
                         grown = _Grown(req.root, self._root_forward(kv, sync, req.root), spec.branch, kv.length)
-                    grown.round = req.round
+                    grown.round, grown.branch = req.round, spec.branch
                     tree = self._best_first(kv, grown, spec)
                     session.draft_tree = grown
                     session.last_round = req.round
