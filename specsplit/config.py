@@ -34,7 +34,7 @@ class WorkerSettings(_Base):
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
     draft_backend: str = DRAFT_BACKEND
     target_backend: str = TARGET_BACKEND
-    threads: int | None = None  # torch threads; default: all cores (see workers.default_threads)
+    threads: int | None = None  # torch threads; default: see workers.default_threads
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
     max_sessions: int = Field(default=256, ge=1)
@@ -46,6 +46,9 @@ class WorkerSettings(_Base):
     liveness: int = Field(default=3, ge=1)
     max_queue: int = Field(default=1024, ge=1)
     draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
+    # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch);
+    # these are on the round's critical path, growth deepens the tree during the next verify anyway
+    draft_steps_after_reuse: int | None = Field(default=None, ge=0, le=64)
 
     def threads_for(self, service: str) -> int | None:
         return getattr(self, f"{service}_threads") or self.threads

@@ -63,7 +63,10 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
     )
-    engine = (DraftEngine if service == "draft" else TargetEngine)(model, limits)
+    if service == "draft":
+        engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse)
+    else:
+        engine = TargetEngine(model, limits)
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),

@@ -34,10 +34,10 @@ def deepest_expanded(g) -> int:
     return max(with_expanded_kids or expanded, key=lambda i: (g.depths[i], g.scores[i]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rerooted_tree_matches_sequential_forwards(family):
+@pytest.mark.parametrize("family,steps_after_reuse", [(f, None) for f in FAMILIES] + [("qwen2", 0), ("llama", 1)])
+def test_rerooted_tree_matches_sequential_forwards(family, steps_after_reuse):
     model = tiny_model(family, seed=31)
-    eng = DraftEngine(model, LIMITS)
+    eng = DraftEngine(model, LIMITS, steps_after_reuse=steps_after_reuse)
     rng = random.Random(7)
     committed = [rng.randrange(128) for _ in range(9)]
     req = DraftRequest(session_id="g", round=0, sync=CacheSync(base_len=0, append_token_ids=committed[:-1]),
@@ -56,6 +56,10 @@ def test_rerooted_tree_matches_sequential_forwards(family):
                                         sync=CacheSync(base_len=held, append_token_ids=committed[held:-1])))
         assert isinstance(reply, DraftReply), reply
         hits += reply.reused_nodes > 0
+        kept = eng.store.get("g").draft_tree
+        assert eng.store.get("g").kv.length == len(committed) + sum(s >= 0 for s in kept.slot[1:])
+        if steps_after_reuse == 0 and reply.reused_nodes:  # nothing forwarded after re-rooting
+            assert len(kept.tokens) == reply.reused_nodes + 1
         held = len(committed)
         tree = reply.tree
         check_parents(tree.parents, max_nodes=SPEC.max_nodes, max_depth=SPEC.max_depth)

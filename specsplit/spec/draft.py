@@ -147,9 +147,11 @@ class _Grown:
 class DraftEngine(Engine):
     role = "draft"
 
-    def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64):
+    def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64,
+                 steps_after_reuse: int | None = None):
         super().__init__(model, limits, vocab_size=vocab_size)
         self.max_support = max_support
+        self.steps_after_reuse = steps_after_reuse
         self.max_kept_nodes = 4 * limits.max_tree_nodes  # a grown tree's size cap
         # set by the worker loop: True when other requests wait (growing yields to them)
         self.others_waiting = lambda: False
@@ -189,7 +191,10 @@ class DraftEngine(Engine):
                     if grown is None:
                         grown = _Grown(req.root, self._root_forward(kv, sync, req.root), spec.branch, kv.length)
                     grown.round, grown.branch = req.round, spec.branch
-                    tree = self._best_first(kv, grown, spec)
+                    steps = spec.max_depth
+                    if reused and self.steps_after_reuse is not None:
+                        steps = min(steps, self.steps_after_reuse)
+                    tree = self._best_first(kv, grown, spec, steps)
                     session.draft_tree = grown
                     session.last_round = req.round
                     return tree, reused
@@ -216,11 +221,11 @@ class DraftEngine(Engine):
         return self.forward(kv, tokens, pos, visible, keep=1)[0]
 
     # ---- greedy: best-first, kept between requests -------------------------------------
-    def _best_first(self, kv: SessionKV, g: _Grown, spec: TreeSpec) -> FlatTree:
+    def _best_first(self, kv: SessionKV, g: _Grown, spec: TreeSpec, steps: int) -> FlatTree:
         keep = spec.max_nodes - 1
         min_logp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         g.max_depth = spec.max_depth
-        for _ in range(spec.max_depth):
+        for _ in range(steps):
             if keep <= 0:
                 break
             cands = g.candidates(spec.max_depth, min_logp)
