@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -21,6 +20,7 @@ from specsplit.local import generate
 from specsplit.spec import sampling as S
 from specsplit.spec.tree import validate_tree
 from specsplit.spec.verify import verify_sampling
+from tests.conftest import tiny_model
 
 V = 16
 
@@ -226,20 +226,7 @@ def test_verify_is_seeded():
 # ---- reproducibility through generate ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair():
-    def model(seed):
-        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          tie_word_embeddings=False)
-        torch.manual_seed(seed)
-        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.dim() > 1:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        return m
-
-    return model(1), model(2)
+    return tuple(tiny_model("llama", seed=seed, scale=0.5, vocab=V, hidden=32, layers=1) for seed in (1, 2))
 
 
 @pytest.mark.parametrize("sampling", [SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_k=5, top_p=0.9)])

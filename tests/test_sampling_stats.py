@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from schemas import CacheSync, DraftRequest, EndSession, FlatTree, SamplingSpec, TreeSpec, VerifyRequest
@@ -40,6 +39,7 @@ from specsplit.spec.engine import EngineLimits
 from specsplit.spec.target import TargetEngine
 from specsplit.spec.tree import validate_tree
 from specsplit.spec.verify import Verdict, verify_sampling
+from tests.conftest import tiny_model
 
 ALPHA = 1e-3
 DRAWS = 20_000
@@ -363,17 +363,7 @@ PROMPT = [3, 1, 4, 1, 5]
 
 
 def tiny_llama(seed: int, scale: float = 0.1):
-    cfg = LlamaConfig(vocab_size=EV, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return model
+    return tiny_model("llama", seed=seed, scale=scale, attn="eager", vocab=EV, hidden=32, layers=1)
 
 
 @pytest.fixture(scope="module")

@@ -239,16 +239,9 @@ class DraftEngine(Engine):
 
     def _expand(self, kv: SessionKV, g: _Grown, nodes: list[int]) -> None:
         """One forward of ``nodes`` (unexpanded, parents expanded); each gets its top children."""
-        f, base = len(nodes), kv.length
-        visible = torch.zeros(f, base + f, dtype=torch.bool)
-        visible[:, : g.prefix_len] = True
-        for j, node in enumerate(nodes):
-            for a in path_to(node, g.parents)[1:-1]:
-                visible[j, g.slot[a]] = True
-            visible[j, base + j] = True
-        pos = torch.tensor([g.prefix_len - 1 + g.depths[n] for n in nodes], dtype=torch.long)
-        t0 = time.perf_counter()
-        rows = self.forward(kv, [g.tokens[n] for n in nodes], pos, visible, keep=f)  # [F, V]
+        base, t0 = kv.length, time.perf_counter()
+        rows = self._forward_nodes(kv, nodes, g.tokens, g.parents, g.slot, g.prefix_len,
+                                   [g.prefix_len - 1 + g.depths[n] for n in nodes])  # [F, V]
         g.forward_ms = elapsed_ms(t0)
         for j, node in enumerate(nodes):
             g.slot[node] = base + j
@@ -346,19 +339,25 @@ class DraftEngine(Engine):
         return new
 
     def _forward_frontier(self, kv: SessionKV, pool: _Pool, frontier: list[int], prefix_len: int, depth: int):
-        f = len(frontier)
         base = kv.length
-        visible = torch.zeros(f, base + f, dtype=torch.bool)
-        visible[:, :prefix_len] = True
-        for j, node in enumerate(frontier):
-            for a in path_to(node, pool.parents)[1:-1]:
-                visible[j, pool.slots[a]] = True
-            visible[j, base + j] = True
-        pos = torch.full((f,), prefix_len - 1 + depth, dtype=torch.long)
-        rows = self.forward(kv, [pool.tokens[n] for n in frontier], pos, visible, keep=f)  # [F, V]
+        rows = self._forward_nodes(kv, frontier, pool.tokens, pool.parents, pool.slots, prefix_len,
+                                   [prefix_len - 1 + depth] * len(frontier))
         for j, node in enumerate(frontier):
             pool.slots[node] = base + j
         return rows
+
+    def _forward_nodes(self, kv: SessionKV, nodes, tokens, parents, slot, prefix_len: int, positions) -> torch.Tensor:
+        """One forward of tree ``nodes`` appended to the cache: each sees the committed prefix, its
+        ancestors' cache ``slot`` (the root is the prefix's last entry) and itself. [F, V] logits."""
+        f, base = len(nodes), kv.length
+        visible = torch.zeros(f, base + f, dtype=torch.bool)
+        visible[:, :prefix_len] = True
+        for j, node in enumerate(nodes):
+            for a in path_to(node, parents)[1:-1]:
+                visible[j, slot[a]] = True
+            visible[j, base + j] = True
+        pos = torch.tensor(positions, dtype=torch.long)
+        return self.forward(kv, [tokens[n] for n in nodes], pos, visible, keep=f)
 
     @staticmethod
     def _flat(pool: _Pool) -> FlatTree:
