@@ -58,6 +58,11 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
         with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated but still the fastest here
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if settings.pack_weights:
+        from specsplit.models.packing import pack_linear_weights
+
+        packed = pack_linear_weights(model)
+        get_logger("specsplit.worker", service=service).info("weights_packed", linear_layers=packed)
     limits = EngineLimits(
         max_sessions=settings.max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
