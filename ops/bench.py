@@ -36,6 +36,7 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
     p.add_argument("--draft-threads", type=int, default=None, help="default: the workers' default")
     p.add_argument("--target-threads", type=int, default=None, help="default: the workers' default")
+    p.add_argument("--prefill-threads", type=int, default=None, help="workers' threads for prompt prefills (default: every core)")
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
@@ -59,7 +60,8 @@ def fleet_env(args, model_settings) -> dict:
     env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
            "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
            "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
-           "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
+           "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
@@ -69,10 +71,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
-    from specsplit.workers import default_threads
+    from specsplit.workers import default_prefill_threads, default_threads
 
     args.draft_threads = args.draft_threads or default_threads("draft")  # recorded in the JSON config
     args.target_threads = args.target_threads or default_threads("target")
+    args.prefill_threads = args.prefill_threads or default_prefill_threads()
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings, load_model, resolve_model_paths
     from specsplit.produce import PromptCodec

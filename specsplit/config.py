@@ -37,6 +37,8 @@ class WorkerSettings(_Base):
     threads: int | None = None  # torch threads; default: see workers.default_threads
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
+    # torch threads for forwards of more than 64 new tokens (prefills); default: every core
+    prefill_threads: int | None = Field(default=None, ge=1)
     max_sessions: int = Field(default=256, ge=1)
     session_ttl_s: float = Field(default=900.0, gt=0)
     max_session_tokens: int = Field(default=4096, ge=16)

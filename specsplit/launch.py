@@ -69,6 +69,7 @@ class Fleet:
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
             "SPECSPLIT_THREADS": str(threads),
+            "SPECSPLIT_PREFILL_THREADS": str(threads),
             "SPECSPLIT_LOG_LEVEL": "INFO",
             "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"],
             "SPECSPLIT_TARGET_BACKEND": addr["target_be"],

@@ -18,14 +18,22 @@ from specsplit.logs import get_logger
 
 
 def default_threads(service: str) -> int:
-    """Target: all cores. Draft: a quarter of them (one on a 2-core box): it grows its tree while
-    the target verifies, so the two run at once, and a batch-1 int8 draft forward gains nothing
-    from a second thread here (1 thread ~52 ms, 2 threads ~60 ms). OMP_WAIT_POLICY=PASSIVE keeps
-    idle OpenMP threads from spinning. Measured on 2 cores (qwen-coder, int8 draft, tree
-    16/10/2/0.3, 3 HumanEval prompts x 128 tokens): draft 1 + target 2 with growth 7.8 tok/s;
-    1 + 1 with growth 6.4; 2 + 2 without growth 6.2."""
+    """Torch threads of a role's tree-sized forwards. Draft: a quarter of the cores (one on a
+    2-core box): it grows its tree while the target verifies, and a batch-1 int8 draft forward
+    gains nothing from a second thread here (1 thread ~52 ms, 2 threads ~60 ms). Target: the
+    rest, so the two never oversubscribe the cores (a 2-thread target slowed ~45% whenever the
+    draft grew beside it; with packed bf16 weights one thread verifies 16 tokens about as fast).
+    Prefills use every core (``default_prefill_threads``). OMP_WAIT_POLICY=PASSIVE keeps idle
+    OpenMP threads from spinning. Measured on 2 cores (qwen-coder, 3 HumanEval prompts x 128):
+    packed target 1 thread + draft 1 thread 8.6 tok/s, target 2 + draft 1 8.3."""
     cores = max(1, os.cpu_count() or 1)
-    return max(1, cores // 4) if service == "draft" else cores
+    draft = max(1, cores // 4)
+    return draft if service == "draft" else max(1, cores - draft)
+
+
+def default_prefill_threads() -> int:
+    """Forwards of many new tokens (a prompt) are compute-bound: every core."""
+    return max(1, os.cpu_count() or 1)
 
 
 def model_dtype(service: str, model_settings) -> str:
@@ -48,6 +56,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     from specsplit.spec.target import TargetEngine
 
     threads = settings.threads_for(service) or default_threads(service)
+    prefill_threads = settings.prefill_threads or default_prefill_threads()
     torch.set_num_threads(threads)
     paths = resolve_model_paths(model_settings)
     path = getattr(paths, service)
@@ -72,6 +81,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
         engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse)
     else:
         engine = TargetEngine(model, limits)
+    engine.threads, engine.prefill_threads = threads, prefill_threads
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
@@ -89,7 +99,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     engine, hello = build_engine(service, settings, model_settings)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
-             threads=settings.threads_for(service) or default_threads(service))
+             threads=engine.threads, prefill_threads=engine.prefill_threads)
     served: Counter[str] = Counter()
 
     def handle(msg):

@@ -170,3 +170,30 @@ def test_sampled_tree_distribution_checks(engines):
         reply = tgt.handle(VerifyRequest(tree=tree, **base))
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST, reply
         assert_same(before, snapshot(tgt, "q1"))
+
+
+def test_forwards_use_prefill_threads_for_long_inputs():
+    """Prompt-sized forwards run on ``prefill_threads``, tree-sized ones on ``threads``."""
+    eng = TargetEngine(tiny_model("qwen2", seed=4), EngineLimits(max_sessions=2, max_session_tokens=256))
+    eng.threads, eng.prefill_threads = 1, 2
+    seen = []
+    forward = eng.model.forward
+
+    def spy(*a, **kw):
+        seen.append((kw["input_ids"].shape[1], torch.get_num_threads()))
+        return forward(*a, **kw)
+
+    eng.model.forward = spy
+    before = torch.get_num_threads()
+    try:
+        prompt = [random.Random(1).randrange(128) for _ in range(100)]
+        start_reply = eng.handle(VerifyRequest(session_id="p", round=0, sync=CacheSync(base_len=0, append_token_ids=prompt),
+                                               tree=FlatTree(token_ids=[3, 4], parents=[-1, 0])))
+        assert isinstance(start_reply, VerifyReply)
+        held = start_reply.cache_len
+        r = eng.handle(VerifyRequest(session_id="p", round=1, sync=CacheSync(base_len=held, append_token_ids=[]),
+                                     tree=FlatTree(token_ids=[start_reply.bonus_token_id, 5, 6], parents=[-1, 0, 0])))
+        assert isinstance(r, VerifyReply)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(102, 2), (3, 1)]

@@ -45,10 +45,16 @@ def model_num_layers(model) -> int:
     return int(cfg.num_hidden_layers)
 
 
+PREFILL_TOKENS = 64  # a forward of more new tokens than this is compute-bound (a prompt prefill)
+
+
 class Engine:
     """Base of DraftEngine and TargetEngine."""
 
     role = "engine"
+    # torch threads for small (tree) forwards and for prefills; None: leave torch's setting alone
+    threads: int | None = None
+    prefill_threads: int | None = None
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None):
         self.model = model.eval()
@@ -118,6 +124,9 @@ class Engine:
         returns float32 logits of the last ``keep`` tokens [keep, V]."""
         t = len(token_ids)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
+        want = self.prefill_threads if t > PREFILL_TOKENS else self.threads
+        if want and want != torch.get_num_threads():
+            torch.set_num_threads(want)
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None].to(self.device),
