@@ -32,7 +32,9 @@ def parse(argv):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
-    p.add_argument("--systems", default="target,assisted,specsplit")
+    p.add_argument("--systems", default="target,assisted,specsplit",
+                   help="comma list of: target, target_packed (the target alone with the fleet's packed weights), "
+                        "assisted, specsplit")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
     p.add_argument("--draft-threads", type=int, default=None, help="default: the workers' default")
     p.add_argument("--target-threads", type=int, default=None, help="default: the workers' default")
@@ -86,6 +88,9 @@ def main(argv=None) -> int:
     args.draft_dtype = args.draft_dtype or model_dtype("draft", ms)
     args.target_dtype = args.target_dtype or model_dtype("target", ms)
     systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(R.SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"specsplit bench: --systems takes a comma list of {', '.join(R.SYSTEMS)} (got {args.systems!r})")
     paths = resolve_model_paths(ms)
     texts = (jsonl_prompts(args.prompts) if args.prompts else humaneval_prompts())[args.offset: args.offset + args.limit]
     codec = PromptCodec(paths.target, chat=args.chat)
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
             fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(1, 1)
             log(f"fleet starting (logs in {tmp})")
         hf = None
-        if {"target", "assisted"} & set(systems):
+        if {"target", "target_packed", "assisted"} & set(systems):
             import torch
 
             torch.set_num_threads(args.threads)
@@ -109,6 +114,11 @@ def main(argv=None) -> int:
             draft = load_model(paths.draft, dtype=args.draft_dtype)[0] if "assisted" in systems else None
             hf = HFRunner(target, draft, codec.stop_token_ids, tok.pad_token_id or codec.stop_token_ids[0],
                           args.temperature, args.seed)
+            if "target_packed" in systems:
+                from specsplit.models.packing import pack_linear_weights
+
+                hf.packed_target = load_model(paths.target, dtype=args.target_dtype)[0]
+                log(f"target_packed: {pack_linear_weights(hf.packed_target)} Linear layers packed")
         if fleet is not None:
             fleet.wait_ready(timeout_s=900)
             runner = FleetRunner(fleet.orchestrator, codec.stop_token_ids,
@@ -159,6 +169,7 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner) -> list[dict]:
     from tqdm import tqdm
 
     calls = {"target": (lambda ids: hf.target_alone(ids, args.max_new_tokens)),
+             "target_packed": (lambda ids: hf.target_alone(ids, args.max_new_tokens, hf.packed_target)),
              "assisted": (lambda ids: hf.assisted(ids, args.max_new_tokens)),
              "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens))}
     rows = []

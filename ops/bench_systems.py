@@ -47,8 +47,9 @@ class HFRunner:
         self.stop_ids, self.pad_id = stop_ids, pad_id
         self.temperature, self.seed = temperature, seed
         self.assisted_kwargs: dict = {"num_assistant_tokens": 6, "num_assistant_tokens_schedule": "constant"}
+        self.packed_target = None  # optional: the same target with prepacked weights
 
-    def _generate(self, ids: list[int], max_new: int, **kw) -> Answer:
+    def _generate(self, ids: list[int], max_new: int, model=None, **kw) -> Answer:
         import torch
 
         x = torch.tensor([ids])
@@ -57,14 +58,14 @@ class HFRunner:
             torch.manual_seed(self.seed)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+            out = (model or self.target).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                                        eos_token_id=self.stop_ids, pad_token_id=self.pad_id, top_k=None, top_p=None,
                                        **sample, **kw)
         dt = time.perf_counter() - t0
         return Answer(out[0, len(ids):].tolist(), dt)
 
-    def target_alone(self, ids: list[int], max_new: int) -> Answer:
-        return self._generate(ids, max_new)
+    def target_alone(self, ids: list[int], max_new: int, model=None) -> Answer:
+        return self._generate(ids, max_new, model)
 
     def assisted(self, ids: list[int], max_new: int) -> Answer:
         return self._generate(ids, max_new, assistant_model=self.draft, **self.assisted_kwargs)

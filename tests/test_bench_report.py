@@ -1,0 +1,21 @@
+"""specsplit bench's rows and summary ratios (pure functions, no models)."""
+
+from __future__ import annotations
+
+from ops import bench_report as R
+from ops.bench_systems import Answer
+
+
+def test_summary_ratios_cover_every_baseline_present():
+    rows = []
+    for i in range(2):
+        answers = {"target": Answer([1, 2, 3, 4], 2.0), "target_packed": Answer([1, 2, 3, 4], 1.0),
+                   "assisted": Answer([1, 2, 3, 4], 1.6), "specsplit": Answer([1, 2, 3, 5], 0.5, rounds=2, accepted=2, drafted=8)}
+        rows.append(R.make_row(i, "def f():", 3, answers))
+    s = R.summarize(rows)
+    assert s["totals"]["specsplit"] == {"tokens": 8, "seconds": 1.0, "tok_s": 8.0}
+    assert (s["speedup_vs_target"], s["speedup_vs_target_packed"], s["speedup_vs_assisted"]) == (4.0, 2.0, 3.2)
+    assert s["mean_accepted"] == 2.0 and s["acceptance_rate"] == 0.25
+    assert s["identical_to_target"] == "0/2" and rows[0]["first_divergence"] == 3
+    table = R.markdown(rows, s)
+    assert "target_packed tok/s" in table and "**8.00**" in table
