@@ -37,7 +37,7 @@ from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
 from brokers.logs import get_logger
-from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket
+from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket, recv_frames, send_frames
 
 CONTROL_SID = "-"
 PLACEHOLDER_RID = b"-"
@@ -223,7 +223,7 @@ class Router:
         """Handle up to one batch of waiting messages; a frame never kills the loop."""
         for _ in range(_DRAIN_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -297,7 +297,7 @@ class Router:
                 self._send_error(client_id, sid, rid, ErrorCode.OVERLOADED, "router in-flight table full")
                 return
             try:
-                self._be.send_multipart([worker_id, client_id, *env], zmq.NOBLOCK)
+                send_frames(self._be, [worker_id, client_id, *env])
             except zmq.Again:
                 self.inflight.pop(client_id, rid)
                 self.stats.overloaded += 1
@@ -420,7 +420,7 @@ class Router:
 
     def _send_worker(self, worker_id: bytes, frames: list[bytes]) -> None:
         try:
-            self._be.send_multipart([worker_id, *frames], zmq.NOBLOCK)
+            send_frames(self._be, [worker_id, *frames])
         except zmq.Again:
             self._warn.warning("worker_send_dropped", worker=worker_id.hex(), reason="hwm")
         except zmq.ZMQError as exc:
@@ -436,7 +436,7 @@ class Router:
 
     def _send_client(self, client_id: bytes, env: list[bytes]) -> None:
         try:
-            self._fe.send_multipart([client_id, *env], zmq.NOBLOCK)
+            send_frames(self._fe, [client_id, *env])
         except zmq.Again:
             self._warn.warning("client_send_dropped", client=client_id.hex(), reason="hwm")
         except zmq.ZMQError as exc:

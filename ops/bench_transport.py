@@ -3,7 +3,8 @@
 Starts a router and a no-op worker (a VerifyReply for a 16-node VerifyRequest) in separate
 spawned processes, measures sequential AsyncRpcClient round trips (p50/p99 in microseconds,
 after a warm-up), and next to it a raw pyzmq DEALER<->ROUTER echo of the same frames in the same
-run (one hop, no codec: the floor). Then, unless ``--no-fleet``, fleet tok/s vs the in-process
+run (one hop, no codec: the floor), and raw pyzmq through a minimal ROUTER/ROUTER forwarder to a
+raw echo DEALER (two hops, no codec: the floor of any design with a router in the middle). Then, unless ``--no-fleet``, fleet tok/s vs the in-process
 reference loop on the tiny models (``ops.bench_fleet``; JSON key ``fleet``). All child processes
 are stopped by pid at the end.
 
@@ -64,10 +65,11 @@ def _router_proc(conn, heartbeat_s: float) -> None:
 
 def _worker_proc(conn, backend: str, heartbeat_s: float) -> None:
     from specsplit.transport.testing import EchoHandler, make_hello
-    from specsplit.transport.worker_loop import WorkerLoop
+    from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     stop = _child_setup()
-    loop = WorkerLoop(backend, b"bench-worker", make_hello(pid=os.getpid()), EchoHandler(), heartbeat_s=heartbeat_s)
+    loop = WorkerLoop(backend, b"bench-worker", make_hello(pid=os.getpid()), EchoHandler(), heartbeat_s=heartbeat_s,
+                      may_inline=small_request)  # as the real workers: a 16-node verify takes the fast path
     _report_when_ready(loop.ready, conn, lambda: True)
     sys.exit(loop.run(stop))
 
@@ -78,6 +80,49 @@ def _raw_echo_proc(conn) -> None:
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
     conn.send(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    while not stop.is_set():
+        if sock.poll(100):
+            sock.send_multipart(sock.recv_multipart())
+    sock.close()
+    ctx.term()
+
+
+def _raw_proxy_proc(conn) -> None:
+    """A bare ROUTER/ROUTER forwarder: the first message on the backend names the worker; every
+    client message goes to it and every worker reply back to the client it names."""
+    stop = _child_setup()
+    ctx = zmq.Context()
+    fe = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    be = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    conn.send((fe.getsockopt(zmq.LAST_ENDPOINT).decode(), be.getsockopt(zmq.LAST_ENDPOINT).decode()))
+    poller = zmq.Poller()
+    poller.register(fe, zmq.POLLIN)
+    poller.register(be, zmq.POLLIN)
+    worker = None
+    while not stop.is_set():
+        events = dict(poller.poll(100))
+        if be in events:
+            msg = be.recv_multipart()
+            if worker is None:
+                worker = msg[0]
+            else:
+                fe.send_multipart(msg[1:])
+        if fe in events:
+            msg = fe.recv_multipart()
+            if worker is not None:
+                be.send_multipart([worker, *msg])
+    fe.close()
+    be.close()
+    ctx.term()
+
+
+def _raw_proxy_worker_proc(conn, backend: str) -> None:
+    """A bare DEALER behind the forwarder that sends every message straight back."""
+    stop = _child_setup()
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=backend)
+    sock.send(b"ready")
+    conn.send(True)
     while not stop.is_set():
         if sock.poll(100):
             sock.send_multipart(sock.recv_multipart())
@@ -103,39 +148,61 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
     return {"p50": round(statistics.median(us), 1), "p99": round(p99, 1), "mean": round(statistics.fmean(us), 1)}
 
 
-async def _bench_rpc(frontend: str, req: VerifyRequest, n: int, warmup: int) -> list[int]:
+_BLOCK = 250  # round trips per transport before switching: the three paths interleave in time
+
+
+async def _rpc_block(client, req: VerifyRequest, count: int, samples: list[int] | None) -> None:
+    for _ in range(count):
+        t0 = time.perf_counter_ns()
+        reply = await client.call(req, session_id=req.session_id, timeout_s=5.0)
+        dt = time.perf_counter_ns() - t0
+        if type(reply).__name__ != "VerifyReply":
+            raise RuntimeError(f"unexpected reply {reply!r}")
+        if samples is not None:
+            samples.append(dt)
+
+
+def _raw_block(sock: zmq.Socket, frames: list[bytes], count: int, samples: list[int] | None) -> None:
+    for _ in range(count):
+        t0 = time.perf_counter_ns()
+        sock.send_multipart(frames)
+        if not sock.poll(5000):
+            raise RuntimeError("raw echo timed out")
+        sock.recv_multipart()
+        if samples is not None:
+            samples.append(time.perf_counter_ns() - t0)
+
+
+def _bench_interleaved(frontend: str, raw_addrs: dict[str, str], req: VerifyRequest, frames: list[bytes], n: int,
+                       warmup: int) -> dict[str, list[int]]:
+    """n timed round trips per path (after ``warmup`` each), in alternating blocks of _BLOCK, so
+    that a noisy neighbour slows every path alike."""
     from specsplit.transport.rpc import AsyncRpcClient
 
-    samples: list[int] = []
-    async with AsyncRpcClient(frontend, name="bench") as client:
-        await client.ping(timeout_s=5.0)
-        for i in range(warmup + n):
-            t0 = time.perf_counter_ns()
-            reply = await client.call(req, session_id=req.session_id, timeout_s=5.0)
-            dt = time.perf_counter_ns() - t0
-            if type(reply).__name__ != "VerifyReply":
-                raise RuntimeError(f"unexpected reply {reply!r}")
-            if i >= warmup:
-                samples.append(dt)
-    return samples
-
-
-def _bench_raw(addr: str, frames: list[bytes], n: int, warmup: int) -> list[int]:
-    ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=addr)
-    samples: list[int] = []
+    loop = asyncio.new_event_loop()
+    zctx = zmq.Context()
+    socks = {name: make_socket(zctx, zmq.DEALER, connect=addr) for name, addr in raw_addrs.items()}
+    client = AsyncRpcClient(frontend, name="bench")
+    samples: dict[str, list[int]] = {"rpc": [], **{name: [] for name in socks}}
     try:
-        for i in range(warmup + n):
-            t0 = time.perf_counter_ns()
-            sock.send_multipart(frames)
-            if not sock.poll(5000):
-                raise RuntimeError("raw echo timed out")
-            sock.recv_multipart()
-            if i >= warmup:
-                samples.append(time.perf_counter_ns() - t0)
+        loop.run_until_complete(client.start())
+        loop.run_until_complete(client.ping(timeout_s=5.0))
+        loop.run_until_complete(_rpc_block(client, req, warmup, None))
+        for sock in socks.values():
+            _raw_block(sock, frames, warmup, None)
+        done = 0
+        while done < n:
+            count = min(_BLOCK, n - done)
+            loop.run_until_complete(_rpc_block(client, req, count, samples["rpc"]))
+            for name, sock in socks.items():
+                _raw_block(sock, frames, count, samples[name])
+            done += count
     finally:
-        sock.close()
-        ctx.term()
+        loop.run_until_complete(client.close())
+        loop.close()
+        for sock in socks.values():
+            sock.close()
+        zctx.term()
     return samples
 
 
@@ -175,11 +242,14 @@ def run(n: int, warmup: int, heartbeat_s: float) -> dict:
         if not _spawn(ctx, procs, _worker_proc, backend, heartbeat_s):
             raise RuntimeError("worker was not admitted")
         raw_addr = _spawn(ctx, procs, _raw_echo_proc)
-        rpc = asyncio.run(_bench_rpc(frontend, req, n, warmup))
-        raw = _bench_raw(raw_addr, frames, n, warmup)
+        proxy_fe, proxy_be = _spawn(ctx, procs, _raw_proxy_proc)
+        _spawn(ctx, procs, _raw_proxy_worker_proc, proxy_be)
+        got = _bench_interleaved(frontend, {"raw": raw_addr, "proxied": proxy_fe}, req, frames, n, warmup)
     finally:
         _stop(procs)
-    return {"rtt_us": percentiles(rpc), "raw_zmq_rtt_us": percentiles(raw), "n": n, "body_bytes": len(frames[4])}
+    return {"rtt_us": percentiles(got["rpc"]), "raw_zmq_rtt_us": percentiles(got["raw"]),
+            "raw_zmq_2hop_rtt_us": percentiles(got["proxied"]),
+            "n": n, "body_bytes": len(frames[4]), "cpu_count": os.cpu_count(), "load_avg": list(os.getloadavg())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,10 +269,13 @@ def main(argv: list[str] | None = None) -> int:
 
         result["fleet"] = run_fleet_vs_local(args.fleet_prompts, args.fleet_max_new_tokens)
     print(f"{'path':<34}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
-    for label, key in (("rpc client->router->worker", "rtt_us"), ("raw pyzmq DEALER<->ROUTER echo", "raw_zmq_rtt_us")):
+    for label, key in (("rpc client->router->worker", "rtt_us"), ("raw pyzmq DEALER<->ROUTER echo", "raw_zmq_rtt_us"),
+                       ("raw pyzmq via bare forwarder", "raw_zmq_2hop_rtt_us")):
         r = result[key]
         print(f"{label:<34}{r['p50']:>10.1f}{r['p99']:>10.1f}{r['mean']:>10.1f}")
-    print(f"n={result['n']} body_bytes={result['body_bytes']}")
+    print(f"n={result['n']} body_bytes={result['body_bytes']} goal: rpc p50 <= 150 us, p99 <= 2000 us; "
+          f"rpc / raw p50 = {result['rtt_us']['p50'] / result['raw_zmq_rtt_us']['p50']:.2f}x, "
+          f"rpc / 2-hop floor p50 = {result['rtt_us']['p50'] / result['raw_zmq_2hop_rtt_us']['p50']:.2f}x")
     if "fleet" in result:
         from ops.bench_fleet import print_table
 

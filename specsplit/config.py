@@ -47,6 +47,9 @@ class WorkerSettings(_Base):
     heartbeat_s: float = Field(default=1.0, gt=0)
     liveness: int = Field(default=3, ge=1)
     max_queue: int = Field(default=1024, ge=1)
+    # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
+    # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
+    inline: bool = True
     draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
     # bf16/fp16 Linear weights reordered once into oneDNN's layout (bit-identical, ~1.4x faster
     # target forwards on CPU; see specsplit.models.packing)

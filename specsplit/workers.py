@@ -107,7 +107,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
         return engine.handle(msg)
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
-                      heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue)
+                      heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
+                      may_inline=engine.may_inline if settings.inline else None)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

@@ -21,8 +21,9 @@ from schemas.messages import (
     VerifyRequest,
 )
 from specsplit.transport.rpc import AsyncRpcClient, RpcClosed, RpcTimeout
-from specsplit.transport.sockets import endpoint, is_loopback_address, make_socket
+from specsplit.transport.sockets import endpoint, is_loopback_address, make_socket, recv_frames, send_frames
 from specsplit.transport.testing import make_verify, EchoHandler, RouterThread, WorkerThread
+from specsplit.transport.worker_loop import small_request
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -75,6 +76,28 @@ def test_make_socket_sets_every_option():
     assert isinstance(s, zmq.asyncio.Socket)
     s.close()
     actx.term()
+
+
+def test_send_frames_and_recv_frames_match_pyzmqs_multipart():
+    ctx = zmq.Context()
+    try:
+        r = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+        d = make_socket(ctx, zmq.DEALER, identity=b"me", connect=endpoint(r))
+        frames = [PROTO, b"\x03", b"s", b"rid", b"x" * 1000, b""]
+        send_frames(d, frames)
+        assert r.poll(3000)
+        got = recv_frames(r)
+        assert got == [b"me", *frames]
+        send_frames(r, got)
+        assert d.poll(3000) and d.recv_multipart() == frames
+        with pytest.raises(zmq.Again):
+            recv_frames(d)
+        with pytest.raises(zmq.ZMQError):  # ROUTER_MANDATORY still raises at the first frame
+            send_frames(r, [b"nobody", b"x"])
+        for s in (r, d):
+            s.close()
+    finally:
+        ctx.term()
 
 
 def test_is_loopback_address():
@@ -191,14 +214,17 @@ def _raw_call(addr: str, frames: list[bytes]) -> list[bytes]:
         ctx.term()
 
 
-def test_worker_answers_a_garbage_body_with_bad_request(router):
-    with WorkerThread(router.backend, b"w", **HB):
-        for body in (b"\xc1", b"\x01", b"\x81\xa3foo\x01"):
-            reply = _raw_call(router.frontend, [PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"s", b"r", body])
-            env = unpack_frames(reply)
-            assert env.request_id == b"r" and env.msg.code is ErrorCode.BAD_REQUEST
-        ok = unpack_frames(_raw_call(router.frontend, pack_frames(verify("s"), "s", b"r2")))
-        assert isinstance(ok.msg, VerifyReply)
+@pytest.mark.parametrize("may_inline", [None, small_request], ids=["engine-thread", "fast-path"])
+def test_worker_answers_a_garbage_body_with_bad_request(router, may_inline):
+    with WorkerThread(router.backend, b"w", may_inline=may_inline, **HB) as worker:
+        for attempt in range(2):  # the second pass meets the fast path (the kind is measured by then)
+            for body in (b"\xc1", b"\x01", b"\x81\xa3foo\x01"):
+                reply = _raw_call(router.frontend, [PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"s", b"r", body])
+                env = unpack_frames(reply)
+                assert env.request_id == b"r" and env.msg.code is ErrorCode.BAD_REQUEST
+            ok = unpack_frames(_raw_call(router.frontend, pack_frames(verify("s", attempt), "s", b"r2")))
+            assert isinstance(ok.msg, VerifyReply) and ok.msg.round == attempt
+        assert worker.loop.inline_served == (1 if may_inline else 0)
 
 
 class _Gate:
@@ -211,6 +237,79 @@ class _Gate:
         self.entered.set()
         assert self.release.wait(10)
         return EchoHandler()(msg)
+
+
+class _ThreadRecorder:
+    """An echo handler that records which thread served each round; round ``gate_round`` blocks
+    until released."""
+
+    def __init__(self, gate_round: int = -1) -> None:
+        self.threads: dict[int, str] = {}
+        self.gate_round, self.gate = gate_round, _Gate()
+
+    def __call__(self, msg: Message) -> Message:
+        self.threads[msg.round] = threading.current_thread().name
+        if msg.round == self.gate_round:
+            return self.gate(msg)
+        return EchoHandler()(msg)
+
+
+async def test_fast_path_serves_small_requests_on_the_socket_thread_while_the_engine_is_idle(router):
+    rec = _ThreadRecorder(gate_round=5)
+    policy = lambda m: isinstance(m, VerifyRequest) and m.round != 5  # round 5: a long forward  # noqa: E731
+    with WorkerThread(router.backend, b"w", rec, may_inline=policy, **HB) as worker:
+        async with AsyncRpcClient(router.frontend) as client:
+            for rnd in (0, 1, 2):
+                reply = await client.call(verify("s", rnd), session_id="s", timeout_s=5)
+                assert isinstance(reply, VerifyReply) and reply.round == rnd
+            # the first request of a kind measures it on the engine thread; then the fast path
+            assert rec.threads[0] == "specsplit-engine"
+            assert rec.threads[1] == rec.threads[2] != "specsplit-engine"
+            assert worker.loop.inline_served == 2
+            # a request the policy refuses goes to the engine thread; while it is busy, small
+            # requests queue behind it (one handler at a time, arrival order kept)
+            slow = asyncio.ensure_future(client.call(verify("s", 5), session_id="s", timeout_s=5))
+            await asyncio.to_thread(rec.gate.entered.wait, 5)
+            behind = asyncio.ensure_future(client.call(verify("t", 6), session_id="t", timeout_s=5))
+            await asyncio.sleep(0.1)
+            assert not behind.done() and 6 not in rec.threads
+            rec.gate.release.set()
+            assert (await slow).round == 5 and (await behind).round == 6
+            assert rec.threads[5] == rec.threads[6] == "specsplit-engine"
+            again = await client.call(verify("s", 7), session_id="s", timeout_s=5)
+            assert again.round == 7 and rec.threads[7] != "specsplit-engine"
+            assert worker.loop.inline_served == 3
+
+
+def test_small_request_policy_keeps_prefills_and_growth_off_the_socket_thread():
+    from schemas.messages import DraftRequest, EndSession, GrowRequest
+
+    tree = FlatTree(token_ids=[1] * 16, parents=[-1] + list(range(15)))
+    assert small_request(VerifyRequest(session_id="s", round=1, sync=CacheSync(base_len=9, append_token_ids=[3] * 4),
+                                       tree=tree))
+    assert not small_request(VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[3] * 60),
+                                           tree=tree))  # a prompt prefill
+    assert small_request(DraftRequest(session_id="s", round=1, sync=CacheSync(base_len=9, append_token_ids=[3]), root=2))
+    assert not small_request(DraftRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[3] * 500),
+                                          root=2))
+    assert not small_request(GrowRequest(session_id="s", round=1, budget_ms=50.0))
+    assert small_request(EndSession(session_id="s"))
+
+
+async def test_fast_path_skips_kinds_slower_than_its_budget(router):
+    rec = _ThreadRecorder()
+    slow = EchoHandler(delay_s=0.05)  # > heartbeat_s / 4 = 0.025 s
+
+    def handler(msg: Message) -> Message:
+        rec(msg)
+        return slow(msg)
+
+    with WorkerThread(router.backend, b"w", handler, may_inline=small_request, **HB) as worker:
+        async with AsyncRpcClient(router.frontend) as client:
+            for rnd in range(4):
+                assert (await client.call(verify("s", rnd), session_id="s", timeout_s=5)).round == rnd
+        assert worker.loop.inline_served == 0
+        assert set(rec.threads.values()) == {"specsplit-engine"}
 
 
 async def test_full_queue_is_answered_overloaded_at_once(router):

@@ -8,6 +8,13 @@ Two threads, each owning its sockets:
 - the engine thread runs the synchronous ``handler`` (it may block for seconds: a model forward),
   one request at a time from a bounded queue, and hands reply frames back over the PAIR.
 
+Fast path: while the engine thread is idle (nothing queued or in hand), a request that
+``may_inline`` accepts and whose kind last took under ``inline_max_s`` to handle is handled on
+the socket thread itself and answered at once: no queue, no PAIR, no two thread wake-ups (each
+costs tens to hundreds of microseconds on a busy box). Long requests (model forwards of a big
+model, prefills, growth) keep going to the engine thread, so heartbeats never stall for long.
+The first request of each kind always goes to the engine thread (it measures the kind).
+
 Frames on the DEALER (the router adds/strips the worker identity):
     in   [client_id, PROTO, kind, session_id, request_id, body]   a request; reply to client_id
     in   [b"", PROTO, HEARTBEAT|ERROR, "-", request_id, body]     from the router itself
@@ -31,12 +38,13 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames, unpack_frames
-from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
+from schemas.codec import CodecError, Envelope, MsgKind, check_envelope, decode, pack_frames, unpack_frames
+from schemas.messages import DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello
 from specsplit.logs import get_logger
-from specsplit.transport.sockets import DEFAULT_HWM, make_socket
+from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 
 Handler = Callable[[Message], Message]
+InlinePolicy = Callable[[Message], bool]
 
 CONTROL_SID = "-"
 _MAX_POLL_MS = 100
@@ -57,6 +65,20 @@ class _Job:
     env: list[bytes]
     session_id: str
     request_id: bytes
+    decoded: Envelope | None = None  # already decoded on the socket thread (fast-path check)
+
+
+def small_request(msg: Message, max_tokens: int = 64) -> bool:
+    """A fast-path policy: EndSession, and draft/verify requests whose forward covers at most
+    ``max_tokens`` new tokens (no prefill). Growth and anything else go to the engine thread
+    (growth runs for its budget and yields to queued requests)."""
+    if isinstance(msg, EndSession):
+        return True
+    if isinstance(msg, VerifyRequest):
+        return len(msg.sync.append_token_ids) + msg.tree.num_nodes <= max_tokens
+    if isinstance(msg, DraftRequest):
+        return len(msg.sync.append_token_ids) + msg.tree.max_nodes <= max_tokens
+    return False
 
 
 def error_frames(client_id: bytes, sid: str, rid: bytes, code: ErrorCode, message: str) -> list[bytes]:
@@ -70,6 +92,9 @@ class WorkerLoop:
     ``run(stop_event)`` returns 0 after a clean stop (the request in hand is finished and its
     reply sent; queued ones are answered OVERLOADED), 1 if the engine did not finish within
     ``drain_timeout_s``, 2 if the router refused the hello. ``ready`` is set while admitted.
+    ``may_inline(msg)`` (None: never) allows the socket-thread fast path for a request; it is
+    taken only while the engine is idle and only for kinds whose last handling took under
+    ``inline_max_s`` (default: a quarter of ``heartbeat_s``).
     """
 
     def __init__(
@@ -87,9 +112,20 @@ class WorkerLoop:
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         ctx: zmq.Context | None = None,
+        may_inline: InlinePolicy | None = None,
+        inline_max_s: float | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
             raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
+        self.may_inline = may_inline
+        self.inline_max_s = heartbeat_s / 4 if inline_max_s is None else inline_max_s
+        # seconds the last request of each kind took in the handler (either thread writes it
+        # only while it is the one handling, so the two never race on an entry)
+        self._handle_s: dict[MsgKind, float] = {}
+        # jobs put (socket thread only) and finished (engine thread only): equal = engine idle
+        self._submitted = 0
+        self._finished = 0
+        self.inline_served = 0
         self.backend_addr, self.identity, self.hello = backend_addr, identity, hello
         self.handler = handler
         self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
@@ -214,7 +250,7 @@ class WorkerLoop:
     def _read_router(self) -> _Outcome | None:
         for _ in range(_DRAIN_BATCH):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self._sock)
             except zmq.Again:
                 return None
             if not frames:
@@ -228,7 +264,7 @@ class WorkerLoop:
 
     def _on_request(self, client_id: bytes, env: list[bytes]) -> None:
         try:
-            _, sid, rid = check_envelope(env)
+            kind, sid, rid = check_envelope(env)
         except CodecError as exc:
             self.log.warning("bad_request_envelope", error=str(exc))
             self._send([client_id, *pack_frames(exc.to_reply(), CONTROL_SID, b"-")])
@@ -239,7 +275,39 @@ class WorkerLoop:
         if self._queue.qsize() >= self.max_queue:
             self._reject(client_id, sid, rid, f"worker queue full (max_queue={self.max_queue})")
             return
-        self._queue.put(_Job(client_id, env, sid, rid))
+        job = _Job(client_id, env, sid, rid)
+        if self._fast_path_open(kind):
+            job = self._try_inline(job)
+            if job is None:
+                return
+        self._submitted += 1
+        self._queue.put(job)
+
+    def _fast_path_open(self, kind: MsgKind) -> bool:
+        if self.may_inline is None or self._submitted != self._finished:
+            return False  # the engine thread holds or waits for work: keep the order, keep one handler
+        took = self._handle_s.get(kind)
+        return took is not None and took < self.inline_max_s
+
+    def _try_inline(self, job: _Job) -> _Job | None:
+        """Handle ``job`` here when the policy allows; else return it (decoded) for the engine."""
+        try:
+            env = unpack_frames(job.env)
+        except CodecError as exc:
+            self._send([job.client_id, *pack_frames(exc.to_reply(session_id=job.session_id), job.session_id,
+                                                    job.request_id)])
+            return None
+        try:
+            inline = bool(self.may_inline(env.msg))
+        except Exception:
+            self.log.exception("inline_policy_failed")
+            inline = False
+        job = _Job(job.client_id, job.env, job.session_id, job.request_id, env)
+        if not inline:
+            return job
+        self.inline_served += 1
+        self._send(self._handle(job))
+        return None
 
     def _reject(self, client_id: bytes, sid: str, rid: bytes, why: str) -> None:
         self._send(error_frames(client_id, sid, rid, ErrorCode.OVERLOADED, why))
@@ -271,7 +339,7 @@ class WorkerLoop:
     def _forward_replies(self) -> None:
         while True:
             try:
-                frames = self._pair.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self._pair)
             except zmq.Again:
                 return
             if frames == _DONE:
@@ -292,7 +360,7 @@ class WorkerLoop:
             self.log.warning("reply_dropped", reason="not connected")
             return
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self._sock, frames)
         except zmq.Again:
             self.log.warning("reply_dropped", reason="hwm")
 
@@ -301,33 +369,39 @@ class WorkerLoop:
         out = make_socket(self._ctx, zmq.PAIR, sndhwm=0, rcvhwm=0, linger=1000, connect=self._pair_addr)
         try:
             while (job := self._queue.get()) is not None:
-                self._engine_send(out, self._handle(job))
+                frames = self._handle(job)
+                self._finished += 1  # before the reply leaves: the fast path may open again
+                self._engine_send(out, frames)
         finally:
             self._engine_send(out, _DONE)
             out.close()
 
     def _engine_send(self, out: zmq.Socket, frames: list[bytes]) -> None:
         try:  # unbounded inproc pipe: Again only once the socket thread has gone
-            out.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(out, frames)
         except zmq.ZMQError as exc:
             self.log.warning("reply_dropped", reason=f"socket thread gone: {exc.strerror}")
 
     def _handle(self, job: _Job) -> list[bytes]:
         """One request -> reply frames. Never raises."""
         sid, rid = job.session_id, job.request_id
-        try:
-            env = unpack_frames(job.env)
-        except CodecError as exc:
-            return [job.client_id, *pack_frames(exc.to_reply(session_id=sid), sid, rid)]
-        except Exception as exc:  # defensive: the codec promises CodecError only
-            self.log.exception("decode_failed")
-            return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, f"decode failed: {exc!r}")
+        env = job.decoded
+        if env is None:
+            try:
+                env = unpack_frames(job.env)
+            except CodecError as exc:
+                return [job.client_id, *pack_frames(exc.to_reply(session_id=sid), sid, rid)]
+            except Exception as exc:  # defensive: the codec promises CodecError only
+                self.log.exception("decode_failed")
+                return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, f"decode failed: {exc!r}")
         round_ = getattr(env.msg, "round", None)
         with structlog.contextvars.bound_contextvars(session_id=sid, round=round_):
+            t0 = time.perf_counter()
             try:
                 reply = self.handler(env.msg)
             except Exception as exc:
                 reply = self._exception_reply(exc, env.kind)
+            self._handle_s[env.kind] = time.perf_counter() - t0
             return self._reply_frames(job, reply)
 
     def _exception_reply(self, exc: Exception, kind: MsgKind) -> Message:
