@@ -10,6 +10,11 @@ the same TreeSpec and greedy sampling, the order of the three systems rotating p
 Goal (the issue): fleet >= 0.9x the reference loop without overlap, above it with overlap.
 The reference loop drafts and verifies in turn in one process (growth cannot help it).
 
+A fifth system, ``local_2proc``, is the same reference loop with the target engine moved into a
+second process behind a plain ``multiprocessing`` pipe (no ZeroMQ, no router, no codec): the floor
+of any split into processes on this machine. Whatever separates it from ``local`` is the cost of
+running the engines in two processes at all (wake-ups, cold caches), not of the transport.
+
     specsplit bench transport --json runs/bench_transport.json   (``--no-fleet`` skips this part)
 """
 
@@ -27,7 +32,69 @@ from pathlib import Path
 
 from schemas import SamplingSpec, TreeSpec
 
-SYSTEMS = ("local", "fleet", "fleet_overlap", "fleet_grow")
+SYSTEMS = ("local", "local_2proc", "fleet", "fleet_overlap", "fleet_grow")
+
+
+def _pipe_target_main(conn, threads: int) -> None:
+    """The target engine of ``local_2proc``: (key, limits, request) in, reply out, until None."""
+    import torch
+
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+    from specsplit.spec.target import TargetEngine
+
+    torch.set_num_threads(threads)
+    target, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny"), progress=False).target,
+                           dtype="float32", threads=threads)
+    engines: dict[int, TargetEngine] = {}
+    conn.send("ready")
+    while (item := conn.recv()) is not None:
+        key, limits, msg = item
+        if key not in engines:
+            engines.clear()  # one generate() at a time: the previous one's engine is done
+            engines[key] = TargetEngine(target, limits)
+        conn.send(engines[key].handle(msg))
+
+
+class PipeTarget:
+    """A TargetEngine stand-in for ``specsplit.local.generate`` that forwards every request to a
+    target engine in another process over a multiprocessing pipe (pickled messages)."""
+
+    def __init__(self, threads: int = 1, timeout_s: float = 240.0) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_pipe_target_main, args=(child, threads), daemon=True)
+        self.proc.start()
+        if not self._conn.poll(timeout_s) or self._conn.recv() != "ready":
+            self.close()
+            raise RuntimeError("pipe target did not start")
+        self._keys = 0
+        self.timeout_s = timeout_s
+
+    def engine(self, _model, limits):
+        """Called as ``TargetEngine(model, limits)`` by ``generate``: one engine per call."""
+        self._keys += 1
+        key, conn, timeout_s = self._keys, self._conn, self.timeout_s
+
+        class _Remote:
+            def handle(self, msg):
+                conn.send((key, limits, msg))
+                if not conn.poll(timeout_s):
+                    raise TimeoutError("pipe target did not answer")
+                return conn.recv()
+
+        return _Remote()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2.0)
 
 
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 8, max_len: int = 32) -> list[list[int]]:
@@ -40,8 +107,8 @@ def _log(msg: str) -> None:
 
 
 class _Systems:
-    """The three systems behind one call: the in-process loop here, and one SpecSplitClient per
-    orchestrator on one event loop. ``run`` returns (new token ids, rounds, accepted tokens)."""
+    """The five systems behind one call: the in-process loop here (alone, and with its target in a
+    second process), and one SpecSplitClient per orchestrator on one event loop. ``run`` returns (new token ids, rounds, accepted tokens)."""
 
     def __init__(self, draft, target, addrs: dict[str, str], tree: TreeSpec, timeout_s: float = 300.0):
         from specsplit.client import SpecSplitClient
@@ -49,6 +116,7 @@ class _Systems:
         self.draft, self.target, self.tree = draft, target, tree
         self.loop = asyncio.new_event_loop()
         self.clients = {name: SpecSplitClient(addr, timeout_s=timeout_s) for name, addr in addrs.items()}
+        self.pipe_target = PipeTarget()
 
     def wait_ready(self, timeout_s: float) -> None:
         async def go():
@@ -62,13 +130,14 @@ class _Systems:
         self.loop.run_until_complete(go())
 
     def run(self, name: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], int, int]:
-        if name == "local":
+        if name in ("local", "local_2proc"):
             from specsplit.local import generate
             from specsplit.orchestrator.state import RoundStats
 
             stats = RoundStats()
+            kw = {"make_target_engine": self.pipe_target.engine} if name == "local_2proc" else {}
             out = generate(self.draft, self.target, prompt, max_new_tokens=max_new_tokens, tree=self.tree,
-                           sampling=SamplingSpec(), stats=stats, session_id="bench-local")
+                           sampling=SamplingSpec(), stats=stats, session_id="bench-local", **kw)
             return out, stats.rounds, stats.accepted
         res = self.loop.run_until_complete(self.clients[name].generate(
             prompt, max_new_tokens=max_new_tokens, sampling=SamplingSpec(), tree=self.tree))
@@ -78,6 +147,7 @@ class _Systems:
         for client in self.clients.values():
             self.loop.run_until_complete(client.close())
         self.loop.close()
+        self.pipe_target.close()
 
 
 @dataclass
@@ -177,6 +247,7 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
     return {
         **{f"{name}_tok_s": round(tally[name].tok_s, 1) for name in SYSTEMS},
         "fleet_vs_local": round(tally["fleet"].tok_s / local, 3) if local else 0.0,
+        "local_2proc_vs_local": round(tally["local_2proc"].tok_s / local, 3) if local else 0.0,
         "fleet_overlap_vs_local": round(tally["fleet_overlap"].tok_s / local, 3) if local else 0.0,
         "fleet_grow_vs_local": round(tally["fleet_grow"].tok_s / local, 3) if local else 0.0,
         "identical": identical, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
@@ -194,6 +265,7 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
 def print_table(fleet: dict) -> None:
     print(f"{'system (tiny, 1 session, greedy)':<34}{'tok/s':>10}{'vs local':>10}{'tok/round':>10}")
     for label, key, ratio in (("in-process loop (local.generate)", "local", 1.0),
+                              ("same, target in a 2nd process", "local_2proc", fleet["local_2proc_vs_local"]),
                               ("fleet, overlap off", "fleet", fleet["fleet_vs_local"]),
                               ("fleet, overlap (best path)", "fleet_overlap", fleet["fleet_overlap_vs_local"]),
                               ("fleet, overlap (tree growth)", "fleet_grow", fleet["fleet_grow_vs_local"])):

@@ -25,12 +25,15 @@ def generate(
     stats: RoundStats | None = None,
     session_id: str = "local",
     grow_budget_ms: float = 0.0,
+    make_target_engine=TargetEngine,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
     result equals plain greedy decoding of ``target``. ``grow_budget_ms`` > 0 (greedy only) grows
     each draft tree before it is verified, as the fleet does while the target verifies (here it
-    runs in turn, so it exercises re-rooting rather than saving time)."""
+    runs in turn, so it exercises re-rooting rather than saving time). ``make_target_engine(target,
+    limits)`` builds the verifier (anything with ``handle(msg)``; the bench puts one in another
+    process to measure what a process split alone costs)."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -43,7 +46,7 @@ def generate(
         max_tree_nodes=max(tree.max_nodes, 1),
         max_tree_depth=max(tree.max_depth, 1),
     )
-    d_eng, t_eng = DraftEngine(draft, limits), TargetEngine(target, limits)
+    d_eng, t_eng = DraftEngine(draft, limits), make_target_engine(target, limits)
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
     rnd = 0
