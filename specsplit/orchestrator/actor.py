@@ -48,6 +48,10 @@ class ActorPolicy:
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
     overlap: bool = False
+    # overlap drafts ahead only while it pays: the recent hit rate (an EMA) must reach this, else
+    # only every overlap_probe_every-th round tries (a missed ahead draft holds the draft worker)
+    overlap_min_hit_rate: float = 0.25
+    overlap_probe_every: int = 8
     grow: bool = False  # greedy sessions: the draft grows its tree while the target verifies
     grow_fraction: float = 0.9  # of the previous round's verify time
     grow_width: int = 4
@@ -75,6 +79,7 @@ class SessionActor:
         self.stats = RoundStats()
         self.out: list[int] = []
         self._last_verify_ms = 0.0
+        self._ahead_hit_rate = 1.0  # EMA of overlap hits (optimistic: the first rounds try)
         self.log = get_logger("specsplit.orchestrator")
 
     async def run(self) -> GenerateDone:
@@ -113,12 +118,14 @@ class SessionActor:
             spec = remaining_tree(self.tree, self.req.max_new_tokens - len(self.out))
             if tree is None:
                 tree = await self._draft(rnd, spec, timing)
-            ahead = self._draft_ahead(rnd, tree, spec) if self.policy.overlap else None
+            ahead = self._draft_ahead(rnd, tree, spec) if self._ahead_pays(rnd) else None
             if ahead is None:
                 self._grow(rnd)
             reply = await self._verify(rnd, tree, timing)
             self._last_verify_ms = reply.verify_ms
             tree_next = await self._take_ahead(ahead, tree, reply)
+            if ahead is not None:
+                self._ahead_hit_rate = 0.8 * self._ahead_hit_rate + 0.2 * (tree_next is not None)
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
             self.stats.add(tree, reply)
@@ -203,6 +210,12 @@ class SessionActor:
         raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}", ErrorCode.NO_WORKER)
 
     # ---- overlap: draft round r+1 while round r is verified ---------------------------------
+    def _ahead_pays(self, rnd: int) -> bool:
+        p = self.policy
+        if not p.overlap:
+            return False
+        return self._ahead_hit_rate >= p.overlap_min_hit_rate or rnd % max(1, p.overlap_probe_every) == 0
+
     def _draft_ahead(self, rnd: int, tree: FlatTree, spec: TreeSpec):
         """Assume the best path of ``tree`` is accepted in full and draft from its last node, one
         level deeper, so the subtree under the real bonus token is next round's tree."""

@@ -32,6 +32,7 @@ class Orchestrator:
         self.policy = ActorPolicy(
             tree=settings.tree(), request_timeout_s=settings.request_timeout_s, max_attempts=settings.max_attempts,
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s, overlap=settings.overlap,
+            overlap_min_hit_rate=settings.overlap_min_hit_rate,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
         self.sessions: dict[str, asyncio.Task] = {}
