@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from schemas import DraftRequest, GenerateDone, GenerateRequest, TreeSpec
-from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.actor import ActorPolicy, HitRate, SessionActor
 from specsplit.spec.draft import DraftEngine
 from specsplit.spec.engine import EngineLimits
 from specsplit.spec.target import TargetEngine
@@ -31,11 +31,11 @@ class EngineRpc:
         return self.engine.handle(msg)
 
 
-def run_actor(draft, target, prompt, n, **policy):
+def run_actor(draft, target, prompt, n, hits=None, **policy):
     d_rpc, t_rpc = EngineRpc(DraftEngine(draft, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
     out = []
     req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
-    actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, **policy), out.append)
+    actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, **policy), out.append, hits)
     done = asyncio.run(actor.run())
     ahead = [m for m in d_rpc.requests if isinstance(m, DraftRequest) and m.tree.max_nodes == 2 * SPEC.max_nodes]
     assert isinstance(out[-1], GenerateDone)
@@ -57,3 +57,16 @@ def test_overlap_drafts_ahead_only_while_it_pays(models, which):
         assert ahead_guarded <= 7 + guarded.rounds // 8 + 1 and ahead_guarded < ahead_always / 2
     else:
         assert ahead_guarded > 0
+
+
+def test_overlap_hit_rate_is_learned_across_sessions(models):
+    """The orchestrator shares one hit rate between its sessions: after a session of misses, the
+    next one only probes."""
+    target, _, rarely = models["qwen2"]
+    hits = HitRate()
+    prompt, n = [3, 14, 15, 92, 65, 35], 40
+    first, ahead_first = run_actor(rarely, target, prompt, n, hits, overlap=True)
+    assert hits.rate < 0.25
+    second, ahead_second = run_actor(rarely, target, prompt[::-1], n, hits, overlap=True)
+    assert ahead_second <= second.rounds // 8 + 1 < ahead_first
+    assert second.token_ids == greedy_reference(target, prompt[::-1], n)[0]

@@ -58,6 +58,18 @@ class ActorPolicy:
 
 
 @dataclass
+class HitRate:
+    """An EMA of overlap hits, shared by the sessions of one orchestrator (same models, same
+    kind of traffic), so a new session starts from what earlier ones learned. Optimistic at 1.0."""
+
+    rate: float = 1.0
+    weight: float = 0.2
+
+    def update(self, hit: bool) -> None:
+        self.rate += self.weight * (float(hit) - self.rate)
+
+
+@dataclass
 class _Timing:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -69,7 +81,7 @@ class SessionActor:
     """Runs one GenerateRequest to completion; ``emit`` streams TokenChunk/GenerateDone."""
 
     def __init__(self, req: GenerateRequest, draft_rpc, target_rpc, policy: ActorPolicy,
-                 emit: Callable[[Message], None]):
+                 emit: Callable[[Message], None], ahead_hits: HitRate | None = None):
         self.req, self.draft_rpc, self.target_rpc = req, draft_rpc, target_rpc
         self.policy, self.emit = policy, emit
         self.sid = req.session_id
@@ -79,7 +91,7 @@ class SessionActor:
         self.stats = RoundStats()
         self.out: list[int] = []
         self._last_verify_ms = 0.0
-        self._ahead_hit_rate = 1.0  # EMA of overlap hits (optimistic: the first rounds try)
+        self.ahead_hits = ahead_hits if ahead_hits is not None else HitRate()
         self.log = get_logger("specsplit.orchestrator")
 
     async def run(self) -> GenerateDone:
@@ -125,7 +137,7 @@ class SessionActor:
             self._last_verify_ms = reply.verify_ms
             tree_next = await self._take_ahead(ahead, tree, reply)
             if ahead is not None:
-                self._ahead_hit_rate = 0.8 * self._ahead_hit_rate + 0.2 * (tree_next is not None)
+                self.ahead_hits.update(tree_next is not None)
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
             self.stats.add(tree, reply)
@@ -214,7 +226,7 @@ class SessionActor:
         p = self.policy
         if not p.overlap:
             return False
-        return self._ahead_hit_rate >= p.overlap_min_hit_rate or rnd % max(1, p.overlap_probe_every) == 0
+        return self.ahead_hits.rate >= p.overlap_min_hit_rate or rnd % max(1, p.overlap_probe_every) == 0
 
     def _draft_ahead(self, rnd: int, tree: FlatTree, spec: TreeSpec):
         """Assume the best path of ``tree`` is accepted in full and draft from its last node, one

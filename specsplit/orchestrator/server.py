@@ -20,7 +20,7 @@ from schemas import (
 )
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
-from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.actor import ActorPolicy, HitRate, SessionActor
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -36,6 +36,7 @@ class Orchestrator:
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
         self.sessions: dict[str, asyncio.Task] = {}
+        self.ahead_hits = HitRate()  # overlap's hit rate, learned across sessions
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
@@ -113,7 +114,7 @@ class Orchestrator:
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
 
-        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit)
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.ahead_hits)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))
