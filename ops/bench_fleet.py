@@ -108,7 +108,8 @@ def _log(msg: str) -> None:
 
 class _Systems:
     """The five systems behind one call: the in-process loop here (alone, and with its target in a
-    second process), and one SpecSplitClient per orchestrator on one event loop. ``run`` returns (new token ids, rounds, accepted tokens)."""
+    second process), and one SpecSplitClient per orchestrator on one event loop. ``run`` returns
+    (new token ids, rounds, accepted tokens)."""
 
     def __init__(self, draft, target, addrs: dict[str, str], tree: TreeSpec, timeout_s: float = 300.0):
         from specsplit.client import SpecSplitClient

@@ -4,7 +4,8 @@ Starts a router and a no-op worker (a VerifyReply for a 16-node VerifyRequest) i
 spawned processes, measures sequential AsyncRpcClient round trips (p50/p99 in microseconds,
 after a warm-up), and next to it a raw pyzmq DEALER<->ROUTER echo of the same frames in the same
 run (one hop, no codec: the floor), and raw pyzmq through a minimal ROUTER/ROUTER forwarder to a
-raw echo DEALER (two hops, no codec: the floor of any design with a router in the middle). Then, unless ``--no-fleet``, fleet tok/s vs the in-process
+raw echo DEALER (two hops, no codec: the floor of any design with a router in the middle). The
+three paths run in alternating blocks. Then, unless ``--no-fleet``, fleet tok/s vs the in-process
 reference loop on the tiny models (``ops.bench_fleet``; JSON key ``fleet``). All child processes
 are stopped by pid at the end.
 

@@ -39,7 +39,9 @@ import structlog
 import zmq
 
 from schemas.codec import CodecError, Envelope, MsgKind, check_envelope, decode, pack_frames, unpack_frames
-from schemas.messages import DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello
+from schemas.messages import (
+    DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello,
+)
 from specsplit.logs import get_logger
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 
