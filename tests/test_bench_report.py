@@ -19,3 +19,21 @@ def test_summary_ratios_cover_every_baseline_present():
     assert s["identical_to_target"] == "0/2" and rows[0]["first_divergence"] == 3
     table = R.markdown(rows, s)
     assert "target_packed tok/s" in table and "**8.00**" in table
+
+
+def test_bench_transport_writes_the_issue_json_keys(tmp_path, capsys):
+    """`specsplit bench transport --json FILE` (short run, no fleet): RTT through the router next to
+    raw pyzmq over one and two hops, every child process stopped."""
+    import json
+    import multiprocessing as mp
+
+    from specsplit.cli import main
+
+    out = tmp_path / "transport.json"
+    assert main(["bench", "transport", "--n", "60", "--warmup", "10", "--no-fleet", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("rtt_us", "raw_zmq_rtt_us", "raw_zmq_2hop_rtt_us"):
+        assert 0 < result[key]["p50"] <= result[key]["p99"]
+    assert result["n"] == 60 and result["body_bytes"] > 0
+    assert "rpc client->router->worker" in capsys.readouterr().out
+    assert not mp.active_children()
