@@ -263,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet-prompts", type=int, default=8)
     p.add_argument("--fleet-max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop every child
-    result = run(args.n, args.warmup, args.heartbeat_s)
-    if not args.no_fleet:
-        from ops.bench_fleet import run_fleet_vs_local
+    # SIGTERM runs the finally blocks (every child is stopped); the caller's handler comes back after
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = run(args.n, args.warmup, args.heartbeat_s)
+        if not args.no_fleet:
+            from ops.bench_fleet import run_fleet_vs_local
 
-        result["fleet"] = run_fleet_vs_local(args.fleet_prompts, args.fleet_max_new_tokens)
+            result["fleet"] = run_fleet_vs_local(args.fleet_prompts, args.fleet_max_new_tokens)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"{'path':<34}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for label, key in (("rpc client->router->worker", "rtt_us"), ("raw pyzmq DEALER<->ROUTER echo", "raw_zmq_rtt_us"),
                        ("raw pyzmq via bare forwarder", "raw_zmq_2hop_rtt_us")):

@@ -26,14 +26,16 @@ def test_bench_transport_writes_the_issue_json_keys(tmp_path, capsys):
     raw pyzmq over one and two hops, every child process stopped."""
     import json
     import multiprocessing as mp
+    import signal
 
     from specsplit.cli import main
 
     out = tmp_path / "transport.json"
+    handler = signal.getsignal(signal.SIGTERM)
     assert main(["bench", "transport", "--n", "60", "--warmup", "10", "--no-fleet", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("rtt_us", "raw_zmq_rtt_us", "raw_zmq_2hop_rtt_us"):
         assert 0 < result[key]["p50"] <= result[key]["p99"]
     assert result["n"] == 60 and result["body_bytes"] > 0
     assert "rpc client->router->worker" in capsys.readouterr().out
-    assert not mp.active_children()
+    assert not mp.active_children() and signal.getsignal(signal.SIGTERM) is handler
