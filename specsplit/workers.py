@@ -90,7 +90,10 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
 
 
 def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
-    from specsplit.transport.worker_loop import WorkerLoop
+    from functools import partial
+
+    from specsplit.spec.engine import PREFILL_TOKENS
+    from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     log = get_logger("specsplit.worker", service=service)
     stop = threading.Event()
@@ -108,7 +111,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
-                      may_inline=engine.may_inline if settings.inline else None)
+                      # socket-thread fast path: tree-sized forwards only, never prefills or growth
+                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

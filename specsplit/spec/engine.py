@@ -16,7 +16,6 @@ import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, ErrorReply, Message
 from specsplit.spec.kvcache import SessionKV
-from specsplit.transport.worker_loop import small_request
 from specsplit.spec.store import Session, SessionStore
 from specsplit.spec.tree import SpecError, additive_mask, check_token_ids
 
@@ -82,12 +81,6 @@ class Engine:
         if isinstance(msg, EndSession):
             return Ack(session_id=msg.session_id, existed=self.store.end_session(msg.session_id))
         raise SpecError(ErrorCode.BAD_REQUEST, f"{self.role} worker does not serve {type(msg).__name__}")
-
-    @staticmethod
-    def may_inline(msg: Message) -> bool:
-        """Whether ``msg`` may take a worker's socket-thread fast path (see
-        ``transport.worker_loop.small_request``): no prefill-sized forward, no growth."""
-        return small_request(msg, PREFILL_TOKENS)
 
     def handle_batch(self, msgs: list[Message]) -> list[Message]:
         """Several sessions' requests; today one forward each (batched forwards come later)."""
