@@ -1,7 +1,7 @@
 """Push prompts to a running fleet from Python; stream the answers as text, print tok/s.
 
     SPECSPLIT_PRESET=smollm2 honcho start          # or any running fleet
-    python -m ops.example_client "What is 2 + 2?" --orchestrator tcp://127.0.0.1:5570
+    python ops/example_client.py "What is 2 + 2?" --orchestrator tcp://127.0.0.1:5570
 """
 
 import argparse

@@ -51,11 +51,13 @@ def _orchestrator(argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     if argv and argv[0] == "transport":
-        from ops.bench_transport import main
+        from specsplit.bench.transport import main
 
         return main(argv[1:])
-    from ops.bench import main as bench_main
+    from specsplit.bench import require_bench_extras
+    from specsplit.bench.quality import main as bench_main
 
+    require_bench_extras()
     return bench_main(argv)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from schemas import CacheSync, DraftRequest, ErrorReply, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, remaining_tree
-from specsplit.spec.draft import DraftEngine
-from specsplit.spec.engine import EngineLimits
-from specsplit.spec.target import TargetEngine
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.target import TargetEngine
 
 
 def generate(

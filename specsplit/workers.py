@@ -51,9 +51,9 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     import torch
 
     from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
-    from specsplit.spec.draft import DraftEngine
-    from specsplit.spec.engine import EngineLimits, model_vocab_size
-    from specsplit.spec.target import TargetEngine
+    from specsplit.engine.draft import DraftEngine
+    from specsplit.engine.base import EngineLimits, model_vocab_size
+    from specsplit.engine.target import TargetEngine
 
     threads = settings.threads_for(service) or default_threads(service)
     prefill_threads = settings.prefill_threads or default_prefill_threads()
@@ -92,7 +92,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
 def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     from functools import partial
 
-    from specsplit.spec.engine import PREFILL_TOKENS
+    from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     log = get_logger("specsplit.worker", service=service)

@@ -9,9 +9,9 @@ import pytest
 
 from schemas import DraftRequest, GenerateDone, GenerateRequest, TreeSpec
 from specsplit.orchestrator.actor import ActorPolicy, HitRate, SessionActor
-from specsplit.spec.draft import DraftEngine
-from specsplit.spec.engine import EngineLimits
-from specsplit.spec.target import TargetEngine
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.target import TargetEngine
 from tests.conftest import greedy_reference
 
 LIMITS = EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=64, max_tree_depth=16)

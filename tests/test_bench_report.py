@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ops import bench_report as R
-from ops.bench_systems import Answer
+from specsplit.bench import report as R
+from specsplit.bench.systems import Answer
 
 
 def test_summary_ratios_cover_every_baseline_present():

@@ -13,10 +13,10 @@ from schemas import (
     Ack, CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, SamplingSpec,
     TreeSpec, VerifyReply, VerifyRequest,
 )
-from specsplit.spec.draft import DraftEngine
-from specsplit.spec.engine import EngineLimits
-from specsplit.spec.target import TargetEngine
-from specsplit.spec.tree import TreeError, check_parents
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.target import TargetEngine
+from specsplit.engine.tree import TreeError, check_parents
 from tests.conftest import tiny_model
 
 LIMITS = EngineLimits(max_sessions=4, max_session_tokens=128, max_tree_nodes=16, max_tree_depth=6)

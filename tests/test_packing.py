@@ -11,7 +11,7 @@ import torch
 from schemas import SamplingSpec, TreeSpec
 from specsplit.local import generate
 from specsplit.models.packing import PackedLinear, pack_linear_weights
-from specsplit.spec.engine import model_vocab_size
+from specsplit.engine.base import model_vocab_size
 from tests.conftest import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")

@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (
 
 from schemas import FlatTree, SamplingSpec, TreeSpec
 from specsplit.local import generate
-from specsplit.spec import sampling as S
-from specsplit.spec.tree import validate_tree
-from specsplit.spec.verify import verify_sampling
+from specsplit.engine import sampling as S
+from specsplit.engine.tree import validate_tree
+from specsplit.engine.verify import verify_sampling
 from tests.conftest import tiny_model
 
 V = 16

@@ -33,12 +33,12 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from schemas import CacheSync, DraftRequest, EndSession, FlatTree, SamplingSpec, TreeSpec, VerifyRequest
 from specsplit.local import RoundStats, generate
-from specsplit.spec import sampling as S
-from specsplit.spec.draft import DraftEngine
-from specsplit.spec.engine import EngineLimits
-from specsplit.spec.target import TargetEngine
-from specsplit.spec.tree import validate_tree
-from specsplit.spec.verify import Verdict, verify_sampling
+from specsplit.engine import sampling as S
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.target import TargetEngine
+from specsplit.engine.tree import validate_tree
+from specsplit.engine.verify import Verdict, verify_sampling
 from tests.conftest import tiny_model
 
 ALPHA = 1e-3

@@ -6,10 +6,10 @@ import random
 import threading
 
 from schemas import CacheSync, ErrorCode, ErrorReply, FlatTree, VerifyReply, VerifyRequest
-from specsplit.spec.engine import EngineLimits
-from specsplit.spec.kvcache import SessionKV
-from specsplit.spec.store import SessionStore
-from specsplit.spec.target import TargetEngine
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.store import SessionStore
+from specsplit.engine.target import TargetEngine
 from tests.conftest import tiny_model
 
 

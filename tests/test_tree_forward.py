@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from specsplit.spec.engine import Engine, EngineLimits
-from specsplit.spec.kvcache import SessionKV
-from specsplit.spec.tree import depths_of, linear_then_tree, positions, root_to_leaf_paths
+from specsplit.engine.base import Engine, EngineLimits
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.tree import depths_of, linear_then_tree, positions, root_to_leaf_paths
 from tests.conftest import FAMILIES, tiny_model
 
 
@@ -86,7 +86,7 @@ def test_compaction_equals_sequential_cache(family):
 
 
 def test_cache_grows_in_chunks_and_respects_limit():
-    from specsplit.spec.kvcache import CacheFull
+    from specsplit.engine.kvcache import CacheFull
 
     model = tiny_model("llama", seed=3)
     engine = Engine(model, EngineLimits(max_session_tokens=40, cache_chunk=16))

@@ -21,7 +21,7 @@ from schemas import (
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, best_path, remaining_tree
-from specsplit.spec.tree import subtree
+from specsplit.engine.tree import subtree
 from specsplit.transport.rpc import RpcError, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}

@@ -7,10 +7,10 @@ import time
 import torch
 
 from schemas import Message, VerifyReply, VerifyRequest
-from specsplit.spec.engine import Engine, elapsed_ms
-from specsplit.spec.sampling import make_generator
-from specsplit.spec.tree import linear_then_tree, positions, validate_tree
-from specsplit.spec.verify import verify_greedy, verify_sampling
+from specsplit.engine.base import Engine, elapsed_ms
+from specsplit.engine.sampling import make_generator
+from specsplit.engine.tree import linear_then_tree, positions, validate_tree
+from specsplit.engine.verify import verify_greedy, verify_sampling
 
 
 class TargetEngine(Engine):

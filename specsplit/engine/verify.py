@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from schemas import FlatTree, SamplingSpec
-from specsplit.spec import sampling as S
-from specsplit.spec.tree import TreeLayout
+from specsplit.engine import sampling as S
+from specsplit.engine.tree import TreeLayout
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops import bench_report as R
-from ops.bench_systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
+from specsplit.bench import report as R
+from specsplit.bench.systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
 
 
 def parse(argv):

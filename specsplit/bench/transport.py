@@ -6,10 +6,10 @@ after a warm-up), and next to it a raw pyzmq DEALER<->ROUTER echo of the same fr
 run (one hop, no codec: the floor), and raw pyzmq through a minimal ROUTER/ROUTER forwarder to a
 raw echo DEALER (two hops, no codec: the floor of any design with a router in the middle). The
 three paths run in alternating blocks. Then, unless ``--no-fleet``, fleet tok/s vs the in-process
-reference loop on the tiny models (``ops.bench_fleet``; JSON key ``fleet``). All child processes
+reference loop on the tiny models (``specsplit.bench.fleet``; JSON key ``fleet``). All child processes
 are stopped by pid at the end.
 
-    python -m ops.bench_transport --n 5000 --json runs/bench_transport.json
+    specsplit bench transport --n 5000 --json runs/bench_transport.json
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def run(n: int, warmup: int, heartbeat_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.bench_transport", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="specsplit bench transport", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=5000, help="timed round trips per transport")
     p.add_argument("--warmup", type=int, default=500)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args.n, args.warmup, args.heartbeat_s)
         if not args.no_fleet:
-            from ops.bench_fleet import run_fleet_vs_local
+            from specsplit.bench.fleet import run_fleet_vs_local
 
             result["fleet"] = run_fleet_vs_local(args.fleet_prompts, args.fleet_max_new_tokens)
     finally:
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rpc / raw p50 = {result['rtt_us']['p50'] / result['raw_zmq_rtt_us']['p50']:.2f}x, "
           f"rpc / 2-hop floor p50 = {result['rtt_us']['p50'] / result['raw_zmq_2hop_rtt_us']['p50']:.2f}x")
     if "fleet" in result:
-        from ops.bench_fleet import print_table
+        from specsplit.bench.fleet import print_table
 
         print()
         print_table(result["fleet"])

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specsplit.spec.kvcache import SessionKV
+from specsplit.engine.kvcache import SessionKV
 
 
 @dataclass(eq=False)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, ErrorReply, Message
-from specsplit.spec.kvcache import SessionKV
-from specsplit.spec.store import Session, SessionStore
-from specsplit.spec.tree import SpecError, additive_mask, check_token_ids
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.store import Session, SessionStore
+from specsplit.engine.tree import SpecError, additive_mask, check_token_ids
 
 
 @dataclass(frozen=True)

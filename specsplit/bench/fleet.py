@@ -40,7 +40,7 @@ def _pipe_target_main(conn, threads: int) -> None:
     import torch
 
     from specsplit.models import ModelSettings, load_model, resolve_model_paths
-    from specsplit.spec.target import TargetEngine
+    from specsplit.engine.target import TargetEngine
 
     torch.set_num_threads(threads)
     target, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny"), progress=False).target,
@@ -211,7 +211,7 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
     from transformers.utils import logging as hf_logging
 
     from specsplit.models import ModelSettings, load_model, resolve_model_paths
-    from specsplit.spec.engine import model_vocab_size
+    from specsplit.engine.base import model_vocab_size
 
     hf_logging.disable_progress_bar()
     tree = tree or TreeSpec()

@@ -29,10 +29,10 @@ import torch
 from schemas import (
     DraftReply, DraftRequest, ErrorCode, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec,
 )
-from specsplit.spec import sampling as S
-from specsplit.spec.engine import Engine, EngineLimits, elapsed_ms
-from specsplit.spec.kvcache import SessionKV
-from specsplit.spec.tree import SpecError, check_token_ids, path_to
+from specsplit.engine import sampling as S
+from specsplit.engine.base import Engine, EngineLimits, elapsed_ms
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.tree import SpecError, check_token_ids, path_to
 
 
 @dataclass
