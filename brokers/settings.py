@@ -18,10 +18,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from brokers.sockets import DEFAULT_HWM, is_loopback_address
 
 SERVICES: tuple[str, ...] = ("draft", "target")
+# The one definition of the fleet's default (loopback) addresses: routers, workers, orchestrators
+# and producers all read them through ``FleetAddresses``.
 _DEFAULT_ADDRESSES: dict[str, tuple[str, str]] = {
     "draft": ("tcp://127.0.0.1:5550", "tcp://127.0.0.1:5551"),
     "target": ("tcp://127.0.0.1:5560", "tcp://127.0.0.1:5561"),
 }
+DEFAULT_ORCHESTRATOR = "tcp://127.0.0.1:5570"
 
 
 def default_addresses(service: str) -> tuple[str, str]:
@@ -32,28 +35,46 @@ def default_addresses(service: str) -> tuple[str, str]:
         raise ValueError(f"unknown service {service!r}; expected one of {SERVICES}") from None
 
 
-class RouterSettings(BaseSettings):
-    """Settings of one router process."""
+class CommonSettings(BaseSettings):
+    """What every SpecSplit process reads, with one meaning: logging."""
 
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_", extra="ignore")
 
-    service: Literal["draft", "target"] = "draft"
-    frontend_addr: str | None = None
-    backend_addr: str | None = None
+    log_level: str = "INFO"
+    log_json: bool = False
+
+
+class FleetAddresses(CommonSettings):
+    """The fleet's addresses, one meaning in every process: routers bind ``*_router`` (their
+    frontend, where orchestrators connect) and ``*_backend`` (where workers connect); the
+    orchestrator binds ``orchestrator`` and producers connect to it."""
+
     draft_router: str = _DEFAULT_ADDRESSES["draft"][0]
     draft_backend: str = _DEFAULT_ADDRESSES["draft"][1]
     target_router: str = _DEFAULT_ADDRESSES["target"][0]
     target_backend: str = _DEFAULT_ADDRESSES["target"][1]
+    orchestrator: str = DEFAULT_ORCHESTRATOR
+
+
+class HeartbeatSettings(FleetAddresses):
+    """Router <-> worker liveness, read by both sides with one meaning (Paranoid Pirate)."""
+
     heartbeat_s: float = Field(default=1.0, gt=0.0, le=60.0)
     liveness: int = Field(default=3, ge=1, le=100)
+
+
+class RouterSettings(HeartbeatSettings):
+    """Settings of one router process."""
+
+    service: Literal["draft", "target"] = "draft"
+    frontend_addr: str | None = None
+    backend_addr: str | None = None
     max_workers: int = Field(default=256, ge=1, le=65_536)
     max_inflight: int = Field(default=65_536, ge=1, le=10_000_000)
     request_ttl_s: float = Field(default=300.0, gt=0.0)
     sndhwm: int = Field(default=DEFAULT_HWM, ge=0)
     rcvhwm: int = Field(default=DEFAULT_HWM, ge=0)
     allow_public_bind: bool = False
-    log_level: str = "INFO"
-    log_json: bool = False
 
     @model_validator(mode="after")
     def _fill_addresses(self) -> RouterSettings:

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    from specsplit.config import check_removed_settings
+
+    check_removed_settings()
     if cmd == "router":
         from brokers.__main__ import main as router_main
 

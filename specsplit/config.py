@@ -10,42 +10,46 @@ import os
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from brokers.settings import FleetAddresses, HeartbeatSettings
 from schemas import SamplingSpec, TreeSpec
 
-DRAFT_FRONTEND = "tcp://127.0.0.1:5550"
-DRAFT_BACKEND = "tcp://127.0.0.1:5551"
-TARGET_FRONTEND = "tcp://127.0.0.1:5560"
-TARGET_BACKEND = "tcp://127.0.0.1:5561"
-ORCH_FRONTEND = "tcp://127.0.0.1:5570"
+# Variables that no longer exist, and what replaced them: setting one is an error at startup
+# (a silently ignored setting is worse than a clear refusal).
+REMOVED_SETTINGS = {
+    "SPECSPLIT_OVERLAP": "best-path overlap was removed: it measured below tree growth (SPECSPLIT_GROW, on by default)",
+    "SPECSPLIT_OVERLAP_MIN_HIT_RATE": "best-path overlap was removed (see SPECSPLIT_GROW)",
+    "SPECSPLIT_MAX_SESSIONS": "split in two: SPECSPLIT_WORKER_MAX_SESSIONS (a worker's KV cache LRU) and "
+                              "SPECSPLIT_ORCHESTRATOR_MAX_SESSIONS (sessions one orchestrator runs at once)",
+    "SPECSPLIT_REQUEST_TIMEOUT_S": "split in two: SPECSPLIT_RPC_TIMEOUT_S (orchestrator -> worker requests) and "
+                                   "SPECSPLIT_PRODUCE_TIMEOUT_S (a producer's whole generation)",
+    "SPECSPLIT_CHUNK_TIMEOUT_S": "renamed SPECSPLIT_PRODUCE_CHUNK_TIMEOUT_S",
+    "SPECSPLIT_FRONTEND": "renamed SPECSPLIT_ORCHESTRATOR (the orchestrator binds it, producers connect to it)",
+}
 
 
-class _Base(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECSPLIT_", extra="ignore")
+def check_removed_settings(environ=None) -> None:
+    """Refuse variables that were removed or split, naming their replacement."""
+    environ = os.environ if environ is None else environ
+    found = [f"{name}: {why}" for name, why in REMOVED_SETTINGS.items() if name in environ]
+    if found:
+        raise SystemExit("specsplit: settings no longer read:\n  " + "\n  ".join(found))
 
-    log_level: str = "INFO"
-    log_json: bool = False
 
-
-class WorkerSettings(_Base):
+class WorkerSettings(HeartbeatSettings):
     """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
 
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
-    draft_backend: str = DRAFT_BACKEND
-    target_backend: str = TARGET_BACKEND
     threads: int | None = None  # torch threads; default: see workers.default_threads
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
     # torch threads for forwards of more than 64 new tokens (prefills); default: every core
     prefill_threads: int | None = Field(default=None, ge=1)
-    max_sessions: int = Field(default=256, ge=1)
+    worker_max_sessions: int = Field(default=256, ge=1)  # sessions whose KV caches a worker keeps (LRU)
     session_ttl_s: float = Field(default=900.0, gt=0)
     max_session_tokens: int = Field(default=4096, ge=16)
     max_tree_nodes: int = Field(default=64, ge=1, le=256)
     max_tree_depth: int = Field(default=16, ge=1, le=64)
-    heartbeat_s: float = Field(default=1.0, gt=0)
-    liveness: int = Field(default=3, ge=1)
     max_queue: int = Field(default=1024, ge=1)
     # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
     # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
@@ -70,44 +74,36 @@ class WorkerSettings(_Base):
         return self.worker_id or f"{service}-{slot}"
 
 
-class OrchestratorSettings(_Base):
-    """The orchestrator. Env: SPECSPLIT_FRONTEND, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_OVERLAP, ..."""
+class OrchestratorSettings(FleetAddresses):
+    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ..."""
 
-    frontend: str = ORCH_FRONTEND
-    draft_router: str = DRAFT_FRONTEND
-    target_router: str = TARGET_FRONTEND
     # measured on 2 cores with the qwen-coder pair: a deep, narrow tree that stops below
     # unlikely paths (16 nodes, depth 10, branch 2, min_path_prob 0.3) beat 10/6/2 by ~25%
     tree_max_nodes: int = Field(default=16, ge=1, le=256)
     tree_max_depth: int = Field(default=10, ge=0, le=64)
     tree_branch: int = Field(default=2, ge=1, le=32)
     tree_min_path_prob: float = Field(default=0.3, ge=0.0, le=1.0)
-    overlap: bool = False  # draft round r+1 while round r is verified
-    # ... only while its recent hit rate reaches this (else it probes every 8th round): a missed
-    # ahead draft holds the draft worker (tiny models: 6% hits, 0.43x without this guard)
-    overlap_min_hit_rate: float = Field(default=0.25, ge=0.0, le=1.0)
     # greedy sessions: the draft worker keeps expanding the tree while the target verifies it,
     # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
     grow_width: int = Field(default=4, ge=1, le=32)
-    request_timeout_s: float = Field(default=60.0, gt=0)
+    rpc_timeout_s: float = Field(default=60.0, gt=0)  # one orchestrator -> worker request
     max_attempts: int = Field(default=8, ge=1)
     backoff_s: float = Field(default=0.05, gt=0)
     backoff_max_s: float = Field(default=2.0, gt=0)
-    max_sessions: int = Field(default=1024, ge=1)
+    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions run at once; more: OVERLOADED
 
     def tree(self) -> TreeSpec:
         return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch,
                         min_path_prob=self.tree_min_path_prob)
 
 
-class ProducerSettings(_Base):
-    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_REQUEST_TIMEOUT_S."""
+class ProducerSettings(FleetAddresses):
+    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_PRODUCE_TIMEOUT_S."""
 
-    orchestrator: str = ORCH_FRONTEND
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    chunk_timeout_s: float = Field(default=300.0, gt=0)
+    produce_timeout_s: float = Field(default=600.0, gt=0)  # one whole generation
+    produce_chunk_timeout_s: float = Field(default=300.0, gt=0)  # between two streamed chunks
 
     @staticmethod
     def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:

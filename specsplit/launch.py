@@ -73,11 +73,11 @@ class Fleet:
             "SPECSPLIT_LOG_LEVEL": "INFO",
             "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"],
             "SPECSPLIT_TARGET_BACKEND": addr["target_be"],
-            "SPECSPLIT_FRONTEND": addr["orch"],
+            "SPECSPLIT_ORCHESTRATOR": addr["orch"],
             "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
             "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
             "SPECSPLIT_MAX_ATTEMPTS": "30",
-            "SPECSPLIT_REQUEST_TIMEOUT_S": "300",
+            "SPECSPLIT_RPC_TIMEOUT_S": "300",
             **{k: str(v) for k, v in extra_env.items()},
         }
         return cls(tmp=tmp, env=env, ports=ports)

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def produce(args, codec: PromptCodec, addr: str, timeout_s: float) -> int:
+async def produce(args, codec: PromptCodec, addr: str, timeout_s: float, chunk_timeout_s: float = 300.0) -> int:
     from specsplit.client import GenerationError, SpecSplitClient
 
     prompts = read_prompts(args)
@@ -95,7 +95,7 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float) -> int:
     stream = args.concurrency == 1 and not args.json
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
-    async with SpecSplitClient(addr, timeout_s=timeout_s) as client:
+    async with SpecSplitClient(addr, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s) as client:
         if not await wait_until_serving(client, codec.encode(prompts[0])[:8], args.wait_s):
             print(f"specsplit produce: the fleet at {addr} did not serve within {args.wait_s:.0f}s", file=sys.stderr)
             return 3
@@ -181,4 +181,4 @@ def produce_main(argv=None) -> int:
     configure_logging(settings.log_level if settings.log_level != "INFO" else "WARNING", settings.log_json)
     paths = resolve_model_paths(ModelSettings())
     codec = PromptCodec(paths.target, chat=args.chat)
-    return asyncio.run(produce(args, codec, args.orchestrator or settings.orchestrator, settings.request_timeout_s))
+    return asyncio.run(produce(args, codec, args.orchestrator or settings.orchestrator, settings.produce_timeout_s, settings.produce_chunk_timeout_s))

@@ -73,7 +73,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
         packed = pack_linear_weights(model)
         get_logger("specsplit.worker", service=service).info("weights_packed", linear_layers=packed)
     limits = EngineLimits(
-        max_sessions=settings.max_sessions, session_ttl_s=settings.session_ttl_s,
+        max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
     )

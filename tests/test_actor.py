@@ -1,5 +1,5 @@
 """The session actor over real engines called in-process (the transport is tested elsewhere):
-overlap drafts ahead only while it pays, and the output is the target's greedy decoding either way."""
+with and without tree growth, the output is the target's greedy decoding."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from schemas import DraftRequest, GenerateDone, GenerateRequest, TreeSpec
-from specsplit.orchestrator.actor import ActorPolicy, HitRate, SessionActor
+from schemas import GenerateDone, GenerateRequest, GrowRequest, TreeSpec
+from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
@@ -31,42 +31,28 @@ class EngineRpc:
         return self.engine.handle(msg)
 
 
-def run_actor(draft, target, prompt, n, hits=None, **policy):
+def run_actor(draft, target, prompt, n, **policy):
     d_rpc, t_rpc = EngineRpc(DraftEngine(draft, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
     out = []
     req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
-    actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, **policy), out.append, hits)
+    actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, **policy), out.append)
     done = asyncio.run(actor.run())
-    ahead = [m for m in d_rpc.requests if isinstance(m, DraftRequest) and m.tree.max_nodes == 2 * SPEC.max_nodes]
     assert isinstance(out[-1], GenerateDone)
-    return done, len(ahead)
+    assert actor._grow_task is None  # no grow request is left behind with its session
+    grows = [m for m in d_rpc.requests if isinstance(m, GrowRequest)]
+    return done, grows
 
 
 @pytest.mark.parametrize("which", ["often", "rarely"])
-def test_overlap_drafts_ahead_only_while_it_pays(models, which):
+@pytest.mark.parametrize("grow", [False, True])
+def test_actor_equals_greedy_with_and_without_growth(models, which, grow):
     target, often, rarely = models["qwen2"]
     draft = often if which == "often" else rarely
     prompt, n = [3, 14, 15, 92, 65, 35], 40
     want = greedy_reference(target, prompt, n)[0]
-    always, ahead_always = run_actor(draft, target, prompt, n, overlap=True, overlap_min_hit_rate=0.0)
-    guarded, ahead_guarded = run_actor(draft, target, prompt, n, overlap=True)
-    assert always.token_ids == guarded.token_ids == want
-    assert ahead_always >= always.rounds - 1  # unguarded: every round but the last drafts ahead
-    if which == "rarely":  # an unrelated draft: ahead drafts never hit, so the guard stops them
-        # the optimistic EMA falls below 0.25 after 7 misses; then only every 8th round probes
-        assert ahead_guarded <= 7 + guarded.rounds // 8 + 1 and ahead_guarded < ahead_always / 2
+    done, grows = run_actor(draft, target, prompt, n, grow=grow, grow_fraction=4.0)
+    assert done.token_ids == want
+    if grow:  # every round after the first (which has no verify time to size a budget) grows
+        assert len(grows) == done.rounds - 1 and all(g.round >= 1 for g in grows)
     else:
-        assert ahead_guarded > 0
-
-
-def test_overlap_hit_rate_is_learned_across_sessions(models):
-    """The orchestrator shares one hit rate between its sessions: after a session of misses, the
-    next one only probes."""
-    target, _, rarely = models["qwen2"]
-    hits = HitRate()
-    prompt, n = [3, 14, 15, 92, 65, 35], 40
-    first, ahead_first = run_actor(rarely, target, prompt, n, hits, overlap=True)
-    assert hits.rate < 0.25
-    second, ahead_second = run_actor(rarely, target, prompt[::-1], n, hits, overlap=True)
-    assert ahead_second <= second.rounds // 8 + 1 < ahead_first
-    assert second.token_ids == greedy_reference(target, prompt[::-1], n)[0]
+        assert not grows

@@ -39,7 +39,7 @@ def smollm2_target() -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, smollm2_target):
-    f = Fleet.create(tmp_path_factory.mktemp("fleet-smollm2"), preset="smollm2", SPECSPLIT_REQUEST_TIMEOUT_S=60)
+    f = Fleet.create(tmp_path_factory.mktemp("fleet-smollm2"), preset="smollm2", SPECSPLIT_RPC_TIMEOUT_S=60)
     try:
         f.start(drafts=1, targets=1)
         yield f

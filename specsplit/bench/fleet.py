@@ -1,13 +1,12 @@
 """Fleet tok/s vs the in-process reference loop (``specsplit.local.generate``) on the tiny models.
 
-One fleet (router pair, 1 draft + 1 target worker at one torch thread each) with three
-orchestrators on the same routers: one with no overlap at all (``SPECSPLIT_GROW=false``), one
-with ``SPECSPLIT_OVERLAP=true`` (draft round r+1 from the best path while r is verified) and one
+One fleet (router pair, 1 draft + 1 target worker at one torch thread each) with two
+orchestrators on the same routers: one with no overlap at all (``SPECSPLIT_GROW=false``) and one
 with tree growth (the default: the draft grows the whole tree while the target verifies it and
 re-roots it at the bonus token). The reference loop runs in this process with the same tiny pair in
 fp32 at one torch thread. One session at a time, the same random token-id prompts (fixed seed),
 the same TreeSpec and greedy sampling, the order of the three systems rotating per prompt.
-Goal (the issue): fleet >= 0.9x the reference loop without overlap, above it with overlap.
+Goal: fleet >= 0.9x the reference loop without growth, above it with growth.
 The reference loop drafts and verifies in turn in one process (growth cannot help it).
 
 A fifth system, ``local_2proc``, is the same reference loop with the target engine moved into a
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from schemas import SamplingSpec, TreeSpec
 
-SYSTEMS = ("local", "local_2proc", "fleet", "fleet_overlap", "fleet_grow")
+SYSTEMS = ("local", "local_2proc", "fleet", "fleet_grow")
 
 
 def _pipe_target_main(conn, threads: int) -> None:
@@ -168,16 +167,16 @@ class _Tally:
 
 
 def _start_fleet(tmp: Path):
-    """The fleet (no overlap) plus orchestrators with overlap and with growth; returns
+    """The fleet (no growth) plus an orchestrator with tree growth on the same routers; returns
     (fleet, {system: address})."""
     from specsplit.launch import Fleet, free_ports
 
     fleet = Fleet.create(tmp, preset="tiny", threads=1, SPECSPLIT_GROW="false").start(drafts=1, targets=1)
     addrs = {"fleet": fleet.orchestrator}
-    for name, env in (("fleet_overlap", {"SPECSPLIT_OVERLAP": "true"}), ("fleet_grow", {"SPECSPLIT_GROW": "true"})):
+    for name, env in (("fleet_grow", {"SPECSPLIT_GROW": "true"}),):
         port = free_ports(1)[0]
         fleet.ports[name] = port
-        fleet.spawn(name, "orchestrator", env={"SPECSPLIT_FRONTEND": f"tcp://127.0.0.1:{port}", **env})
+        fleet.spawn(name, "orchestrator", env={"SPECSPLIT_ORCHESTRATOR": f"tcp://127.0.0.1:{port}", **env})
         addrs[name] = f"tcp://127.0.0.1:{port}"
     return fleet, addrs
 
@@ -226,13 +225,12 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
         target, _ = load_model(paths.target, dtype="float32", threads=1)
         prompts = random_prompts(n_prompts, model_vocab_size(target), seed)
         fleet.wait_ready(timeout_s=240)
-        for name in ("fleet_overlap", "fleet_grow"):
+        for name in ("fleet_grow",):
             fleet.wait_log(name, "orchestrator_started", timeout_s=240)
         systems = _Systems(draft, target, addrs, tree)
         systems.wait_ready(timeout_s=60)
         tally, identical = _time_prompts(systems, prompts, max_new_tokens, log)
-        overlap_log, grow_log = fleet.log("fleet_overlap"), fleet.log("fleet_grow")  # warm-up rounds included
-        overlap_hits, overlap_rounds = overlap_log.count("overlap_hit=True"), overlap_log.count("round_done")
+        grow_log = fleet.log("fleet_grow")  # warm-up rounds included
         grow_rounds = grow_log.count("round_done")
         grow_hits = grow_rounds - grow_log.count("draft_reused=0")
         ok = True
@@ -249,13 +247,11 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
         **{f"{name}_tok_s": round(tally[name].tok_s, 1) for name in SYSTEMS},
         "fleet_vs_local": round(tally["fleet"].tok_s / local, 3) if local else 0.0,
         "local_2proc_vs_local": round(tally["local_2proc"].tok_s / local, 3) if local else 0.0,
-        "fleet_overlap_vs_local": round(tally["fleet_overlap"].tok_s / local, 3) if local else 0.0,
         "fleet_grow_vs_local": round(tally["fleet_grow"].tok_s / local, 3) if local else 0.0,
         "identical": identical, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
         "new_tokens": {k: t.tokens for k, t in tally.items()},
         "seconds": {k: round(t.seconds, 3) for k, t in tally.items()},
         "mean_accepted": {k: round(t.mean_accepted, 2) for k, t in tally.items()},
-        "overlap_hit_rounds": overlap_hits, "overlap_rounds": overlap_rounds,
         "grow_reused_rounds": grow_hits, "grow_rounds": grow_rounds,
         "tree": tree.model_dump(), "seed": seed, "threads": 1, "cpu_count": os.cpu_count(),
         "load_avg_before": [round(x, 2) for x in load_before],
@@ -267,10 +263,9 @@ def print_table(fleet: dict) -> None:
     print(f"{'system (tiny, 1 session, greedy)':<34}{'tok/s':>10}{'vs local':>10}{'tok/round':>10}")
     for label, key, ratio in (("in-process loop (local.generate)", "local", 1.0),
                               ("same, target in a 2nd process", "local_2proc", fleet["local_2proc_vs_local"]),
-                              ("fleet, overlap off", "fleet", fleet["fleet_vs_local"]),
-                              ("fleet, overlap (best path)", "fleet_overlap", fleet["fleet_overlap_vs_local"]),
-                              ("fleet, overlap (tree growth)", "fleet_grow", fleet["fleet_grow_vs_local"])):
+                              ("fleet, no growth", "fleet", fleet["fleet_vs_local"]),
+                              ("fleet, tree growth", "fleet_grow", fleet["fleet_grow_vs_local"])):
         print(f"{label:<34}{fleet[f'{key}_tok_s']:>10.1f}{ratio:>9.3f}x{fleet['mean_accepted'][key]:>10.2f}")
     print(f"prompts={fleet['prompts']} max_new_tokens={fleet['max_new_tokens']} identical={fleet['identical']} "
-          f"goal: fleet >= 0.9x, fleet+overlap > 1.0x  load avg {fleet['load_avg_before']} -> "
+          f"goal: fleet >= 0.9x, fleet+growth > 1.0x  load avg {fleet['load_avg_before']} -> "
           f"{fleet['load_avg_after']} on {fleet['cpu_count']} cpus")

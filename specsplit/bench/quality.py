@@ -43,7 +43,6 @@ def parse(argv):
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
     p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--grow", action=argparse.BooleanOptionalAction, default=True,
                    help="the draft grows its tree while the target verifies (greedy)")
     p.add_argument("--assisted-tokens", default="auto", help="'auto' tunes it on the first prompt, or an int")
@@ -61,7 +60,7 @@ def fleet_env(args, model_settings) -> dict:
     n, d, b, *rest = args.tree.split(",")
     env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
            "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
-           "SPECSPLIT_OVERLAP": str(args.overlap).lower(), "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
+           "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
            "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,

@@ -20,7 +20,7 @@ from schemas import (
 )
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
-from specsplit.orchestrator.actor import ActorPolicy, HitRate, SessionActor
+from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -30,13 +30,11 @@ class Orchestrator:
         self.settings = settings
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.policy = ActorPolicy(
-            tree=settings.tree(), request_timeout_s=settings.request_timeout_s, max_attempts=settings.max_attempts,
-            backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s, overlap=settings.overlap,
-            overlap_min_hit_rate=settings.overlap_min_hit_rate,
+            tree=settings.tree(), rpc_timeout_s=settings.rpc_timeout_s, max_attempts=settings.max_attempts,
+            backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
         self.sessions: dict[str, asyncio.Task] = {}
-        self.ahead_hits = HitRate()  # overlap's hit rate, learned across sessions
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
@@ -44,14 +42,14 @@ class Orchestrator:
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.frontend)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.orchestrator)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
-                                        default_timeout_s=s.request_timeout_s, max_pending=8 * s.max_sessions)
+                                        default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
-                                         default_timeout_s=s.request_timeout_s, max_pending=8 * s.max_sessions)
+                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=s.frontend, overlap=s.overlap, tree=s.tree().model_dump())
+        self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree=s.tree().model_dump())
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -107,14 +105,14 @@ class Orchestrator:
         if sid in self.sessions:
             err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"session {sid!r} is already running", session_id=sid)
             return self._send(client, err, sid, rid)
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) >= self.settings.orchestrator_max_sessions:
             err = ErrorReply.of(ErrorCode.OVERLOADED, f"{len(self.sessions)} sessions running", session_id=sid)
             return self._send(client, err, sid, rid)
 
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
 
-        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.ahead_hits)
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))
