@@ -2,7 +2,7 @@
 
 Every message on a SpecSplit socket is one of these classes, encoded by ``schemas.codec``.
 Field caps here are absolute protocol limits (a worker may configure tighter ones); structural
-tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.engine.tree``.
+tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.tree``.
 """
 
 from __future__ import annotations

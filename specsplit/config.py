@@ -40,7 +40,7 @@ class WorkerSettings(HeartbeatSettings):
     """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
 
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
-    threads: int | None = None  # torch threads; default: see workers.default_threads
+    threads: int | None = None  # torch threads (CPU); default: see backends.default_threads
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
     # torch threads for forwards of more than 64 new tokens (prefills); default: every core
@@ -108,3 +108,39 @@ class ProducerSettings(FleetAddresses):
     @staticmethod
     def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:
         return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+ROLES = ("router", "draft", "target", "orchestrator", "produce")
+
+
+def effective_settings(role: str) -> dict:
+    """What a process of ``role`` would run with, from this environment, as JSON-ready data:
+    its settings objects plus the values derived from them (model dtype and device, backend
+    threads, addresses). ``specsplit config [ROLE]`` prints it."""
+    if role == "router":
+        from brokers.settings import SERVICES, RouterSettings
+
+        return {service: RouterSettings(service=service).model_dump(mode="json") for service in SERVICES}
+    if role in ("draft", "target"):
+        from specsplit.backends import build_backend
+        from specsplit.models import ModelSettings
+        from specsplit.workers import model_dtype
+
+        worker, models = WorkerSettings(), ModelSettings()
+        device = getattr(models, f"{role}_device")
+        return {
+            "worker": worker.model_dump(mode="json"),
+            "models": models.model_dump(mode="json"),
+            "effective": {
+                "identity": worker.identity(role), "router_backend": worker.backend(role),
+                "model": getattr(models, f"{role}_model") or f"preset {models.preset}",
+                "dtype": model_dtype(role, models), "device": device,
+                **build_backend(role, device, worker).describe(),
+            },
+        }
+    if role == "orchestrator":
+        s = OrchestratorSettings()
+        return {"orchestrator": s.model_dump(mode="json"), "effective": {"tree": s.tree().model_dump(mode="json")}}
+    if role == "produce":
+        return {"produce": ProducerSettings().model_dump(mode="json")}
+    raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")

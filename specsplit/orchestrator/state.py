@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
+from specsplit.tree import depths_of
 
 
 @dataclass
@@ -47,12 +48,26 @@ class RoundStats:
     accepted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     reused_rounds: int = 0  # rounds whose draft tree started from the grown previous tree
+    # drafted nodes and accepted nodes by depth (index 0: depth 1): acceptance by depth, what a
+    # tree budget is weighed against
+    drafted_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
 
     def add(self, tree: FlatTree, reply: VerifyReply) -> None:
+        n_accepted = len(reply.accepted_token_ids)
         self.rounds += 1
         self.drafted += tree.num_nodes - 1
-        self.accepted += len(reply.accepted_token_ids)
-        self.accepted_per_round.append(len(reply.accepted_token_ids))
+        self.accepted += n_accepted
+        self.accepted_per_round.append(n_accepted)
+        for d in depths_of(tree.parents)[1:]:
+            _bump(self.drafted_per_depth, d - 1)
+        for d in range(n_accepted):  # the accepted path holds one node per depth 1..n_accepted
+            _bump(self.accepted_per_depth, d)
+
+    def acceptance_by_depth(self) -> list[float]:
+        """Share of drafted nodes at each depth that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth + [0] * len(self.drafted_per_depth),
+                                                     self.drafted_per_depth)]
 
     @property
     def mean_accepted(self) -> float:
@@ -62,6 +77,12 @@ class RoundStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _bump(counts: list[int], i: int) -> None:
+    if i >= len(counts):
+        counts.extend([0] * (i + 1 - len(counts)))
+    counts[i] += 1
 
 
 def remaining_tree(tree: TreeSpec, remaining: int) -> TreeSpec:
@@ -78,21 +99,3 @@ def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[in
             return True
     return False
 
-
-def best_path(tree: FlatTree) -> list[int]:
-    """Node indices of the most probable root->leaf path by cumulative draft log-prob."""
-    n = tree.num_nodes
-    score = [0.0] * n
-    depth = [0] * n
-    for i in range(1, n):
-        p = tree.parents[i]
-        score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
-        depth[i] = depth[p] + 1
-    has_child = {p for p in tree.parents[1:]}
-    leaves = [i for i in range(n) if i not in has_child]
-    best = max(leaves, key=lambda i: (depth[i], score[i], -i))
-    path = []
-    while best != -1:
-        path.append(best)
-        best = tree.parents[best]
-    return path[::-1]
