@@ -104,6 +104,6 @@ def build_backend(service: str, device: str, settings) -> Backend:
     return CpuBackend(
         threads=settings.threads_for(service) or default_threads(service),
         prefill_threads=settings.prefill_threads or default_prefill_threads(),
-        quantize=settings.draft_quantize if service == "draft" else "none",
+        quantize=settings.quantize_for(service),
         pack_weights=settings.pack_weights,
     )

@@ -54,13 +54,20 @@ class WorkerSettings(HeartbeatSettings):
     # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
     # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
     inline: bool = True
-    draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
+    # dynamic int8 Linear layers (CPU backend; torch.ao, fbgemm): a quantized target is its own
+    # reference (greedy output = that quantized model's greedy decoding, up to the dynamic
+    # activation scale, which depends on how many tokens a forward carries)
+    draft_quantize: Literal["none", "int8"] = "none"
+    target_quantize: Literal["none", "int8"] = "none"
     # bf16/fp16 Linear weights reordered once into oneDNN's layout (bit-identical, ~1.4x faster
     # target forwards on CPU; see specsplit.models.packing)
     pack_weights: bool = True
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch);
     # these are on the round's critical path, growth deepens the tree during the next verify anyway
     draft_steps_after_reuse: int | None = Field(default=None, ge=0, le=64)
+
+    def quantize_for(self, service: str) -> str:
+        return self.draft_quantize if service == "draft" else self.target_quantize
 
     def threads_for(self, service: str) -> int | None:
         return getattr(self, f"{service}_threads") or self.threads
@@ -85,6 +92,13 @@ class OrchestratorSettings(FleetAddresses):
     tree_min_path_prob: float = Field(default=0.3, ge=0.0, le=1.0)
     # greedy sessions: the draft worker keeps expanding the tree while the target verifies it,
     # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
+    # greedy sessions: up to this many prompt-lookup tokens (what followed an earlier occurrence of
+    # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
+    lookup_max_tokens: int = Field(default=0, ge=0, le=64)
+    # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
+    # their measured verify time (specsplit.orchestrator.costmodel); "fixed": the whole tree
+    tree_budget: Literal["cost", "fixed"] = "fixed"
+    lookup_min_ngram: int = Field(default=3, ge=1, le=16)
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
     grow_width: int = Field(default=4, ge=1, le=32)

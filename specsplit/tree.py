@@ -263,3 +263,53 @@ class DraftTree:
             child_dist_ids=[list(self.dists[i][0]) if i in has_child else [] for i in chosen] if sampled else [],
             child_dist_probs=[list(self.dists[i][1]) if i in has_child else [] for i in chosen] if sampled else [],
         )
+
+
+def lookup_continuation(context: list[int], *, max_tokens: int, min_ngram: int = 3, max_ngram: int = 8,
+                        window: int = 4096) -> list[int]:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+    context's longest suffix n-gram (``max_ngram`` down to ``min_ngram``) within the last
+    ``window`` tokens; [] when none recurs. Candidates at no model cost: code and quoted text
+    repeat their own identifiers and lines."""
+    if max_tokens <= 0 or len(context) <= min_ngram:
+        return []
+    ctx = context[-window:]
+    n_ctx = len(ctx)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = ctx[n_ctx - n:]
+        first = suffix[0]
+        for start in range(n_ctx - n - 1, -1, -1):  # most recent earlier occurrence first
+            if ctx[start] == first and ctx[start:start + n] == suffix:
+                follow = ctx[start + n:start + n + max_tokens]
+                if follow:
+                    return follow
+    return []
+
+
+def merge_chain(tree: FlatTree, chain: list[int], *, max_depth: int, max_nodes: int) -> FlatTree:
+    """``tree`` with the token chain ``chain`` hung under its root: existing nodes are followed
+    where they spell the chain, the rest is appended as new nodes (draft log-prob 0: not drafted),
+    within ``max_depth`` and ``max_nodes``. Greedy trees only (sampled trees carry draw
+    distributions that added nodes would not follow)."""
+    if tree.sampled or not chain:
+        return tree
+    tokens, parents = list(tree.token_ids), list(tree.parents)
+    logps = list(tree.draft_logprobs) if tree.draft_logprobs else [0.0] * len(tokens)
+    depths = depths_of(parents)
+    node = 0
+    for tok in chain:
+        if depths[node] >= max_depth:
+            break
+        child = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == tok), -1)
+        if child < 0:
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(tok)
+            parents.append(node)
+            logps.append(0.0)
+            depths.append(depths[node] + 1)
+            child = len(tokens) - 1
+        node = child
+    if len(tokens) == tree.num_nodes:
+        return tree
+    return FlatTree(token_ids=tokens, parents=parents, draft_logprobs=logps)

@@ -21,6 +21,7 @@ from schemas import (
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.costmodel import CostModel
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -32,9 +33,12 @@ class Orchestrator:
         self.policy = ActorPolicy(
             tree=settings.tree(), rpc_timeout_s=settings.rpc_timeout_s, max_attempts=settings.max_attempts,
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
+            lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
         self.sessions: dict[str, asyncio.Task] = {}
+        # one cost model for all sessions: same models, same machine
+        self.cost = CostModel() if settings.tree_budget == "cost" else None
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
@@ -49,7 +53,8 @@ class Orchestrator:
                                          default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree=s.tree().model_dump())
+        self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree_budget=s.tree_budget,
+                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump())
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -112,7 +117,7 @@ class Orchestrator:
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
 
-        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit)
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
-from specsplit.tree import depths_of
+from schemas import SamplingSpec
+from specsplit.orchestrator.costmodel import Choice, CostModel, select_nodes
+from specsplit.tree import depths_of, lookup_continuation, merge_chain
 
 
 @dataclass
@@ -99,3 +101,35 @@ def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[in
             return True
     return False
 
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a round verifies: the tree, which of its nodes came from prompt lookup, and what the
+    cost model expects of it (None without one)."""
+
+    tree: FlatTree
+    lookup: frozenset[int]
+    choice: Choice | None = None
+
+
+def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
+               lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
+               sync_tokens: int = 0) -> Plan:
+    """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
+    ends with the tree's root), within the round's depth and ``lookup_max_tokens`` extra nodes;
+    then, with a cost model, only the nodes that pay for their verify time. Sampled rounds keep
+    the draft's tree as drawn (dropping drawn children by value would bias the output)."""
+    if not sampling.greedy:
+        return Plan(tree, frozenset())
+    n_draft = tree.num_nodes
+    if lookup_max_tokens > 0 and spec.max_depth >= 1:
+        chain = lookup_continuation(committed, max_tokens=min(lookup_max_tokens, spec.max_depth),
+                                    min_ngram=lookup_min_ngram)
+        tree = merge_chain(tree, chain, max_depth=spec.max_depth, max_nodes=min(256, n_draft + lookup_max_tokens))
+    lookup = frozenset(range(n_draft, tree.num_nodes))
+    if cost is None:
+        return Plan(tree, lookup)
+    choice = cost.choose(tree, sync_tokens, lookup)
+    index = {old: new for new, old in enumerate(choice.nodes)}
+    return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice)
