@@ -217,3 +217,25 @@ def test_non_cpu_backends_never_touch_threads():
         assert isinstance(r, VerifyReply) and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")])
+def test_device_failure_is_raised_not_answered(error):
+    """A failing device is never a retryable reply: the engine raises DeviceFailure (the worker
+    logs it and exits non-zero, so the router fails the session over), and drops the session."""
+    from specsplit.engine.base import is_device_failure
+    from specsplit.errors import DeviceFailure
+
+    eng = TargetEngine(tiny_model("qwen2", seed=4), LIMITS)
+    start(eng, "d")
+    assert is_device_failure(error) and not is_device_failure(RuntimeError("shape mismatch"))
+
+    def broken(*a, **kw):
+        raise error
+
+    eng.model.forward = broken
+    with pytest.raises(DeviceFailure, match="target on cpu"):
+        eng.handle(VerifyRequest(session_id="d", round=1, sync=CacheSync(base_len=5),
+                                 tree=FlatTree(token_ids=[1, 2], parents=[-1, 0])))
+    assert "d" not in eng.store
