@@ -121,7 +121,7 @@ class LlamaCppRunner:
     def __call__(self, ids: list[int], max_new: int) -> Answer:
         text = self.tok.decode(ids, skip_special_tokens=False)  # exactly the bench's templated prompt
         with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="specsplit-llamacpp-") as f:
-            f.write(text)
+            f.write(text + "\n")  # -f drops one trailing newline; the template ends "assistant\n"
             f.flush()
             proc = subprocess.run(self.command(f.name, len(ids), max_new), env=self.env, stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=self.timeout_s)
