@@ -98,3 +98,32 @@ def test_real_llama_completion_16_tokens():
     ans = LL.LlamaCppRunner(LL.find_binary(BIN), GGUF, os.cpu_count() or 1, tok)(ids, 16)
     assert ans.extra["prompt_tokens"] == len(ids)  # llama.cpp read the templated text as the same tokens
     assert 0 < ans.new_tokens <= 16 and ans.seconds > 0 and ans.token_ids
+
+
+def test_pull_keep_after_a_pull_without_keep_joins_the_gguf_without_reconverting(tmp_path, monkeypatch):
+    """`specsplit models pull --keep` on a model converted earlier without --keep brings back the
+    joined GGUF llama.cpp needs (instead of returning at once with none), and converts nothing."""
+    import hashlib
+    import importlib
+    import random
+
+    from test_models import _fake_conversion, _make_wheel  # the fake part wheels of the models tests
+
+    pull_mod = importlib.import_module("specsplit.models.pull")
+    calls: list[bytes] = []
+    monkeypatch.setattr(pull_mod, "run_conversion", _fake_conversion(calls))
+    wheels = tmp_path / "wheelhouse"
+    wheels.mkdir()
+    chunks = [random.Random(i).randbytes(500) for i in range(2)]
+    parts = tuple(_make_wheel(wheels, f"fake-model-part{i}", "0.1.0", {f"fake_model_part{i}/data/part{i:02d}.bin": c})
+                  for i, c in enumerate(chunks, start=1))
+    from specsplit.models.presets import GgufSource
+
+    blob = b"".join(chunks)
+    source = GgufSource("fake-model", "test", parts, hashlib.sha256(blob).hexdigest(), len(blob), 1)
+    cache = tmp_path / "cache"
+    gguf = cache / "downloads" / "fake-model" / "fake-model.gguf"
+    final = pull_mod.provision_source(source, cache, wheel_dir=wheels, progress=False)
+    assert not gguf.exists() and len(calls) == 1
+    assert pull_mod.provision_source(source, cache, wheel_dir=wheels, progress=False, keep=True) == final
+    assert gguf.read_bytes() == blob and len(calls) == 1
