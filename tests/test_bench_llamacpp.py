@@ -93,7 +93,8 @@ def test_real_llama_completion_16_tokens():
 
     tok = AutoTokenizer.from_pretrained(resolve_model_paths(ModelSettings(preset="qwen-coder")).target,
                                         local_files_only=True)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                  tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     ans = LL.LlamaCppRunner(LL.find_binary(BIN), GGUF, os.cpu_count() or 1, tok)(ids, 16)
     assert ans.extra["prompt_tokens"] == len(ids)  # llama.cpp read the templated text as the same tokens

@@ -201,7 +201,8 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None) -> list
         rows.append(row)
         log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
             + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else "")
-            + (f" llamacpp_identical={row['llamacpp_identical_to_target']}" if "llamacpp_identical_to_target" in row else ""))
+            + (f" llamacpp_identical={row['llamacpp_identical_to_target']}"
+               if "llamacpp_identical_to_target" in row else ""))
     return rows
 
 
