@@ -79,7 +79,7 @@ def find_binary(bin_dir: str | Path | None) -> Path:
                          f"then pass --llamacpp-bin DIR or set {BIN_ENV}=DIR")
     path = Path(bin_dir).expanduser() / BINARY
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise SystemExit(f"specsplit bench: no executable {BINARY} in {bin_dir} ({BUILD_HINT})")
+        raise SystemExit(f"specsplit bench: no executable {BINARY} in {bin_dir}: {BUILD_HINT}")
     return path
 
 
