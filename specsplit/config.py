@@ -142,14 +142,15 @@ def effective_settings(role: str) -> dict:
 
         worker, models = WorkerSettings(), ModelSettings()
         device = getattr(models, f"{role}_device")
+        backend = build_backend(role, device, worker)
         return {
             "worker": worker.model_dump(mode="json"),
             "models": models.model_dump(mode="json"),
             "effective": {
                 "identity": worker.identity(role), "router_backend": worker.backend(role),
                 "model": getattr(models, f"{role}_model") or f"preset {models.preset}",
-                "dtype": model_dtype(role, models), "device": device,
-                **build_backend(role, device, worker).describe(),
+                "dtype": backend.load_dtype(model_dtype(role, models)), "device": device,
+                **backend.describe(),
             },
         }
     if role == "orchestrator":

@@ -47,6 +47,8 @@ def parse(argv):
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
+    p.add_argument("--target-quantize", choices=["none", "int8"], default="int8",
+                   help="the fleet's target kernels; the target and assisted rows use the same ones")
     p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
     p.add_argument("--grow", action=argparse.BooleanOptionalAction, default=True,
                    help="the draft grows its tree while the target verifies (greedy)")
@@ -72,7 +74,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
            "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
-           "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
@@ -126,8 +128,13 @@ def main(argv=None) -> int:
         if {"target", "target_packed", "assisted"} & set(systems):
             import torch
 
-            torch.set_num_threads(args.threads)
-            target, tok = load_model(paths.target, dtype=args.target_dtype)
+            from specsplit.backends import CpuBackend
+
+            # the target alone runs the fleet target's kernels (int8 / packed weights), so the
+            # speculation gain stays separable from the kernel gain
+            fleet_kernels = CpuBackend(args.threads, args.threads, quantize=args.target_quantize)
+            target, tok = load_model(paths.target, dtype=fleet_kernels.load_dtype(args.target_dtype))
+            target = fleet_kernels.prepare(target)
             draft = load_model(paths.draft, dtype=args.draft_dtype)[0] if "assisted" in systems else None
             hf = HFRunner(target, draft, codec.stop_token_ids, tok.pad_token_id or codec.stop_token_ids[0],
                           args.temperature, args.seed)
