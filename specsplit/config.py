@@ -94,10 +94,10 @@ class OrchestratorSettings(FleetAddresses):
     # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
     # greedy sessions: up to this many prompt-lookup tokens (what followed an earlier occurrence of
     # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
-    lookup_max_tokens: int = Field(default=0, ge=0, le=64)
+    lookup_max_tokens: int = Field(default=8, ge=0, le=64)
     # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
     # their measured verify time (specsplit.orchestrator.costmodel); "fixed": the whole tree
-    tree_budget: Literal["cost", "fixed"] = "fixed"
+    tree_budget: Literal["cost", "fixed"] = "cost"
     lookup_min_ngram: int = Field(default=3, ge=1, le=16)
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)

@@ -47,6 +47,9 @@ def parse(argv):
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
+    p.add_argument("--tree-budget", choices=["cost", "fixed"], default="cost",
+                   help="the fleet's per-round tree budget: a cost model, or the whole tree")
+    p.add_argument("--lookup-max-tokens", type=int, default=8, help="prompt-lookup tokens per tree (0: off)")
     p.add_argument("--target-quantize", choices=["none", "int8"], default="int8",
                    help="the fleet's target kernels; the target and assisted rows use the same ones")
     p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
@@ -75,6 +78,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
            "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
+           "SPECSPLIT_TREE_BUDGET": args.tree_budget, "SPECSPLIT_LOOKUP_MAX_TOKENS": args.lookup_max_tokens,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}

@@ -62,6 +62,10 @@ def summarize(rows: list[dict]) -> dict:
         out["mean_accepted"] = round((sum(x["accepted"] for x in sp) + rounds) / rounds, 3) if rounds else 0.0
         drafted = sum(x["drafted"] for x in sp)
         out["acceptance_rate"] = round(sum(x["accepted"] for x in sp) / drafted, 4) if drafted else 0.0
+        predicted = [(x["new_tokens"], x["predicted_tok_s"], x["tok_s"]) for x in sp if x.get("predicted_tok_s")]
+        if predicted:  # the cost model's expectation against the measured speed, per prompt
+            out["predicted_tok_s"] = round(sum(n for n, _, _ in predicted) / sum(n / p for n, p, _ in predicted), 3)
+            out["predicted_within_20pct"] = f"{sum(abs(p - m) <= 0.2 * m for _, p, m in predicted)}/{len(predicted)}"
         ident = [r["identical_to_target"] for r in rows if "identical_to_target" in r]
         if ident:
             out["identical_to_target"] = f"{sum(ident)}/{len(ident)}"
@@ -71,16 +75,19 @@ def summarize(rows: list[dict]) -> dict:
 def markdown(rows: list[dict], summary: dict) -> str:
     names = [n for n in SYSTEMS if n in summary["totals"]]
     llama = "llamacpp_identical_to_target" in summary
-    head = ("| # | prompt | " + " | ".join(f"{n} tok/s" for n in names) + " | accepted/round | identical |"
-            + (" llamacpp identical |" if llama else ""))
-    lines = [head, "|" + "---|" * (len(names) + 4 + llama)]
+    pred = "predicted_tok_s" in summary
+    head = ("| # | prompt | " + " | ".join(f"{n} tok/s" for n in names) + (" | specsplit predicted" if pred else "")
+            + " | accepted/round | identical |" + (" llamacpp identical |" if llama else ""))
+    lines = [head, "|" + "---|" * (len(names) + 4 + llama + pred)]
     for r in rows:
         spec = r.get("specsplit", {})
         lines.append(f"| {r['prompt_index']} | {r['prompt_head'][:28].replace('|', ' ').replace(chr(10), ' ')} | "
                      + " | ".join(f"{r[n]['tok_s']:.2f}" for n in names)
+                     + (f" | {spec.get('predicted_tok_s', '-')}" if pred else "")
                      + f" | {spec.get('mean_accepted', '-')} | {r.get('identical_to_target', '-')} |"
                      + (f" {r.get('llamacpp_identical_to_target', '-')} |" if llama else ""))
     lines.append("| **total** | | " + " | ".join(f"**{summary['totals'][n]['tok_s']:.2f}**" for n in names)
+                 + (f" | {summary['predicted_tok_s']} ({summary['predicted_within_20pct']} within 20%)" if pred else "")
                  + f" | {summary.get('mean_accepted', '-')} | {summary.get('identical_to_target', '-')} |"
                  + (f" {summary['llamacpp_identical_to_target']} |" if llama else ""))
     ratios = ", ".join(f"{k} = {v}x" for k, v in summary.items() if k.startswith("speedup"))

@@ -132,7 +132,8 @@ class FleetRunner:
         res = self.loop.run_until_complete(self.client.generate(
             ids, max_new_tokens=max_new, sampling=self.sampling, tree=self.tree, stop_token_ids=self.stop_ids))
         dt = time.perf_counter() - t0
-        return Answer(res.token_ids, dt, res.rounds, res.accepted_tokens, res.drafted_tokens)
+        extra = {"predicted_tok_s": round(res.predicted_tok_s, 3)} if res.predicted_tok_s else {}
+        return Answer(res.token_ids, dt, res.rounds, res.accepted_tokens, res.drafted_tokens, extra=extra)
 
     def close(self) -> None:
         if self.client is not None:
