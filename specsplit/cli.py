@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.config import check_removed_settings
 
     check_removed_settings()
+    if cmd in ("router", "draft", "target", "orchestrator"):
+        from specsplit.supervise import supervise
+
+        rc = supervise(argv)  # None: this process is the supervised child (or unsupervised)
+        if rc is not None:
+            return rc
     if cmd == "router":
         from brokers.__main__ import main as router_main
 

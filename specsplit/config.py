@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from brokers.settings import FleetAddresses, HeartbeatSettings
+from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings
 from schemas import SamplingSpec, TreeSpec
 
 # Variables that no longer exist, and what replaced them: setting one is an error at startup
@@ -97,6 +97,19 @@ class OrchestratorSettings(FleetAddresses):
     def tree(self) -> TreeSpec:
         return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch,
                         min_path_prob=self.tree_min_path_prob)
+
+
+class SupervisorSettings(CommonSettings):
+    """The supervising parent of every role's command (specsplit.supervise). Env:
+    SPECSPLIT_SUPERVISE (false: the command does the work itself, unsupervised),
+    SPECSPLIT_SUPERVISE_BACKOFF_S / _BACKOFF_MAX_S (restart back-off, doubling), _STABLE_S (uptime
+    after which the back-off starts over), _STOP_TIMEOUT_S (SIGTERM to SIGKILL of the child)."""
+
+    supervise: bool = True
+    supervise_backoff_s: float = Field(default=0.5, gt=0)
+    supervise_backoff_max_s: float = Field(default=10.0, gt=0)
+    supervise_stable_s: float = Field(default=30.0, gt=0)
+    supervise_stop_timeout_s: float = Field(default=90.0, gt=0)
 
 
 class ProducerSettings(FleetAddresses):

@@ -1,0 +1,89 @@
+"""The supervising parent of every role: restart with back-off, clean stop, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.launch import free_ports, port_is_free
+from specsplit.supervise import backoff_delay
+
+
+def test_backoff_doubles_and_caps():
+    assert [backoff_delay(n, 0.5, 3.0) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _wait(pred, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def _start_router(tmp_path):
+    fe, be = free_ports(2)
+    env = {**os.environ, "SPECSPLIT_DRAFT_ROUTER": f"tcp://127.0.0.1:{fe}", "SPECSPLIT_DRAFT_BACKEND": f"tcp://127.0.0.1:{be}",
+           "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2", "PYTHONUNBUFFERED": "1"}
+    env.pop("SPECSPLIT_SUPERVISED_CHILD", None)
+    log = open(tmp_path / "router.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "router", "draft"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, (fe, be), tmp_path / "router.log"
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_restarts_a_killed_child_and_stops_cleanly(tmp_path):
+    proc, ports, log = _start_router(tmp_path)
+    try:
+        first = _wait(lambda: _children(proc.pid))[0]
+        assert "specsplit router draft" in Path(f"/proc/{first}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        _wait(lambda: log.read_text().count("router_started") >= 1)
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: log.read_text().count("router_started") >= 2)
+        second = _children(proc.pid)
+        assert second and second[0] != first
+        assert "role_died" in log.read_text() and "restarts=1" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert all(port_is_free(p) for p in ports)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_child_dies_with_a_killed_supervisor(tmp_path):
+    proc, ports, log = _start_router(tmp_path)
+    try:
+        child = _wait(lambda: _children(proc.pid))[0]
+        _wait(lambda: "router_started" in log.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _wait(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
+        _wait(lambda: all(port_is_free(p) for p in ports))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
