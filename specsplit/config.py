@@ -74,8 +74,10 @@ class WorkerSettings(HeartbeatSettings):
         return self.worker_id or f"{service}-{slot}"
 
 
-class OrchestratorSettings(FleetAddresses):
-    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ..."""
+class OrchestratorSettings(HeartbeatSettings):
+    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ...
+    SPECSPLIT_HEARTBEAT_S / _LIVENESS keep their one meaning (liveness with a router): the
+    orchestrator pings each router every heartbeat and declares it lost after liveness beats."""
 
     # measured on 2 cores with the qwen-coder pair: a deep, narrow tree that stops below
     # unlikely paths (16 nodes, depth 10, branch 2, min_path_prob 0.3) beat 10/6/2 by ~25%

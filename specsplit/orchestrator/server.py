@@ -44,9 +44,11 @@ class Orchestrator:
         s = self.settings
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.orchestrator)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
-                                        default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
+                                        default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
+                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
-                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
+                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
+                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         await self.draft_rpc.start()
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree=s.tree().model_dump())
