@@ -36,6 +36,25 @@ def check_removed_settings(environ=None) -> None:
         raise SystemExit("specsplit: settings no longer read:\n  " + "\n  ".join(found))
 
 
+def honcho_slot(environ=None) -> int:
+    """This process's instance number: N of honcho's HONCHO_PROCESS_NAME "role.N" (foreman: PS);
+    1 without one."""
+    environ = os.environ if environ is None else environ
+    name = environ.get("HONCHO_PROCESS_NAME") or environ.get("PS") or ""
+    tail = name.rsplit(".", 1)[-1]
+    return int(tail) if "." in name and tail.isdigit() and int(tail) >= 1 else 1
+
+
+def orchestrator_address(base: str, index: int) -> str:
+    """The index-th (0-based) orchestrator's address: ``base`` with its TCP port + index."""
+    if index == 0:
+        return base
+    head, sep, port = base.rpartition(":")
+    if not (sep and port.isdigit()):
+        raise ValueError(f"{base!r}: several orchestrators need a tcp://host:port base address")
+    return f"{head}:{int(port) + index}"
+
+
 class WorkerSettings(HeartbeatSettings):
     """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
 
@@ -95,6 +114,15 @@ class OrchestratorSettings(HeartbeatSettings):
     backoff_s: float = Field(default=0.05, gt=0)
     backoff_max_s: float = Field(default=2.0, gt=0)
     orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions run at once; more: OVERLOADED
+    # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
+    # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
+    orchestrator_bind: str | None = None
+
+    def bind_address(self, environ=None) -> str:
+        environ = os.environ if environ is None else environ
+        if self.orchestrator_bind:
+            return self.orchestrator_bind
+        return orchestrator_address(self.orchestrator, honcho_slot(environ) - 1)
 
     def tree(self) -> TreeSpec:
         return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch,
@@ -115,10 +143,20 @@ class SupervisorSettings(CommonSettings):
 
 
 class ProducerSettings(FleetAddresses):
-    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_PRODUCE_TIMEOUT_S."""
+    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_ORCHESTRATOR_COUNT,
+    SPECSPLIT_PRODUCE_TIMEOUT_S, ..."""
 
     produce_timeout_s: float = Field(default=600.0, gt=0)  # one whole generation
     produce_chunk_timeout_s: float = Field(default=300.0, gt=0)  # between two streamed chunks
+    # orchestrators serving side by side (honcho -c orchestrator=N): SPECSPLIT_ORCHESTRATOR and the
+    # next N-1 ports; producers spread requests over the live ones and resume on another when one dies
+    orchestrator_count: int = Field(default=1, ge=1, le=64)
+    produce_heartbeat_s: float = Field(default=1.0, gt=0, le=60)  # producer -> orchestrator pings
+    produce_liveness: int = Field(default=3, ge=1, le=100)  # missed pings before an orchestrator is dead
+    produce_max_resumes: int = Field(default=16, ge=0)  # per prompt: resumes after a lost orchestrator
+
+    def orchestrator_addresses(self) -> list[str]:
+        return [orchestrator_address(self.orchestrator, i) for i in range(self.orchestrator_count)]
 
     @staticmethod
     def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:

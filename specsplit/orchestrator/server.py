@@ -42,7 +42,8 @@ class Orchestrator:
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.orchestrator)
+        self.frontend = s.bind_address()
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness)
@@ -51,7 +52,7 @@ class Orchestrator:
                                          heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree=s.tree().model_dump())
+        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree=s.tree().model_dump())
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:
