@@ -113,7 +113,14 @@ class OrchestratorSettings(HeartbeatSettings):
     max_attempts: int = Field(default=8, ge=1)
     backoff_s: float = Field(default=0.05, gt=0)
     backoff_max_s: float = Field(default=2.0, gt=0)
-    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions run at once; more: OVERLOADED
+    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions admitted (running + queued); more: OVERLOADED
+    # sessions drafting/verifying at once (the rest wait in a fair queue): at most what the workers'
+    # KV caches hold (SPECSPLIT_WORKER_MAX_SESSIONS each), divided among the orchestrators
+    orchestrator_active_sessions: int = Field(default=256, ge=1)
+    orchestrator_client_share: float = Field(default=0.75, gt=0, le=1)  # of max_sessions one producer may hold
+    # the per-session token limit of the workers (same variable, same meaning): a request that can
+    # never fit (prompt + max_new_tokens + a tree) is refused with BAD_REQUEST before it starts
+    max_session_tokens: int = Field(default=4096, ge=16)
     # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
     # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
     orchestrator_bind: str | None = None

@@ -21,6 +21,7 @@ from schemas import (
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.admission import Admission
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -34,11 +35,15 @@ class Orchestrator:
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
-        self.sessions: dict[str, asyncio.Task] = {}
+        self.sessions: dict[str, asyncio.Task] = {}  # running
+        self.admission = Admission(active=settings.orchestrator_active_sessions,
+                                   max_sessions=settings.orchestrator_max_sessions,
+                                   client_share=settings.orchestrator_client_share)
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
         self.ready = asyncio.Event()
+        self._stopping = False
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -68,6 +73,7 @@ class Orchestrator:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
+        self._stopping = True
         tasks = list(self.sessions.values())
         for t in tasks:
             t.cancel()
@@ -96,6 +102,10 @@ class Orchestrator:
             task = self.sessions.get(msg.session_id)
             if task:
                 task.cancel()
+            elif (w := self.admission.withdraw(msg.session_id)) is not None:
+                rid, _ = w.item
+                self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
+                           w.session_id, rid)
         elif isinstance(msg, Heartbeat):
             self._send(client, Heartbeat(sent_at=msg.sent_at), env.session_id, env.request_id)
         else:
@@ -104,13 +114,24 @@ class Orchestrator:
             self._send(client, err, env.session_id, env.request_id)
 
     def _start(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+        """Admit a session: run it now, queue it (fairly), or refuse it at once."""
         sid = req.session_id
-        if sid in self.sessions:
+        if sid in self.admission:
             err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"session {sid!r} is already running", session_id=sid)
             return self._send(client, err, sid, rid)
-        if len(self.sessions) >= self.settings.orchestrator_max_sessions:
-            err = ErrorReply.of(ErrorCode.OVERLOADED, f"{len(self.sessions)} sessions running", session_id=sid)
-            return self._send(client, err, sid, rid)
+        need = session_tokens_needed(req, req.tree or self.policy.tree)
+        if need > self.settings.max_session_tokens:
+            why = (f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens ({req.max_new_tokens}) + a tree would need "
+                   f"{need} tokens per session, limit is {self.settings.max_session_tokens}")
+            return self._send(client, ErrorReply.of(ErrorCode.BAD_REQUEST, why, session_id=sid), sid, rid)
+        verdict = self.admission.offer(client, sid, (rid, req))
+        if verdict == "run":
+            self._launch(client, rid, req)
+        elif verdict != "wait":
+            self._send(client, ErrorReply.of(ErrorCode.OVERLOADED, verdict, session_id=sid), sid, rid)
+
+    def _launch(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+        sid = req.session_id
 
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
@@ -124,6 +145,11 @@ class Orchestrator:
         self.sessions.pop(sid, None)
         if not task.cancelled() and task.exception() is not None:
             self.log.error("session_crashed", session_id=sid, error=repr(task.exception()))
+        if self._stopping:
+            return
+        for w in self.admission.finish(sid):
+            rid, req = w.item
+            self._launch(w.client, rid, req)
 
     def _send(self, client: bytes, msg: Message, sid: str, rid: bytes) -> None:
         try:
@@ -136,6 +162,14 @@ class Orchestrator:
             task = self.sessions.get(sid)
             if task and exc.errno == zmq.EHOSTUNREACH:
                 task.cancel()
+
+
+def session_tokens_needed(req: GenerateRequest, tree) -> int:
+    """Most tokens a worker holds for the session: the committed context before the last round
+    (prompt + max_new_tokens - 2 at most) plus the largest request's tree (verify: max_nodes;
+    draft: the root + branch x max_depth)."""
+    extra = max(tree.max_nodes, 1 + tree.branch * tree.max_depth)
+    return len(req.prompt_token_ids) + req.max_new_tokens - 2 + extra
 
 
 def _best_effort_ids(body: list[bytes]) -> tuple[str | None, bytes]:
