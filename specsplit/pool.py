@@ -11,8 +11,9 @@ prompt + the tokens received, the budget is what remains of ``max_new_tokens``, 
 the same. Greedy output is unchanged by a resume (it is a function of the context alone); a
 sampled one stays distributed as the target's sampling but is not the same draw.
 
-A session that failed on the fleet's side with a retryable-in-spirit code (NO_WORKER after its
-attempts, INTERNAL, OVERLOADED) is resumed the same way, after a back-off. BAD_REQUEST and other
+A session that failed on the fleet's side (NO_WORKER after its attempts, INTERNAL) is resumed
+the same way after a back-off; OVERLOADED (not admitted: nothing lost) is retried with jittered
+back-off until the deadline without counting as a resume. BAD_REQUEST and other
 non-retryable errors raise ``GenerationError`` at once. Resumes are bounded (``max_resumes`` per
 request) and the whole generation by ``timeout_s``; a result's ``finish_reason`` is always
 "stop" or "length" ("cancelled" is never returned as an answer).
@@ -21,6 +22,7 @@ request) and the whole generation by ``timeout_s``; a result's ``finish_reason``
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from typing import Callable
@@ -73,10 +75,11 @@ class OrchestratorPool:
             await asyncio.sleep(0.05)
         return True
 
-    async def _pick(self, deadline: float) -> SpecSplitClient:
-        """The live orchestrator with the fewest open streams; waits (bounded) for one."""
+    async def _pick(self, deadline: float, avoid: SpecSplitClient | None = None) -> SpecSplitClient:
+        """The live orchestrator with the fewest open streams, another than ``avoid`` (the one
+        that just lost or cancelled the request) when there is one; waits (bounded) for one."""
         while True:
-            live = self.live
+            live = [c for c in self.live if c is not avoid] or self.live
             if live:
                 return min(live, key=lambda c: c.open_streams)
             if time.monotonic() >= deadline:
@@ -92,9 +95,10 @@ class OrchestratorPool:
         deadline = time.monotonic() + self.timeout_s
         received: list[int] = []
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
-        resumes, delay = 0, self.backoff_s
+        resumes, delay, client = 0, self.backoff_s, None
         while True:
-            client = await self._pick(deadline)
+            client = await self._pick(deadline, avoid=client)
+            wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
             try:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                     res = await client.generate(prompt + received, max_new_tokens=max_new_tokens - len(received),
@@ -106,6 +110,9 @@ class OrchestratorPool:
                 if exc.reply.code not in RESUME_ON:
                     raise
                 why = exc.reply.code.value
+                # OVERLOADED: nothing was lost, only the deadline bounds the wait; the others count
+                wait_s, counts = delay * random.uniform(0.5, 1.5), exc.reply.code != ErrorCode.OVERLOADED
+                delay = min(delay * 2, self.backoff_max_s)
             else:
                 received.extend(res.token_ids)
                 for k in ("rounds", "drafted_tokens", "accepted_tokens"):
@@ -114,21 +121,20 @@ class OrchestratorPool:
                     total.finish_reason, total.session_id = res.finish_reason, res.session_id
                     break
                 why = f"finish_reason={res.finish_reason}"
-                delay = 0.0  # a stopped orchestrator: resume elsewhere at once
             done = self._finished_already(received, max_new_tokens, stop)
             if done:
                 total.finish_reason = done
                 break
-            resumes += 1
-            self.resumes += 1
-            if resumes > self.max_resumes:
-                raise GenerationError(ErrorReply.of(ErrorCode.INTERNAL, f"gave up after {self.max_resumes} resumes: {why}",
-                                                    retryable=False))
-            self.log.info("generation_resumed", orchestrator=client.addr, reason=why, received=len(received),
-                          resumes=resumes)
-            if delay:
-                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(max(delay, self.backoff_s) * 2, self.backoff_max_s)
+            if counts:
+                resumes += 1
+                self.resumes += 1
+                if resumes > self.max_resumes:
+                    why = f"gave up after {self.max_resumes} resumes: {why}"
+                    raise GenerationError(ErrorReply.of(ErrorCode.INTERNAL, why, retryable=False))
+                self.log.info("generation_resumed", orchestrator=client.addr, reason=why, received=len(received),
+                              resumes=resumes)
+            if wait_s:
+                await asyncio.sleep(min(wait_s, max(0.0, deadline - time.monotonic())))
         total.token_ids, total.resumes = received, resumes
         total.elapsed_s = time.perf_counter() - t0
         return total
