@@ -87,3 +87,21 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_orchestrator_instances_bind_consecutive_ports_and_producers_find_them(monkeypatch):
+    from specsplit.config import OrchestratorSettings, ProducerSettings, honcho_slot, orchestrator_address
+
+    assert honcho_slot({}) == 1 and honcho_slot({"HONCHO_PROCESS_NAME": "orchestrator.3"}) == 3
+    assert honcho_slot({"PS": "orchestrator.2"}) == 2 and honcho_slot({"HONCHO_PROCESS_NAME": "weird"}) == 1
+    assert orchestrator_address("tcp://127.0.0.1:5570", 2) == "tcp://127.0.0.1:5572"
+    for var in ("SPECSPLIT_ORCHESTRATOR", "SPECSPLIT_ORCHESTRATOR_BIND", "SPECSPLIT_ORCHESTRATOR_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR", "tcp://127.0.0.1:6000")
+    s = OrchestratorSettings()
+    assert s.bind_address({"HONCHO_PROCESS_NAME": "orchestrator.1"}) == "tcp://127.0.0.1:6000"
+    assert s.bind_address({"HONCHO_PROCESS_NAME": "orchestrator.2"}) == "tcp://127.0.0.1:6001"
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR_BIND", "tcp://127.0.0.1:7000")  # explicit per instance wins
+    assert OrchestratorSettings().bind_address({"HONCHO_PROCESS_NAME": "orchestrator.2"}) == "tcp://127.0.0.1:7000"
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR_COUNT", "2")
+    assert ProducerSettings().orchestrator_addresses() == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"]
