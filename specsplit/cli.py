@@ -21,12 +21,35 @@ def _exit_zero_on_stop_signals() -> None:
     mean "stop now, cleanly" (exit 0). honcho signals the whole process group and the supervisor
     forwards the signal too, so a role may get a second one while it is already exiting."""
     import signal
+    import threading
 
     def _exit(signum, frame):
         raise SystemExit(0)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit)
+
+
+def _ignore_stop_signals() -> None:
+    """The role is done and the process exits: a late SIGTERM must not kill it (Python's
+    finalization resets handled signals to SIG_DFL, but leaves ignored ones ignored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _role(cmd: str, rest: list[str]) -> int:
+    if cmd == "router":
+        from brokers.__main__ import main as router_main
+
+        return router_main(rest)
+    if cmd in ("draft", "target"):
+        return _worker(cmd, rest)
+    return _orchestrator(rest)
 
 
 def _worker(service: str, argv: list[str]) -> int:
@@ -100,14 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         if rc is not None:
             return rc
         _exit_zero_on_stop_signals()
-    if cmd == "router":
-        from brokers.__main__ import main as router_main
-
-        return router_main(rest)
-    if cmd in ("draft", "target"):
-        return _worker(cmd, rest)
-    if cmd == "orchestrator":
-        return _orchestrator(rest)
+        try:
+            return _role(cmd, rest)
+        finally:
+            _ignore_stop_signals()
     if cmd == "produce":
         from specsplit.produce import produce_main
 

@@ -137,4 +137,8 @@ def supervise(argv: list[str]) -> int | None:
     settings = SupervisorSettings()
     if not settings.supervise:
         return None
-    return Supervisor(argv, settings).run()
+    try:
+        return Supervisor(argv, settings).run()
+    finally:  # exiting: a late SIGTERM must not turn exit 0 into -15 (see cli._ignore_stop_signals)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
