@@ -16,7 +16,7 @@ fleet=$!
 stop_fleet() { kill -TERM "$fleet" 2>/dev/null || true; wait "$fleet" 2>/dev/null || true; }
 trap stop_fleet EXIT
 echo "fleet starting (log: runs/fleet.log); waiting for it to answer..." >&2
-specsplit produce --max-new-tokens "${MAX_NEW_TOKENS:-96}" --wait-s 900 \
+specsplit produce --max-new-tokens "${MAX_NEW_TOKENS:-512}" --wait-s 900 \
   "Write a Python function that returns True when a number is prime." \
   "Explain in two sentences what a KV cache does in a transformer." \
   "def fibonacci(n):"

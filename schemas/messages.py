@@ -2,7 +2,7 @@
 
 Every message on a SpecSplit socket is one of these classes, encoded by ``schemas.codec``.
 Field caps here are absolute protocol limits (a worker may configure tighter ones); structural
-tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.engine.tree``.
+tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.tree``.
 """
 
 from __future__ import annotations
@@ -268,6 +268,8 @@ class GenerateDone(Message):
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     elapsed_ms: float = 0.0
+    # tokens per second the orchestrator's cost model expected of the trees it chose (0: no model)
+    predicted_tok_s: float = Field(default=0.0, ge=0.0)
 
 
 class Cancel(Message):

@@ -6,6 +6,7 @@
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
     specsplit bench transport|...     benchmarks
+    specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
 """
 
 from __future__ import annotations
@@ -107,6 +108,21 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _config(argv: list[str]) -> int:
+    import json
+
+    from specsplit.config import ROLES, effective_settings
+
+    roles = argv or list(ROLES)
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        print(f"specsplit config: unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    out = effective_settings(roles[0]) if len(roles) == 1 else {r: effective_settings(r) for r in roles}
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -137,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return models_main(rest)
     if cmd == "bench":
         return _bench(rest)
+    if cmd == "config":
+        return _config(rest)
     print(f"specsplit: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -55,31 +55,44 @@ def orchestrator_address(base: str, index: int) -> str:
     return f"{head}:{int(port) + index}"
 
 
-class WorkerSettings(HeartbeatSettings):
+class SessionLimitSettings(HeartbeatSettings):
+    """Read by workers (their per-session KV limit) and orchestrators (which refuse, before it
+    starts, a request that could never fit it): one variable, one meaning."""
+
+    max_session_tokens: int = Field(default=4096, ge=16)
+
+
+class WorkerSettings(SessionLimitSettings):
     """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
 
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
-    threads: int | None = None  # torch threads; default: see workers.default_threads
+    threads: int | None = None  # torch threads (CPU); default: see backends.default_threads
     draft_threads: int | None = None  # per-role overrides of threads
     target_threads: int | None = None
     # torch threads for forwards of more than 64 new tokens (prefills); default: every core
     prefill_threads: int | None = Field(default=None, ge=1)
     worker_max_sessions: int = Field(default=256, ge=1)  # sessions whose KV caches a worker keeps (LRU)
     session_ttl_s: float = Field(default=900.0, gt=0)
-    max_session_tokens: int = Field(default=4096, ge=16)
     max_tree_nodes: int = Field(default=64, ge=1, le=256)
     max_tree_depth: int = Field(default=16, ge=1, le=64)
     max_queue: int = Field(default=1024, ge=1)
     # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
     # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
     inline: bool = True
-    draft_quantize: Literal["none", "int8"] = "none"  # dynamic int8 for the draft's Linear layers
+    # dynamic int8 Linear layers (CPU backend; torch.ao, fbgemm): a quantized target is its own
+    # reference (greedy output = that quantized model's greedy decoding, up to the dynamic
+    # activation scale, which depends on how many tokens a forward carries)
+    draft_quantize: Literal["none", "int8"] = "none"
+    target_quantize: Literal["none", "int8"] = "none"
     # bf16/fp16 Linear weights reordered once into oneDNN's layout (bit-identical, ~1.4x faster
     # target forwards on CPU; see specsplit.models.packing)
     pack_weights: bool = True
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch);
     # these are on the round's critical path, growth deepens the tree during the next verify anyway
     draft_steps_after_reuse: int | None = Field(default=None, ge=0, le=64)
+
+    def quantize_for(self, service: str) -> str:
+        return self.draft_quantize if service == "draft" else self.target_quantize
 
     def threads_for(self, service: str) -> int | None:
         return getattr(self, f"{service}_threads") or self.threads
@@ -93,7 +106,7 @@ class WorkerSettings(HeartbeatSettings):
         return self.worker_id or f"{service}-{slot}"
 
 
-class OrchestratorSettings(HeartbeatSettings):
+class OrchestratorSettings(SessionLimitSettings):
     """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ...
     SPECSPLIT_HEARTBEAT_S / _LIVENESS keep their one meaning (liveness with a router): the
     orchestrator pings each router every heartbeat and declares it lost after liveness beats."""
@@ -106,6 +119,13 @@ class OrchestratorSettings(HeartbeatSettings):
     tree_min_path_prob: float = Field(default=0.3, ge=0.0, le=1.0)
     # greedy sessions: the draft worker keeps expanding the tree while the target verifies it,
     # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
+    # greedy sessions: up to this many prompt-lookup tokens (what followed an earlier occurrence of
+    # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
+    lookup_max_tokens: int = Field(default=0, ge=0, le=64)
+    # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
+    # their measured verify time (specsplit.orchestrator.costmodel); "fixed": the whole tree
+    tree_budget: Literal["cost", "fixed"] = "fixed"
+    lookup_min_ngram: int = Field(default=3, ge=1, le=16)
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
     grow_width: int = Field(default=4, ge=1, le=32)
@@ -118,9 +138,8 @@ class OrchestratorSettings(HeartbeatSettings):
     # KV caches hold (SPECSPLIT_WORKER_MAX_SESSIONS each), divided among the orchestrators
     orchestrator_active_sessions: int = Field(default=256, ge=1)
     orchestrator_client_share: float = Field(default=0.75, gt=0, le=1)  # of max_sessions one producer may hold
-    # the per-session token limit of the workers (same variable, same meaning): a request that can
-    # never fit (prompt + max_new_tokens + a tree) is refused with BAD_REQUEST before it starts
-    max_session_tokens: int = Field(default=4096, ge=16)
+    # max_session_tokens (SessionLimitSettings): a request that can never fit (prompt +
+    # max_new_tokens + a tree) is refused with BAD_REQUEST before it starts
     # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
     # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
     orchestrator_bind: str | None = None
@@ -168,3 +187,39 @@ class ProducerSettings(FleetAddresses):
     @staticmethod
     def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:
         return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+ROLES = ("router", "draft", "target", "orchestrator", "produce")
+
+
+def effective_settings(role: str) -> dict:
+    """What a process of ``role`` would run with, from this environment, as JSON-ready data:
+    its settings objects plus the values derived from them (model dtype and device, backend
+    threads, addresses). ``specsplit config [ROLE]`` prints it."""
+    if role == "router":
+        from brokers.settings import SERVICES, RouterSettings
+
+        return {service: RouterSettings(service=service).model_dump(mode="json") for service in SERVICES}
+    if role in ("draft", "target"):
+        from specsplit.backends import build_backend
+        from specsplit.models import ModelSettings
+        from specsplit.workers import model_dtype
+
+        worker, models = WorkerSettings(), ModelSettings()
+        device = getattr(models, f"{role}_device")
+        return {
+            "worker": worker.model_dump(mode="json"),
+            "models": models.model_dump(mode="json"),
+            "effective": {
+                "identity": worker.identity(role), "router_backend": worker.backend(role),
+                "model": getattr(models, f"{role}_model") or f"preset {models.preset}",
+                "dtype": model_dtype(role, models), "device": device,
+                **build_backend(role, device, worker).describe(),
+            },
+        }
+    if role == "orchestrator":
+        s = OrchestratorSettings()
+        return {"orchestrator": s.model_dump(mode="json"), "effective": {"tree": s.tree().model_dump(mode="json")}}
+    if role == "produce":
+        return {"produce": ProducerSettings().model_dump(mode="json")}
+    raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")

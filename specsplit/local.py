@@ -6,8 +6,11 @@ the baseline for what the transport costs.
 
 from __future__ import annotations
 
+import time
+
 from schemas import CacheSync, DraftRequest, ErrorReply, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
-from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, remaining_tree
+from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
@@ -26,6 +29,9 @@ def generate(
     session_id: str = "local",
     grow_budget_ms: float = 0.0,
     make_target_engine=TargetEngine,
+    lookup_max_tokens: int = 0,
+    lookup_min_ngram: int = 3,
+    cost_model: CostModel | None = None,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -33,17 +39,19 @@ def generate(
     each draft tree before it is verified, as the fleet does while the target verifies (here it
     runs in turn, so it exercises re-rooting rather than saving time). ``make_target_engine(target,
     limits)`` builds the verifier (anything with ``handle(msg)``; the bench puts one in another
-    process to measure what a process split alone costs)."""
+    process to measure what a process split alone costs). ``lookup_max_tokens`` > 0 (greedy)
+    hangs prompt-lookup candidates under each tree's root, and ``cost_model`` chooses each greedy
+    round's nodes, as the orchestrator does."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
     if max_new_tokens <= 0:
         return []
-    need = len(prompt_ids) + max_new_tokens + tree.max_nodes + tree.branch * tree.max_depth + 8
+    need = len(prompt_ids) + max_new_tokens + tree.max_nodes + lookup_max_tokens + tree.branch * tree.max_depth + 8
     limits = EngineLimits(
         max_sessions=1,
         max_session_tokens=need,
-        max_tree_nodes=max(tree.max_nodes, 1),
+        max_tree_nodes=max(tree.max_nodes + max(0, lookup_max_tokens), 1),
         max_tree_depth=max(tree.max_depth, 1),
     )
     d_eng, t_eng = DraftEngine(draft, limits), make_target_engine(target, limits)
@@ -52,6 +60,7 @@ def generate(
     rnd = 0
     while True:
         spec = remaining_tree(tree, max_new_tokens - len(out))
+        t_round = time.perf_counter()
         d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
                                             root=cur.committed[-1], tree=spec, sampling=sampling))
         _raise_if_error(d_reply)
@@ -59,11 +68,20 @@ def generate(
         stats.reused_rounds += d_reply.reused_nodes > 0
         if grow_budget_ms > 0 and sampling.greedy:
             _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms)))
+        sync_tokens = len(cur.target_sync().append_token_ids)
+        plan = plan_round(d_reply.tree, cur.committed, spec, sampling, lookup_max_tokens=lookup_max_tokens,
+                          lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens)
+        verify_tree = plan.tree
         v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(),
-                                             tree=d_reply.tree, sampling=sampling))
+                                             tree=verify_tree, sampling=sampling))
         _raise_if_error(v_reply)
         new = cur.apply_verify(v_reply)
-        stats.add(d_reply.tree, v_reply)
+        if cost_model is not None and plan.choice is not None:
+            cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
+            if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
+                cost_model.observe_verify(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms)
+                cost_model.observe_overhead(max(0.0, (time.perf_counter() - t_round) * 1e3 - v_reply.verify_ms))
+        stats.add(verify_tree, v_reply)
         rnd += 1
         if accept_new(out, new, max_new_tokens, stop):
             return out

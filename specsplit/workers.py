@@ -9,31 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections import Counter
 
 from schemas import WorkerHello
 from specsplit.config import WorkerSettings
+from specsplit.errors import DeviceFailure
 from specsplit.logs import get_logger
-
-
-def default_threads(service: str) -> int:
-    """Torch threads of a role's tree-sized forwards. Draft: a quarter of the cores (one on a
-    2-core box): it grows its tree while the target verifies, and a batch-1 int8 draft forward
-    gains nothing from a second thread here (1 thread ~52 ms, 2 threads ~60 ms). Target: the
-    rest, so the two never oversubscribe the cores (a 2-thread target slowed ~45% whenever the
-    draft grew beside it; with packed bf16 weights one thread verifies 16 tokens about as fast).
-    Prefills use every core (``default_prefill_threads``). OMP_WAIT_POLICY=PASSIVE keeps idle
-    OpenMP threads from spinning. Measured on 2 cores (qwen-coder, 3 HumanEval prompts x 128):
-    packed target 1 thread + draft 1 thread 8.6 tok/s, target 2 + draft 1 8.3."""
-    cores = default_prefill_threads()
-    draft = max(1, cores // 4)
-    return draft if service == "draft" else max(1, cores - draft)
-
-
-def default_prefill_threads() -> int:
-    """Forwards of many new tokens (a prompt) are compute-bound: every core."""
-    return max(1, os.cpu_count() or 1)
 
 
 def model_dtype(service: str, model_settings) -> str:
@@ -47,46 +30,37 @@ def model_dtype(service: str, model_settings) -> str:
 
 
 def build_engine(service: str, settings: WorkerSettings, model_settings):
-    """(engine, hello) for ``service`` from settings; loads the model."""
-    import torch
-
-    from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
-    from specsplit.engine.draft import DraftEngine
+    """(engine, hello) for ``service`` from settings; loads the model onto the role's device and
+    applies the device's backend policy (CPU: int8 / packed weights / threads)."""
+    from specsplit.backends import build_backend
     from specsplit.engine.base import EngineLimits, model_vocab_size
+    from specsplit.engine.draft import DraftEngine
     from specsplit.engine.target import TargetEngine
+    from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
 
-    threads = settings.threads_for(service) or default_threads(service)
-    prefill_threads = settings.prefill_threads or default_prefill_threads()
-    torch.set_num_threads(threads)
+    device = getattr(model_settings, f"{service}_device")
+    backend = build_backend(service, device, settings)
     paths = resolve_model_paths(model_settings)
     path = getattr(paths, service)
-    model, tokenizer = load_model(path, dtype=model_dtype(service, model_settings), threads=threads)
-    if service == "draft" and settings.draft_quantize == "int8":
-        import warnings
-
-        with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated but still the fastest here
-            warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    if settings.pack_weights:
-        from specsplit.models.packing import pack_linear_weights
-
-        packed = pack_linear_weights(model)
-        get_logger("specsplit.worker", service=service).info("weights_packed", linear_layers=packed)
+    model, tokenizer = load_model(path, dtype=model_dtype(service, model_settings), device=device)
+    model = backend.prepare(model)
     limits = EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
     )
     if service == "draft":
-        engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse)
+        engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
     else:
-        engine = TargetEngine(model, limits)
-    engine.threads, engine.prefill_threads = threads, prefill_threads
+        engine = TargetEngine(model, limits, backend=backend)
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
     )
     return engine, hello
+
+
+DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
 def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
@@ -102,12 +76,17 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     engine, hello = build_engine(service, settings, model_settings)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
-             threads=engine.threads, prefill_threads=engine.prefill_threads)
+             device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
     served: Counter[str] = Counter()
 
     def handle(msg):
         served[type(msg).__name__] += 1
-        return engine.handle(msg)
+        try:
+            return engine.handle(msg)
+        except DeviceFailure as exc:  # never a reply: end, so the router fails the sessions over
+            log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
+            sys.stderr.flush()
+            os._exit(DEVICE_FAILURE_EXIT)
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,

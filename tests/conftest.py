@@ -16,6 +16,35 @@ torch.set_num_threads(1)
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+def _device_param(name: str):
+    if name == "cuda":
+        marks = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)")
+    elif name == "mps":
+        marks = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="no MPS device here")
+    else:
+        marks = ()
+    return pytest.param(name, marks=marks, id=name)
+
+
+DEVICE_PARAMS = [_device_param(d) for d in ("cpu", "cuda", "mps")]
+
+
+@pytest.fixture(params=DEVICE_PARAMS)
+def device(request) -> torch.device:
+    """The device the engine oracles run on: CPU everywhere, CUDA / MPS where present."""
+    return torch.device(request.param)
+
+
+def on_device(model, device):
+    """``model`` itself on CPU, a copy of it on another device (fixtures stay on CPU)."""
+    import copy
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return model
+    return copy.deepcopy(model).to(device)
+
+
 def tiny_config(family: str, vocab: int = 128, hidden: int = 64, layers: int = 2):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -73,8 +102,9 @@ def greedy_reference(model, prompt: list[int], n: int, margin: float = 1e-3):
     """Plain greedy decoding with full re-forwards (no cache). Returns (tokens, min top1-top2 gap)."""
     ids = list(prompt)
     out, gap = [], float("inf")
+    device = next(model.parameters()).device
     for _ in range(n):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()
         top = torch.topk(logits, 2).values
         gap = min(gap, float(top[0] - top[1]))
         t = int(logits.argmax())

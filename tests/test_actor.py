@@ -56,3 +56,17 @@ def test_actor_equals_greedy_with_and_without_growth(models, which, grow):
         assert len(grows) == done.rounds - 1 and all(g.round >= 1 for g in grows)
     else:
         assert not grows
+
+
+def test_round_stats_count_acceptance_by_depth():
+    from schemas import FlatTree, VerifyReply
+    from specsplit.orchestrator.state import RoundStats
+
+    stats = RoundStats()
+    tree = FlatTree(token_ids=[1, 2, 3, 4, 5], parents=[-1, 0, 0, 1, 3])  # depths 0 1 1 2 3
+    stats.add(tree, VerifyReply(session_id="s", round=0, accepted_token_ids=[2, 4], accepted_nodes=[1, 3],
+                                bonus_token_id=7, cache_len=9))
+    stats.add(tree, VerifyReply(session_id="s", round=1, accepted_token_ids=[], accepted_nodes=[],
+                                bonus_token_id=7, cache_len=9))
+    assert stats.drafted_per_depth == [4, 2, 2] and stats.accepted_per_depth == [1, 1]
+    assert stats.acceptance_by_depth() == [0.25, 0.5, 0.0]

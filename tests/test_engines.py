@@ -16,7 +16,7 @@ from schemas import (
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
-from specsplit.engine.tree import TreeError, check_parents
+from specsplit.tree import TreeError, check_parents
 from tests.conftest import tiny_model
 
 LIMITS = EngineLimits(max_sessions=4, max_session_tokens=128, max_tree_nodes=16, max_tree_depth=6)
@@ -174,8 +174,10 @@ def test_sampled_tree_distribution_checks(engines):
 
 def test_forwards_use_prefill_threads_for_long_inputs():
     """Prompt-sized forwards run on ``prefill_threads``, tree-sized ones on ``threads``."""
-    eng = TargetEngine(tiny_model("qwen2", seed=4), EngineLimits(max_sessions=2, max_session_tokens=256))
-    eng.threads, eng.prefill_threads = 1, 2
+    from specsplit.backends import CpuBackend
+
+    eng = TargetEngine(tiny_model("qwen2", seed=4), EngineLimits(max_sessions=2, max_session_tokens=256),
+                       backend=CpuBackend(threads=1, prefill_threads=2, pack_weights=False))
     seen = []
     forward = eng.model.forward
 
@@ -197,3 +199,43 @@ def test_forwards_use_prefill_threads_for_long_inputs():
     finally:
         torch.set_num_threads(before)
     assert seen == [(102, 2), (3, 1)]
+
+
+def test_non_cpu_backends_never_touch_threads():
+    """The engine itself sets no thread counts: only the CPU backend policy does."""
+    from specsplit.backends import CudaBackend
+    from specsplit.engine.base import Backend
+
+    assert CudaBackend.before_forward is Backend.before_forward  # CUDA workers inherit the no-op
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        eng = TargetEngine(tiny_model("qwen2", seed=4), EngineLimits(max_sessions=2, max_session_tokens=256))
+        prompt = list(range(1, 100))
+        r = eng.handle(VerifyRequest(session_id="p", round=0, sync=CacheSync(base_len=0, append_token_ids=prompt),
+                                     tree=FlatTree(token_ids=[3, 4], parents=[-1, 0])))
+        assert isinstance(r, VerifyReply) and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")])
+def test_device_failure_is_raised_not_answered(error):
+    """A failing device is never a retryable reply: the engine raises DeviceFailure (the worker
+    logs it and exits non-zero, so the router fails the session over), and drops the session."""
+    from specsplit.engine.base import is_device_failure
+    from specsplit.errors import DeviceFailure
+
+    eng = TargetEngine(tiny_model("qwen2", seed=4), LIMITS)
+    start(eng, "d")
+    assert is_device_failure(error) and not is_device_failure(RuntimeError("shape mismatch"))
+
+    def broken(*a, **kw):
+        raise error
+
+    eng.model.forward = broken
+    with pytest.raises(DeviceFailure, match="target on cpu"):
+        eng.handle(VerifyRequest(session_id="d", round=1, sync=CacheSync(base_len=5),
+                                 tree=FlatTree(token_ids=[1, 2], parents=[-1, 0])))
+    assert "d" not in eng.store

@@ -8,7 +8,7 @@ import pytest
 
 from schemas import SamplingSpec, TreeSpec
 from specsplit.local import RoundStats, generate
-from tests.conftest import FAMILIES, greedy_reference
+from tests.conftest import FAMILIES, greedy_reference, on_device
 
 SHAPES = {
     "chain4": TreeSpec(max_nodes=5, max_depth=4, branch=1),
@@ -22,8 +22,8 @@ MARGIN = 1e-3  # a greedy step whose top-2 logits are closer than this is a near
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_kind", ["often", "rarely"])
-def test_generate_equals_plain_greedy(models, family, draft_kind):
-    target, often, rarely = models[family]
+def test_generate_equals_plain_greedy(models, family, draft_kind, device):
+    target, often, rarely = (on_device(m, device) for m in models[family])
     draft = often if draft_kind == "often" else rarely
     rng = random.Random(hash((family, draft_kind)) & 0xFFFF)
     compared = skipped = 0

@@ -13,7 +13,7 @@ from schemas import CacheSync, DraftReply, DraftRequest, GrowReply, GrowRequest,
 from specsplit.local import RoundStats, generate
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
-from specsplit.engine.tree import check_parents, path_to
+from specsplit.tree import check_parents, path_to
 from tests.conftest import FAMILIES, greedy_reference, tiny_model
 
 LIMITS = EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=16, max_tree_depth=6)

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 from schemas import FlatTree, SamplingSpec, TreeSpec
 from specsplit.local import generate
 from specsplit.engine import sampling as S
-from specsplit.engine.tree import validate_tree
+from specsplit.tree import validate_tree
 from specsplit.engine.verify import verify_sampling
 from tests.conftest import tiny_model
 
@@ -37,13 +37,24 @@ def hf_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def sparse(probs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Probability vector [V] -> (ids, probs) of its support, highest first."""
+    ids = torch.nonzero(probs > 0).flatten()
+    order = torch.argsort(probs[ids], descending=True)
+    return ids[order].tolist(), probs[ids][order].tolist()
+
+
+def sample_from(probs: torch.Tensor, g: torch.Generator, n: int) -> list[int]:
+    return S.sample_rows(probs[None], g, n)[0].tolist()
+
+
 def make_tree(tokens, parents, dists=None) -> tuple[FlatTree, object]:
     """A hand-made tree; dists: {node: probability vector [V]} its children were drawn from."""
     n = len(tokens)
     kw = {}
     if dists is not None:
-        kw["child_dist_ids"] = [S.sparse(dists[i])[0] if i in dists else [] for i in range(n)]
-        kw["child_dist_probs"] = [S.sparse(dists[i])[1] if i in dists else [] for i in range(n)]
+        kw["child_dist_ids"] = [sparse(dists[i])[0] if i in dists else [] for i in range(n)]
+        kw["child_dist_probs"] = [sparse(dists[i])[1] if i in dists else [] for i in range(n)]
     tree = FlatTree(token_ids=tokens, parents=parents, **kw)
     return tree, validate_tree(tree, vocab_size=V, max_nodes=64, max_depth=16)
 
@@ -104,28 +115,28 @@ def test_probs_from_logits_rejects_greedy():
         S.probs_from_logits(torch.zeros(1, V), SamplingSpec(temperature=0.0))
 
 
-# ---- sample_from ---------------------------------------------------------------------
+# ---- sample_rows ---------------------------------------------------------------------
 def test_sample_from_is_seeded_inverse_cdf():
     probs = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)
-    a = S.sample_from(probs, torch.Generator().manual_seed(5), 500)
-    b = S.sample_from(probs, torch.Generator().manual_seed(5), 500)
+    a = sample_from(probs, torch.Generator().manual_seed(5), 500)
+    b = sample_from(probs, torch.Generator().manual_seed(5), 500)
     assert a == b and len(a) == 500
     u = torch.rand(500, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     cdf = torch.cumsum(probs, 0)
     expected = [int((cdf <= x).sum()) for x in u.tolist()]  # first id whose cdf exceeds u
     assert a == expected
-    assert S.sample_from(probs, torch.Generator().manual_seed(6), 500) != a
+    assert sample_from(probs, torch.Generator().manual_seed(6), 500) != a
 
 
 def test_sample_from_never_draws_zero_probability_ids():
     probs = vec({1: 0.2, 4: 0.5, 9: 0.3})
-    draws = S.sample_from(probs, torch.Generator().manual_seed(0), 20_000)
+    draws = sample_from(probs, torch.Generator().manual_seed(0), 20_000)
     assert set(draws) == {1, 4, 9}
     freq = torch.bincount(torch.tensor(draws), minlength=V).double() / len(draws)
     assert (freq - probs).abs().max() < 0.02  # 20k draws: sd <= 0.0036
-    assert set(S.sample_from(vec({V - 1: 1.0}), torch.Generator().manual_seed(0), 50)) == {V - 1}
-    assert set(S.sample_from(vec({0: 1.0}), torch.Generator().manual_seed(0), 50)) == {0}
-    unnormalized = S.sample_from(probs * 3.0, torch.Generator().manual_seed(0), 20_000)
+    assert set(sample_from(vec({V - 1: 1.0}), torch.Generator().manual_seed(0), 50)) == {V - 1}
+    assert set(sample_from(vec({0: 1.0}), torch.Generator().manual_seed(0), 50)) == {0}
+    unnormalized = sample_from(probs * 3.0, torch.Generator().manual_seed(0), 20_000)
     assert set(unnormalized) == {1, 4, 9}
 
 
@@ -139,9 +150,13 @@ def test_make_generator_depends_on_seed_round_and_role():
 
 def test_sparse_dense_round_trip():
     probs = vec({3: 0.1, 7: 0.6, 2: 0.3})
-    ids, ps = S.sparse(probs)
+    ids, ps = sparse(probs)
     assert ids == [7, 2, 3]
-    torch.testing.assert_close(S.dense(ids, ps, V), probs)
+    dense = S.dense_rows([ids, []], [ps, []], V, dtype=torch.float64, device=torch.device("cpu"))
+    torch.testing.assert_close(dense[0], probs)
+    assert not dense[1].any()
+    torch.testing.assert_close(S.dense_rows([ids], [[3 * p for p in ps]], V, dtype=torch.float64,
+                                            device=torch.device("cpu"))[0], probs)  # renormalized
 
 
 # ---- verify_sampling on hand-made trees ------------------------------------------------

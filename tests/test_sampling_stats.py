@@ -37,9 +37,10 @@ from specsplit.engine import sampling as S
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
-from specsplit.engine.tree import validate_tree
+from specsplit.tree import validate_tree
 from specsplit.engine.verify import Verdict, verify_sampling
-from tests.conftest import tiny_model
+from tests.conftest import on_device, tiny_model
+from tests.test_sampling import sparse
 
 ALPHA = 1e-3
 DRAWS = 20_000
@@ -120,7 +121,7 @@ class PathLM:
         key = (ctx, sampling)
         if key not in self.qcache:
             q = S.probs_from_logits(self(ctx)[None], sampling)[0]
-            ids, probs = S.sparse(q)
+            ids, probs = sparse(q)
             self.qcache[key] = (q, ids, probs, q.log().tolist())
         return self.qcache[key]
 
@@ -148,7 +149,7 @@ def build_tree(draft: PathLM, ctx: tuple[int, ...], case: Case, depth: int, g) -
         for f in frontier:
             q, ids, probs, logq = draft.q(ctxs[f], case.draft)
             if case.proposals == "iid":
-                kids = S.sample_from(q, g, b)
+                kids = S.sample_rows(q[None], g, b)[0].tolist()
                 dists[f] = (ids, probs)
             else:
                 kids = [ids[0]] * (b - 1) + [ids[1]]
@@ -276,14 +277,15 @@ def _walk(tree: FlatTree, layout, logits, sampling, g, pick) -> Verdict:
         p = S.probs_from_logits(logits[v : v + 1], sampling)[0]
         kids = layout.children[v]
         if not kids:
-            return Verdict(path, S.sample_from(p, g)[0])
+            return Verdict(path, int(S.sample_rows(p[None], g, 1)[0, 0]))
         if tree.sampled:
-            qs = [S.dense(tree.child_dist_ids[v], tree.child_dist_probs[v], logits.shape[-1])] * len(kids)
+            qs = [S.dense_rows([tree.child_dist_ids[v]], [tree.child_dist_probs[v]], logits.shape[-1],
+                               dtype=torch.float64, device=logits.device)[0]] * len(kids)
         else:
             qs = [torch.nn.functional.one_hot(torch.tensor(tree.token_ids[c]), logits.shape[-1]).double() for c in kids]
         j, resid = pick(p, qs, [tree.token_ids[c] for c in kids], g)
         if j < 0:
-            return Verdict(path, S.sample_from(resid, g)[0])
+            return Verdict(path, int(S.sample_rows(resid[None], g, 1)[0, 0]))
         v = kids[j]
         path.append(v)
 
@@ -293,7 +295,7 @@ def wrong_resample_from_p(tree, layout, logits, sampling, g) -> Verdict:
 
     def pick(p, qs, toks, g):
         for j, (q, x) in enumerate(zip(qs, toks)):
-            if S.uniform(g) * float(q[x]) < float(p[x]):
+            if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[x]) < float(p[x]):
                 return j, p
         return -1, p
 
@@ -306,7 +308,7 @@ def wrong_no_sibling_residual(tree, layout, logits, sampling, g) -> Verdict:
 
     def pick(p, qs, toks, g):
         for j, (q, x) in enumerate(zip(qs, toks)):
-            if S.uniform(g) * float(q[x]) < float(p[x]):
+            if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[x]) < float(p[x]):
                 return j, p
         resid = torch.clamp(p - qs[0], min=0.0)
         return -1, resid if float(resid.sum()) > 0 else p
@@ -324,7 +326,7 @@ def wrong_skip_repeated_siblings(tree, layout, logits, sampling, g) -> Verdict:
             if x in seen:
                 continue
             seen.add(x)
-            if S.uniform(g) * float(q[x]) < float(r[x]):
+            if float(torch.rand(1, generator=g, dtype=torch.float64)) * float(q[x]) < float(r[x]):
                 return j, r
             resid = torch.clamp(r - q, min=0.0)
             r = resid / resid.sum() if float(resid.sum()) > 0 else r
@@ -384,7 +386,8 @@ def model_exact(model, prompt: list[int], sampling: SamplingSpec, n: int) -> dic
     dist = {(): 1.0}
     for _ in range(n):
         ctxs = list(dist)
-        logits = model(torch.tensor([prompt + list(c) for c in ctxs])).logits[:, -1]  # [C, V]
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([prompt + list(c) for c in ctxs], device=device)).logits[:, -1].cpu()  # [C, V]
         probs = hf_probs(logits, sampling)
         dist = {
             c + (t,): dist[c] * float(probs[i, t])
@@ -395,11 +398,11 @@ def model_exact(model, prompt: list[int], sampling: SamplingSpec, n: int) -> dic
 
 
 @pytest.mark.slow
-def test_engines_first_token_matches_target(llama_pair):
+def test_engines_first_token_matches_target(llama_pair, device):
     """20,000 one-round draws through DraftEngine/TargetEngine requests, as local.generate's first
     round sends them (fresh session per draw): 4 i.i.d. siblings (repeats are common), top-k and
     top-p at both ends. The first generated token must follow the target's distribution."""
-    target, draft = llama_pair
+    target, draft = (on_device(m, device) for m in llama_pair)
     sampling = SamplingSpec(temperature=0.8, top_k=8, top_p=0.9)
     tree = TreeSpec(max_nodes=5, max_depth=1, branch=4)
     limits = EngineLimits(max_sessions=2, max_session_tokens=64, max_tree_nodes=8, max_tree_depth=2)
@@ -424,10 +427,10 @@ def test_engines_first_token_matches_target(llama_pair):
 
 
 @pytest.mark.slow
-def test_generate_first_two_tokens_match_target(llama_pair):
+def test_generate_first_two_tokens_match_target(llama_pair, device):
     """5,000 draws of specsplit.local.generate (it builds engines per call, so fewer draws than the
     rule-level tests): a 3-sibling i.i.d. tree, then a second round whenever the first ends early."""
-    target, draft = llama_pair
+    target, draft = (on_device(m, device) for m in llama_pair)
     sampling = SamplingSpec(temperature=1.0, top_p=0.95)
     tree = TreeSpec(max_nodes=4, max_depth=2, branch=3)
     draws = 5_000

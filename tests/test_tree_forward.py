@@ -9,8 +9,9 @@ import torch
 
 from specsplit.engine.base import Engine, EngineLimits
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.tree import depths_of, linear_then_tree, positions, root_to_leaf_paths
-from tests.conftest import FAMILIES, tiny_model
+from specsplit.engine.masks import causal, linear_then_tree, positions
+from specsplit.tree import depths_of, root_to_leaf_paths
+from tests.conftest import FAMILIES, on_device, tiny_model
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -21,27 +22,28 @@ def prefill(engine: Engine, prefix: list[int]) -> SessionKV:
     kv = engine.store.get_or_create("s").kv
     if prefix:
         t = len(prefix)
-        engine.forward(kv, prefix, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), keep=1)
+        engine.forward(kv, prefix, torch.arange(t, device=engine.device), causal(t, 0, engine.device), keep=1)
     return kv
 
 
 def tree_logits(engine: Engine, kv: SessionKV, tokens, parents) -> torch.Tensor:
-    p = kv.length
-    vis = torch.ones(len(tokens), p + len(tokens), dtype=torch.bool)
-    vis[:, p:] = linear_then_tree(0, parents)
-    pos = positions(depths_of(parents), p)
+    p, dev = kv.length, engine.device
+    vis = torch.ones(len(tokens), p + len(tokens), dtype=torch.bool, device=dev)
+    vis[:, p:] = linear_then_tree(0, parents, dev)
+    pos = positions(depths_of(parents), p, dev)
     return engine.forward(kv, tokens, pos, vis, keep=len(tokens))
 
 
 @torch.no_grad()
 def sequential_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()  # [T, V]
+    device = next(model.parameters()).device
+    return model(torch.tensor([ids], device=device)).logits[0].float()  # [T, V]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_tree_forward_matches_each_path(family, attn):
-    model = tiny_model(family, seed=1, attn=attn)
+def test_tree_forward_matches_each_path(family, attn, device):
+    model = on_device(tiny_model(family, seed=1, attn=attn), device)
     rng = random.Random(7)
     for offset in (0, 1, 9, 33):
         for n in (1, 2, 7, 23, 64):
@@ -58,8 +60,8 @@ def test_tree_forward_matches_each_path(family, attn):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compaction_equals_sequential_cache(family):
-    model = tiny_model(family, seed=2)
+def test_compaction_equals_sequential_cache(family, device):
+    model = on_device(tiny_model(family, seed=2), device)
     rng = random.Random(3)
     for trial in range(6):
         engine = Engine(model, EngineLimits(max_session_tokens=256, cache_chunk=16))
@@ -79,7 +81,7 @@ def test_compaction_equals_sequential_cache(family):
             torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
         # and the compacted cache continues exactly like the sequential one
-        nxt = [rng.randrange(128)]
+        nxt = [rng.randrange(128)]  # and the compacted cache continues like the sequential one
         la = tree_logits(engine, kv, nxt, [-1])
         lb = tree_logits(ref_engine, ref, nxt, [-1])
         torch.testing.assert_close(la, lb, atol=2e-5, rtol=1e-4)

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
-    from specsplit.workers import default_prefill_threads, default_threads
+    from specsplit.backends import default_prefill_threads, default_threads
 
     args.draft_threads = args.draft_threads or default_threads("draft")  # recorded in the JSON config
     args.target_threads = args.target_threads or default_threads("target")

@@ -5,6 +5,12 @@ Engines contain no transport; a worker puts ``handle`` behind a socket. Every me
 request object and returns a reply object or raises SpecError; on any error the session's
 cache is unchanged (validation happens before anything moves), except an unexpected forward
 failure, which drops the session so the next request gets CACHE_MISS and resends its context.
+A failure of the device itself (CUDA error, out of memory) raises ``DeviceFailure``, never a
+reply: the worker ends, and the router fails its sessions over.
+
+Engines run on any device: the model's device is the engine's, and every index, mask, position
+and generator is created there. Device-specific tuning (CPU threads per forward size, weight
+packing, int8) is not here: it is a ``Backend`` policy the worker builds (``specsplit.backends``).
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas import Ack, CacheSync, EndSession, ErrorCode, ErrorReply, Message
+from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.masks import additive_mask
 from specsplit.engine.store import Session, SessionStore
-from specsplit.engine.tree import SpecError, additive_mask, check_token_ids
+from specsplit.errors import DeviceFailure, SpecError
+from specsplit.tree import check_token_ids
 
 
 @dataclass(frozen=True)
@@ -48,20 +56,55 @@ def model_num_layers(model) -> int:
 PREFILL_TOKENS = 64  # a forward of more new tokens than this is compute-bound (a prompt prefill)
 
 
+class Backend:
+    """How an engine's forwards run on its device. This default does nothing device-specific;
+    workers pass a policy from ``specsplit.backends`` (CPU: threads per forward size; CUDA:
+    device synchronization for timings)."""
+
+    name = "default"
+
+    def before_forward(self, new_tokens: int) -> None:
+        """Called before each forward of ``new_tokens`` tokens."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for honest timings)."""
+
+
+def is_device_failure(exc: BaseException) -> bool:
+    """A failure of the device rather than of the request: CUDA/accelerator errors, out of memory."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    accel = getattr(torch, "AcceleratorError", None)
+    if (oom is not None and isinstance(exc, oom)) or (accel is not None and isinstance(exc, accel)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in (
+        "CUDA error", "CUBLAS_STATUS", "cuDNN error", "out of memory", "device-side assert",
+        "can't allocate memory", "MPS backend"))
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_dtype(model) -> torch.dtype:
+    """The compute dtype of the model's activations (its embeddings'; quantized Linear layers
+    keep no float weight)."""
+    return model.get_input_embeddings().weight.dtype
+
+
 class Engine:
     """Base of DraftEngine and TargetEngine."""
 
     role = "engine"
-    # torch threads for small (tree) forwards and for prefills; None: leave torch's setting alone
-    threads: int | None = None
-    prefill_threads: int | None = None
 
-    def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None):
+    def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
+                 backend: Backend | None = None):
         self.model = model.eval()
         self.limits = limits
         self.vocab_size = vocab_size or model_vocab_size(model)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device = model_device(model)
+        self.dtype = model_dtype(model)
+        self.backend = backend or Backend()
         layers = model_num_layers(model)
         self.store = SessionStore(
             lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk),
@@ -81,10 +124,6 @@ class Engine:
         if isinstance(msg, EndSession):
             return Ack(session_id=msg.session_id, existed=self.store.end_session(msg.session_id))
         raise SpecError(ErrorCode.BAD_REQUEST, f"{self.role} worker does not serve {type(msg).__name__}")
-
-    def handle_batch(self, msgs: list[Message]) -> list[Message]:
-        """Several sessions' requests; today one forward each (batched forwards come later)."""
-        return [self.handle(m) for m in msgs]
 
     def open_session(self, session_id: str, round: int, sync: CacheSync, extra_tokens: int) -> Session:
         """Checks that need no lock-free state: token range, capacity; then finds the session."""
@@ -120,17 +159,16 @@ class Engine:
     def forward(
         self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor, keep: int
     ) -> torch.Tensor:
-        """One forward of T new tokens on top of the cache. visible [T, P+T] bool;
-        returns float32 logits of the last ``keep`` tokens [keep, V]."""
+        """One forward of T new tokens on top of the cache. position_ids [T] and visible
+        [T, P+T] bool on the engine's device; returns float32 logits of the last ``keep``
+        tokens [keep, V] (on the device)."""
         t = len(token_ids)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
-        want = self.prefill_threads if t > PREFILL_TOKENS else self.threads
-        if want and want != torch.get_num_threads():
-            torch.set_num_threads(want)
+        self.backend.before_forward(t)
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
-            position_ids=position_ids[None].to(self.device),
-            attention_mask=additive_mask(visible, self.dtype).to(self.device),
+            position_ids=position_ids[None],
+            attention_mask=additive_mask(visible, self.dtype),
             past_key_values=kv,
             use_cache=True,
             logits_to_keep=keep,
@@ -138,19 +176,24 @@ class Engine:
         return out.logits[0, -keep:].float()  # [keep, V]
 
     def guarded(self, session: Session, fn):
-        """Run fn() (which mutates the session's cache); drop the session if it fails unexpectedly."""
+        """Run fn() (which mutates the session's cache); drop the session if it fails
+        unexpectedly. A device failure is raised as DeviceFailure (the worker must end)."""
         try:
             return fn()
         except SpecError:
             raise
         except Exception as exc:
             self.store.drop(session)
+            if is_device_failure(exc):
+                raise DeviceFailure(f"{self.role} on {self.device}: {type(exc).__name__}: {exc}") from exc
             raise SpecError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
+
+    def elapsed_ms(self, t0: float) -> float:
+        """Milliseconds since ``t0``, after the device finished its queued work."""
+        self.backend.synchronize()
+        return elapsed_ms(t0)
 
 
 def elapsed_ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
-
-def error_reply(code: ErrorCode, message: str, **kw) -> ErrorReply:
-    return ErrorReply.of(code, message, **kw)

@@ -19,137 +19,25 @@ its ``branch`` children, scored by cumulative draft log-prob.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from schemas import (
-    DraftReply, DraftRequest, ErrorCode, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec,
-)
+from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
 from specsplit.engine import sampling as S
 from specsplit.engine.base import Engine, EngineLimits, elapsed_ms
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.tree import SpecError, check_token_ids, path_to
-
-
-@dataclass
-class _Pool:
-    tokens: list[int]
-    parents: list[int] = field(default_factory=lambda: [-1])
-    logps: list[float] = field(default_factory=lambda: [0.0])
-    scores: list[float] = field(default_factory=lambda: [0.0])
-    dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
-    slots: dict[int, int] = field(default_factory=dict)
-
-    def add(self, parent: int, token: int, logp: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.logps.append(logp)
-        self.scores.append(self.scores[parent] + logp)
-        return len(self.tokens) - 1
-
-
-def _first_of_token(pool: _Pool, nodes: list[int]) -> list[int]:
-    """Nodes whose token no earlier sibling carries (siblings are drawn i.i.d. and may repeat)."""
-    seen, out = set(), []
-    for i in nodes:
-        key = (pool.parents[i], pool.tokens[i])
-        if key not in seen:
-            seen.add(key)
-            out.append(i)
-    return out
-
-
-class _Grown:
-    """A greedy draft tree kept between requests. Node 0 is the newest committed token, at cache
-    index ``prefix_len - 1``; an expanded node has a cache ``slot`` (>= prefix_len; -1 until it is
-    forwarded) and its top-``branch`` children in the tree. Scores are cumulative log-probs."""
-
-    def __init__(self, root: int, root_logits: torch.Tensor | None, branch: int, prefix_len: int):
-        self.branch, self.prefix_len = branch, prefix_len
-        self.tokens, self.parents, self.logps, self.scores, self.depths = [root], [-1], [0.0], [0.0], [0]
-        self.kids: list[list[int]] = [[]]
-        self.slot = [prefix_len - 1]
-        self.round, self.max_depth, self.forward_ms = -1, 0, 0.0
-        if root_logits is not None:
-            self.add_children(0, root_logits)
-
-    def add_children(self, node: int, logits: torch.Tensor) -> None:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logp, min(self.branch, logp.shape[-1]))
-        for tok, lp in zip(top.indices.tolist(), top.values.tolist()):
-            i = len(self.tokens)
-            self.tokens.append(tok)
-            self.parents.append(node)
-            self.logps.append(lp)
-            self.scores.append(self.scores[node] + lp)
-            self.depths.append(self.depths[node] + 1)
-            self.kids.append([])
-            self.slot.append(-1)
-            self.kids[node].append(i)
-
-    def candidates(self, max_depth: int, min_logp: float) -> list[int]:
-        """Unexpanded nodes whose children would still be within ``max_depth``."""
-        return [i for i in range(1, len(self.tokens))
-                if self.slot[i] < 0 and self.depths[i] < max_depth and self.scores[i] >= min_logp]
-
-    def settled(self, keep: int, max_depth: int, cands: list[int]) -> bool:
-        """True when no descendant of a candidate can enter the best ``keep`` nodes (a child's
-        score never exceeds its parent's), so further steps cannot change the result."""
-        scores = [self.scores[i] for i in range(1, len(self.tokens)) if self.depths[i] <= max_depth]
-        if len(scores) < keep:
-            return False
-        return heapq.nlargest(keep, scores)[-1] >= max(self.scores[c] for c in cands)
-
-    def subtree(self, node: int) -> list[int]:
-        inside, out = {node}, [node]
-        for i in range(node + 1, len(self.tokens)):
-            if self.parents[i] in inside:
-                inside.add(i)
-                out.append(i)
-        return out
-
-    def rerooted(self, sub: list[int], prefix_len: int, where: dict[int, int]) -> _Grown:
-        """The subtree ``sub`` (node indices, ``sub[0]`` the new root) with its cache slots moved
-        per ``where`` (old slot -> new slot)."""
-        g = _Grown(self.tokens[sub[0]], None, self.branch, prefix_len)
-        index = {old: new for new, old in enumerate(sub)}
-        b = sub[0]
-        for old in sub[1:]:
-            g.tokens.append(self.tokens[old])
-            g.parents.append(index[self.parents[old]])
-            g.logps.append(self.logps[old])
-            g.scores.append(self.scores[old] - self.scores[b])
-            g.depths.append(self.depths[old] - self.depths[b])
-            g.kids.append([])
-            g.slot.append(where[self.slot[old]] if self.slot[old] >= 0 else -1)
-            g.kids[g.parents[-1]].append(len(g.tokens) - 1)
-        g.max_depth, g.forward_ms = self.max_depth, self.forward_ms
-        return g
-
-    def flat(self, keep: int, max_depth: int) -> FlatTree:
-        eligible = [i for i in range(1, len(self.tokens)) if self.depths[i] <= max_depth]
-        best = sorted(eligible, key=lambda i: (-self.scores[i], i))[: max(keep, 0)]
-        chosen = [0, *sorted(best)]
-        index = {old: new for new, old in enumerate(chosen)}
-        if any(self.parents[i] not in index for i in chosen[1:]):
-            raise SpecError(ErrorCode.INTERNAL, "tree selection lost a parent")
-        return FlatTree(
-            token_ids=[self.tokens[i] for i in chosen],
-            parents=[-1] + [index[self.parents[i]] for i in chosen[1:]],
-            draft_logprobs=[self.logps[i] for i in chosen],
-        )
+from specsplit.engine.masks import causal
+from specsplit.tree import DraftTree, check_token_ids, path_to, subtree_nodes
 
 
 class DraftEngine(Engine):
     role = "draft"
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64,
-                 steps_after_reuse: int | None = None):
-        super().__init__(model, limits, vocab_size=vocab_size)
+                 steps_after_reuse: int | None = None, backend=None):
+        super().__init__(model, limits, vocab_size=vocab_size, backend=backend)
         self.max_support = max_support
         self.steps_after_reuse = steps_after_reuse
         self.max_kept_nodes = 4 * limits.max_tree_nodes  # a grown tree's size cap
@@ -159,7 +47,7 @@ class DraftEngine(Engine):
     @staticmethod
     def committed_len(session) -> int:
         g = session.draft_tree
-        return g.prefix_len if isinstance(g, _Grown) else session.kv.length
+        return g.prefix_len if isinstance(g, DraftTree) else session.kv.length
 
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, DraftRequest):
@@ -189,7 +77,9 @@ class DraftEngine(Engine):
                     grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
                     reused = len(grown.tokens) - 1 if grown is not None else 0
                     if grown is None:
-                        grown = _Grown(req.root, self._root_forward(kv, sync, req.root), spec.branch, kv.length)
+                        root_logits = self._root_forward(kv, sync, req.root)
+                        grown = DraftTree(req.root, kv.length, spec.branch)
+                        self._add_top_children(grown, [0], root_logits[None])
                     grown.round, grown.branch = req.round, spec.branch
                     steps = spec.max_depth
                     if reused and self.steps_after_reuse is not None:
@@ -207,7 +97,7 @@ class DraftEngine(Engine):
                     session.last_round = req.round
 
             tree, reused = self.guarded(session, run)
-        return DraftReply(session_id=req.session_id, round=req.round, tree=tree, draft_ms=elapsed_ms(t0),
+        return DraftReply(session_id=req.session_id, round=req.round, tree=tree, draft_ms=self.elapsed_ms(t0),
                           reused_nodes=reused)
 
     def _root_forward(self, kv: SessionKV, sync, root: int) -> torch.Tensor:
@@ -215,13 +105,20 @@ class DraftEngine(Engine):
         kv.crop_to(sync.base_len)
         tokens = [*sync.append_token_ids, root]
         t = len(tokens)
-        visible = torch.ones(t, sync.base_len + t, dtype=torch.bool)
-        visible[:, sync.base_len :] = torch.ones(t, t, dtype=torch.bool).tril()
-        pos = torch.arange(sync.base_len, sync.base_len + t, dtype=torch.long)
-        return self.forward(kv, tokens, pos, visible, keep=1)[0]
+        pos = torch.arange(sync.base_len, sync.base_len + t, dtype=torch.long, device=self.device)
+        return self.forward(kv, tokens, pos, causal(t, sync.base_len, self.device), keep=1)[0]
+
+    def _add_top_children(self, g: DraftTree, nodes: list[int], rows: torch.Tensor) -> None:
+        """Each of ``nodes`` gets its ``g.branch`` most probable children from its logits row
+        (rows [F, V]); one host copy for all of them."""
+        logp = torch.log_softmax(rows.float(), dim=-1)  # [F, V]
+        top = torch.topk(logp, min(g.branch, logp.shape[-1]), dim=-1)  # [F, B]
+        ids, lps = top.indices.tolist(), top.values.tolist()
+        for node, tok_row, lp_row in zip(nodes, ids, lps):
+            g.add_children(node, tok_row, lp_row)
 
     # ---- greedy: best-first, kept between requests -------------------------------------
-    def _best_first(self, kv: SessionKV, g: _Grown, spec: TreeSpec, steps: int) -> FlatTree:
+    def _best_first(self, kv: SessionKV, g: DraftTree, spec: TreeSpec, steps: int) -> FlatTree:
         keep = spec.max_nodes - 1
         min_logp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         g.max_depth = spec.max_depth
@@ -231,46 +128,38 @@ class DraftEngine(Engine):
             cands = g.candidates(spec.max_depth, min_logp)
             if not cands or g.settled(keep, spec.max_depth, cands):
                 break
-            front = heapq.nlargest(spec.branch, cands, key=lambda i: (g.scores[i], -i))
+            front = g.best(spec.branch, cands)
             if kv.room() < len(front):
                 break
             self._expand(kv, g, front)
-        return g.flat(keep, spec.max_depth)
+        return g.best_flat(keep, spec.max_depth)
 
-    def _expand(self, kv: SessionKV, g: _Grown, nodes: list[int]) -> None:
-        """One forward of ``nodes`` (unexpanded, parents expanded); each gets its top children."""
+    def _expand(self, kv: SessionKV, g: DraftTree, nodes: list[int]) -> None:
+        """One forward of ``nodes`` (unforwarded, parents forwarded); each gets its top children."""
         base, t0 = kv.length, time.perf_counter()
-        rows = self._forward_nodes(kv, nodes, g.tokens, g.parents, g.slot, g.prefix_len,
-                                   [g.prefix_len - 1 + g.depths[n] for n in nodes])  # [F, V]
-        g.forward_ms = elapsed_ms(t0)
+        rows = self._forward_nodes(kv, g, nodes, [g.prefix_len - 1 + g.depths[n] for n in nodes])  # [F, V]
         for j, node in enumerate(nodes):
             g.slot[node] = base + j
-            g.add_children(node, rows[j])
+        self._add_top_children(g, nodes, rows)
+        g.forward_ms = elapsed_ms(t0)  # after the host copy: the device has finished
 
-    def _reroot(self, kv: SessionKV, g: _Grown, sync, root: int) -> _Grown | None:
+    def _reroot(self, kv: SessionKV, g: DraftTree, sync, root: int) -> DraftTree | None:
         """The kept tree re-rooted at the new root when [append tokens + root] is one of its paths
-        from the old root and the new root was expanded; compacts the cache. None otherwise."""
+        from the old root and the new root was forwarded; compacts the cache. None otherwise."""
         if g.prefix_len != sync.base_len or kv.length < g.prefix_len:
             return None
-        path, node = [], 0
-        for tok in [*sync.append_token_ids, root]:
-            node = next((c for c in g.kids[node] if g.tokens[c] == tok), -1)
-            if node < 0:
-                return None
-            path.append(node)
-        b = path[-1]
-        if g.slot[b] < 0:
+        path = g.child_path([*sync.append_token_ids, root])
+        if not path or g.slot[path[-1]] < 0:
             return None
-        sub = g.subtree(b)
-        expanded = [n for n in sub[1:] if g.slot[n] >= 0]
-        src = [g.slot[n] for n in path] + sorted(g.slot[n] for n in expanded)
-        kv.compact(src, g.prefix_len)
+        b = path[-1]
+        expanded = sorted((n for n in subtree_nodes(g.parents, b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
+        kv.compact([g.slot[n] for n in path] + [g.slot[n] for n in expanded], g.prefix_len)
         new_prefix = g.prefix_len + len(path)
-        where = {g.slot[n]: new_prefix + k for k, n in enumerate(sorted(expanded, key=lambda n: g.slot[n]))}
-        return g.rerooted(sub, new_prefix, where)
+        where = {g.slot[n]: new_prefix + k for k, n in enumerate(expanded)}
+        return g.rerooted(b, new_prefix, where)
 
     def grow(self, req: GrowRequest) -> GrowReply:
-        """Expand the kept tree of round ``req.round``, most probable unexpanded nodes first,
+        """Expand the kept tree of round ``req.round``, most probable unforwarded nodes first,
         ``width`` per forward, while the budget lasts and no other request waits."""
         t0 = time.perf_counter()
         session = self.store.get(req.session_id)
@@ -278,95 +167,92 @@ class DraftEngine(Engine):
         if session is not None:
             with session.lock:
                 g = session.draft_tree
-                if isinstance(g, _Grown) and g.round == req.round:
+                if isinstance(g, DraftTree) and g.round == req.round:
                     grown = self.guarded(session, lambda: self._grow(session.kv, g, req, t0))
-        return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=elapsed_ms(t0))
+        return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=self.elapsed_ms(t0))
 
-    def _grow(self, kv: SessionKV, g: _Grown, req: GrowRequest, t0: float) -> int:
+    def _grow(self, kv: SessionKV, g: DraftTree, req: GrowRequest, t0: float) -> int:
         depth_limit = 2 * max(1, g.max_depth)
-        n0 = len(g.tokens)
+        n0 = len(g)
         while not self.others_waiting():
             if elapsed_ms(t0) + (g.forward_ms or 0.0) > req.budget_ms:
                 break
-            if len(g.tokens) + req.width * g.branch > self.max_kept_nodes:
+            if len(g) + req.width * g.branch > self.max_kept_nodes:
                 break
             cands = g.candidates(depth_limit, -math.inf)
             if not cands:
                 break
-            front = heapq.nlargest(req.width, cands, key=lambda i: (g.scores[i], -i))
+            front = g.best(req.width, cands)
             if kv.room() < len(front):
                 break
             self._expand(kv, g, front)
-        return len(g.tokens) - n0
+        return len(g) - n0
 
     # ---- sampled: level by level, cache cropped afterwards -----------------------------
     def _build(
         self, kv: SessionKV, root: int, root_logits: torch.Tensor, spec: TreeSpec, sampling: SamplingSpec, round: int
     ) -> FlatTree:
-        pool = _Pool(tokens=[root])
-        pool.slots[0] = kv.length - 1
-        prefix_len = kv.length
-        g = S.make_generator(sampling.seed, round, "draft")
+        g = DraftTree(root, kv.length, spec.branch)
+        gen = S.make_generator(sampling.seed, round, "draft", self.device)
         frontier, rows = [0], root_logits[None]  # [F], [F, V]
         min_logp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         for depth in range(1, spec.max_depth + 1):
             if spec.max_nodes <= 1 or not frontier:
                 break
-            new = self._expand_sampled(pool, frontier, rows, spec, sampling, g)
-            if depth == spec.max_depth or not new or len(pool.tokens) >= spec.max_nodes:
+            new = self._expand_sampled(g, frontier, rows, spec, sampling, gen)
+            if depth == spec.max_depth or not new or len(g) >= spec.max_nodes:
                 break
             # a repeat of an earlier sibling's token is reached only if that one was rejected,
             # and then it is rejected too: don't grow it
-            new = _first_of_token(pool, new)
-            frontier = heapq.nlargest(spec.branch, new, key=lambda i: (pool.scores[i], -i))
-            frontier = [n for n in frontier if pool.scores[n] >= min_logp]  # paths unlikely to be accepted
-            if not frontier:  # are not worth a forward
+            new = g.first_of_token(new)
+            frontier = [n for n in g.best(spec.branch, new) if g.scores[n] >= min_logp]
+            if not frontier:  # paths unlikely to be accepted are not worth a forward
                 break
-            rows = self._forward_frontier(kv, pool, frontier, prefix_len, depth)
-        return self._flat(pool)
+            base = kv.length
+            rows = self._forward_nodes(kv, g, frontier, [g.prefix_len - 1 + depth] * len(frontier))
+            for j, node in enumerate(frontier):
+                g.slot[node] = base + j
+        return g.to_flat()
 
-    def _expand_sampled(self, pool, frontier, rows, spec: TreeSpec, sampling: SamplingSpec, g) -> list[int]:
-        q = S.probs_from_logits(rows, sampling, self.max_support)  # [F, V] float64
+    def _expand_sampled(self, g: DraftTree, frontier, rows, spec: TreeSpec, sampling: SamplingSpec, gen) -> list[int]:
+        """Children of every frontier node drawn i.i.d. from its processed distribution q, which
+        the tree carries (support capped at ``max_support``); one host copy per level."""
+        q = S.probs_from_logits(rows, sampling, self.max_support)  # [F, V]
+        draws = S.sample_rows(q, gen, spec.branch)  # [F, B]
+        logq = torch.log(q.gather(1, draws))  # [F, B]
+        # the support: max_support ids, plus room for ties with the k-th logit (which survive)
+        k = min(2 * self.max_support if self.max_support else q.shape[-1], q.shape[-1])
+        support = torch.topk(q, k, dim=-1)  # [F, K], highest first
+        host = [t.tolist() for t in (draws, logq, support.indices, support.values)]
+        if k < q.shape[-1] and any(row[-1] > 0 for row in host[3]):  # more ties than that: all of it
+            nnz = int((q > 0).sum(dim=-1).max())
+            support = torch.topk(q, nnz, dim=-1)
+            host[2], host[3] = support.indices.tolist(), support.values.tolist()
         new = []
         for j, f in enumerate(frontier):
-            room = spec.max_nodes - len(pool.tokens)
+            room = spec.max_nodes - len(g)
             if room <= 0:
                 break
-            draws = S.sample_from(q[j], g, spec.branch)[:room]  # a prefix in draw order
-            pool.dists[f] = S.sparse(q[j])
-            qj = q[j]
-            new.extend(pool.add(f, tok, float(torch.log(qj[tok]))) for tok in draws)
+            ids, probs = host[2][j], host[3][j]
+            nz = [i for i, p in enumerate(probs) if p > 0]
+            g.dists[f] = ([ids[i] for i in nz], [probs[i] for i in nz])
+            tokens, lps = host[0][j][:room], host[1][j][:room]  # a prefix in draw order
+            new.extend(g.add_children(f, tokens, lps))
         return new
 
-    def _forward_frontier(self, kv: SessionKV, pool: _Pool, frontier: list[int], prefix_len: int, depth: int):
-        base = kv.length
-        rows = self._forward_nodes(kv, frontier, pool.tokens, pool.parents, pool.slots, prefix_len,
-                                   [prefix_len - 1 + depth] * len(frontier))
-        for j, node in enumerate(frontier):
-            pool.slots[node] = base + j
-        return rows
-
-    def _forward_nodes(self, kv: SessionKV, nodes, tokens, parents, slot, prefix_len: int, positions) -> torch.Tensor:
-        """One forward of tree ``nodes`` appended to the cache: each sees the committed prefix, its
-        ancestors' cache ``slot`` (the root is the prefix's last entry) and itself. [F, V] logits."""
-        f, base = len(nodes), kv.length
-        visible = torch.zeros(f, base + f, dtype=torch.bool)
-        visible[:, :prefix_len] = True
+    def _forward_nodes(self, kv: SessionKV, g: DraftTree, nodes: list[int], pos: list[int]) -> torch.Tensor:
+        """One forward of tree ``nodes`` appended to the cache: each sees the committed prefix,
+        its ancestors' cache slots (the root is the prefix's last entry) and itself. [F, V] logits."""
+        f, base, dev = len(nodes), kv.length, self.device
+        rows, cols = [], []
         for j, node in enumerate(nodes):
-            for a in path_to(node, parents)[1:-1]:
-                visible[j, slot[a]] = True
-            visible[j, base + j] = True
-        pos = torch.tensor(positions, dtype=torch.long)
-        return self.forward(kv, [tokens[n] for n in nodes], pos, visible, keep=f)
-
-    @staticmethod
-    def _flat(pool: _Pool) -> FlatTree:
-        n = len(pool.tokens)
-        has_child = set(pool.parents[1:])
-        return FlatTree(
-            token_ids=list(pool.tokens),
-            parents=list(pool.parents),
-            draft_logprobs=list(pool.logps),
-            child_dist_ids=[list(pool.dists[i][0]) if i in has_child else [] for i in range(n)] if pool.dists else [],
-            child_dist_probs=[list(pool.dists[i][1]) if i in has_child else [] for i in range(n)] if pool.dists else [],
-        )
+            for a in path_to(node, g.parents)[1:-1]:
+                rows.append(j)
+                cols.append(g.slot[a])
+            rows.append(j)
+            cols.append(base + j)
+        visible = torch.zeros(f, base + f, dtype=torch.bool, device=dev)  # [F, P+F]
+        visible[:, : g.prefix_len] = True
+        visible[torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev)] = True
+        position_ids = torch.tensor(pos, dtype=torch.long, device=dev)
+        return self.forward(kv, [g.tokens[n] for n in nodes], position_ids, visible, keep=f)

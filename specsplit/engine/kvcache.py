@@ -118,8 +118,9 @@ class SessionKV(Cache):
     def compact(self, src_positions: list[int], dst_start: int) -> None:
         """Move the cache entries at ``src_positions`` (ascending) to start at ``dst_start`` and
         drop everything after them. Used to keep the accepted tree path right after the prefix."""
-        src = torch.tensor(src_positions, dtype=torch.long)
-        if not (len(src_positions) and src_positions == list(range(dst_start, dst_start + len(src_positions)))):
+        in_place = src_positions == list(range(dst_start, dst_start + len(src_positions)))
+        if src_positions and not in_place and self.layers and self.layers[0].is_initialized:
+            src = torch.tensor(src_positions, dtype=torch.long, device=self.layers[0].device)  # [M]
             for layer in self.layers:
                 layer.move(src, dst_start)
         self.crop_to(dst_start + len(src_positions))

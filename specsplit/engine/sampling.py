@@ -1,8 +1,10 @@
-"""Logit processing and seeded sampling shared by the draft and the target.
+"""Logit processing and seeded sampling shared by the draft and the target, on any device.
 
 ``probs_from_logits`` applies temperature, top-k and top-p exactly as the target alone would
-sample (the reference distribution); ``make_generator`` derives a per-(seed, round, role) RNG so
-outputs do not depend on which worker served a round or how many workers there are.
+sample (the reference distribution); ``make_generator`` derives a per-(seed, round, role) RNG on
+the engine's device so outputs do not depend on which worker served a round or how many workers
+there are (for workers of one device type). Everything is batched over rows: callers take one
+host copy of the results per request or per tree level, never one per node.
 """
 
 from __future__ import annotations
@@ -14,25 +16,31 @@ import torch
 from schemas import SamplingSpec
 
 
-def make_generator(seed: int, round: int, role: str) -> torch.Generator:
+def prob_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (exact inverse CDFs and residuals), else float32 (MPS)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def make_generator(seed: int, round: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:
     digest = hashlib.blake2b(f"{seed}:{round}:{role}".encode(), digest_size=8).digest()
-    g = torch.Generator()
+    g = torch.Generator(device=device)
     g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return g
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support: int = 0) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] (float64) after temperature, top-k and top-p.
+    """logits [N, V] -> probabilities [N, V] (float64 where the device has it) after temperature,
+    top-k and top-p.
 
     max_support > 0 additionally caps the support (the draft uses it so its distribution fits
     in a message). The three steps are transformers' TemperatureLogitsWarper, TopKLogitsWarper
-    (ties with the k-th logit survive) and TopPLogitsWarper, computed the same way in float64:
-    top-p drops the tokens whose ascending cumulative probability is <= 1 - top_p (the largest
-    always survives), so results agree with transformers even at exact mass boundaries.
+    (ties with the k-th logit survive) and TopPLogitsWarper, computed the same way: top-p drops
+    the tokens whose ascending cumulative probability is <= 1 - top_p (the largest always
+    survives), so results agree with transformers even at exact mass boundaries.
     """
     if sampling.temperature <= 0:
         raise ValueError("probs_from_logits needs temperature > 0")
-    x = logits.to(torch.float64) / sampling.temperature  # [N, V]
+    x = logits.to(prob_dtype(logits.device)) / sampling.temperature  # [N, V]
     k = sampling.top_k
     if max_support and (k == 0 or k > max_support):
         k = max_support
@@ -47,34 +55,36 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     return torch.softmax(x, dim=-1)
 
 
-def sample_from(probs: torch.Tensor, g: torch.Generator, n: int = 1) -> list[int]:
-    """n i.i.d. draws from a probability vector [V] (float64 inverse CDF, exact and seeded)."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=0)
-    u = torch.rand(n, generator=g, dtype=torch.float64) * cdf[-1]
-    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)  # [n]
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draws by inverse CDF: probs [R, V] (rows need not be normalized), u [R, n] uniforms in
+    [0, 1) -> ids [R, n] on the same device. Never returns an id without mass."""
+    cdf = torch.cumsum(probs, dim=-1)  # [R, V]
+    target = (u.to(cdf.dtype) * cdf[:, -1:]).contiguous()  # [R, n]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)  # [R, n]
     # searchsorted may land on a zero-probability id only at the float edge (u rounding up to the
-    # total); step back to the nearest id with mass, vectorized (no per-draw tensor indexing).
-    ids = torch.arange(probs.shape[0])
-    last_with_mass = torch.cummax(torch.where(probs > 0, ids, -1), dim=0).values  # [V]
-    out = last_with_mass[idx]
-    return torch.where(out < 0, idx, out).tolist()
+    # total); step back to the nearest id with mass.
+    ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    last_with_mass = torch.cummax(torch.where(probs > 0, ids, -1), dim=-1).values  # [R, V]
+    out = last_with_mass.gather(-1, idx)
+    return torch.where(out < 0, idx, out)
 
 
-def uniform(g: torch.Generator) -> float:
-    return float(torch.rand(1, generator=g, dtype=torch.float64))
+def sample_rows(probs: torch.Tensor, g: torch.Generator, n: int = 1) -> torch.Tensor:
+    """n i.i.d. draws from each row of probs [R, V] -> ids [R, n] (seeded, exact)."""
+    u = torch.rand(probs.shape[0], n, generator=g, dtype=probs.dtype, device=probs.device)
+    return inverse_cdf(probs, u)
 
 
-def sparse(probs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Probability vector [V] -> (ids, probs) of its support, highest first."""
-    ids = torch.nonzero(probs > 0).flatten()
-    vals = probs[ids]
-    order = torch.argsort(vals, descending=True)
-    return ids[order].tolist(), vals[order].tolist()
-
-
-def dense(ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
-    """(ids, probs) -> probability vector [V] float64."""
-    out = torch.zeros(vocab_size, dtype=torch.float64)
-    if ids:
-        out[torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float64)
-    return out
+def dense_rows(ids: list[list[int]], probs: list[list[float]], vocab_size: int, *, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """Sparse (ids, probs) per row -> [R, V] probability rows, each renormalized (the wire
+    tolerates sums off by 1e-3), built with one scatter."""
+    rows = [r for r, row in enumerate(ids) for _ in row]
+    out = torch.zeros(len(ids), vocab_size, dtype=dtype, device=device)
+    if rows:
+        cols = [t for row in ids for t in row]
+        vals = [p for row in probs for p in row]
+        out[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = torch.tensor(
+            vals, dtype=dtype, device=device)
+    total = out.sum(-1, keepdim=True)
+    return torch.where(total > 0, out / torch.where(total > 0, total, 1.0), out)

@@ -7,10 +7,11 @@ import time
 import torch
 
 from schemas import Message, VerifyReply, VerifyRequest
-from specsplit.engine.base import Engine, elapsed_ms
+from specsplit.engine.base import Engine
+from specsplit.engine.masks import linear_then_tree, positions
 from specsplit.engine.sampling import make_generator
-from specsplit.engine.tree import linear_then_tree, positions, validate_tree
 from specsplit.engine.verify import verify_greedy, verify_sampling
+from specsplit.tree import validate_tree
 
 
 class TargetEngine(Engine):
@@ -35,22 +36,20 @@ class TargetEngine(Engine):
             self.check_locked(session, req.round, sync)
 
             def run():
-                kv = session.kv
+                kv, dev = session.kv, self.device
                 kv.crop_to(sync.base_len)
                 s = len(sync.append_token_ids)
                 start = sync.base_len + s  # position of the root
-                visible = torch.ones(s + layout.num_nodes, sync.base_len + s + layout.num_nodes, dtype=torch.bool)
-                visible[:, sync.base_len :] = linear_then_tree(s, layout.parents)
-                pos = torch.cat(
-                    [torch.arange(sync.base_len, start, dtype=torch.long), positions(layout.depths, start)]
-                )
-                logits = self.forward(
-                    kv, [*sync.append_token_ids, *req.tree.token_ids], pos, visible, keep=layout.num_nodes
-                )  # [N, V]
+                n = layout.num_nodes
+                visible = torch.ones(s + n, start + n, dtype=torch.bool, device=dev)  # [S+N, P+S+N]
+                visible[:, sync.base_len:] = linear_then_tree(s, layout.parents, dev)
+                pos = torch.cat([torch.arange(sync.base_len, start, dtype=torch.long, device=dev),
+                                 positions(layout.depths, start, dev)])  # [S+N]
+                logits = self.forward(kv, [*sync.append_token_ids, *req.tree.token_ids], pos, visible, keep=n)  # [N, V]
                 if req.sampling.greedy:
-                    verdict = verify_greedy(req.tree, layout, logits)
+                    verdict = verify_greedy(req.tree, layout, logits, visible[s:, start:])
                 else:
-                    g = make_generator(req.sampling.seed, req.round, "target")
+                    g = make_generator(req.sampling.seed, req.round, "target", dev)
                     verdict = verify_sampling(req.tree, layout, logits, req.sampling, g)
                 kv.compact([start + i for i in verdict.path], start)
                 session.last_round = req.round
@@ -66,5 +65,5 @@ class TargetEngine(Engine):
             accepted_nodes=accepted,
             bonus_token_id=verdict.bonus,
             cache_len=cache_len,
-            verify_ms=elapsed_ms(t0),
+            verify_ms=self.elapsed_ms(t0),
         )

@@ -1,9 +1,11 @@
-"""Tree verification rules: greedy, and recursive rejection sampling.
+"""Tree verification rules: greedy, and recursive rejection sampling, on the logits' device.
 
 Both take the target's logits at every tree node and return the accepted root->leaf path and
-the bonus token. The greedy rule makes the output equal plain greedy decoding of the target; the
-sampling rule (SpecInfer-style multi-candidate rejection sampling) leaves the target's
-distribution unchanged. See schemas/PROTOCOL.md, "Verification".
+the bonus token, with ONE host copy per request: every per-node decision is computed on the
+device for all nodes at once, and only the result crosses to the host. The greedy rule makes the
+output equal plain greedy decoding of the target; the sampling rule (SpecInfer-style
+multi-candidate rejection sampling) leaves the target's distribution unchanged. See
+schemas/PROTOCOL.md, "Verification".
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from schemas import FlatTree, SamplingSpec
 from specsplit.engine import sampling as S
-from specsplit.engine.tree import TreeLayout
+from specsplit.tree import TreeLayout, path_to
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,37 +25,23 @@ class Verdict:
     bonus: int  # token sampled/argmaxed after the last accepted node
 
 
-def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> Verdict:
-    """logits [N, V]. Accept a child iff it equals the target's argmax at its parent; the deepest
-    accepted node wins (lowest index on ties); bonus = argmax there."""
-    argmax = logits.argmax(dim=-1).tolist()  # [N]
-    tokens, parents = tree.token_ids, layout.parents
-    accepted = [True] + [False] * (layout.num_nodes - 1)
-    best = 0
-    for i in range(1, layout.num_nodes):
-        p = parents[i]
-        if accepted[p] and tokens[i] == argmax[p]:
-            accepted[i] = True
-            if layout.depths[i] > layout.depths[best]:
-                best = i
-    path = []
-    node = best
-    while node != -1:
-        path.append(node)
-        node = parents[node]
-    return Verdict(path[::-1], argmax[best])
-
-
-def _child_q(tree: FlatTree, v: int, child: int, vocab: int) -> torch.Tensor:
-    """The distribution child ``child`` of ``v`` was drawn from [V]: the carried draft
-    distribution of a sampled tree (renormalized: the wire tolerates sums off by 1e-3, and
-    sample_from draws from the normalized vector), or a point mass for a deterministic draft."""
-    if tree.sampled:
-        q = S.dense(tree.child_dist_ids[v], tree.child_dist_probs[v], vocab)
-        return q / q.sum()
-    q = torch.zeros(vocab, dtype=torch.float64)
-    q[tree.token_ids[child]] = 1.0
-    return q
+def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
+    """logits [N, V], visible [N, N] (node sees itself and its ancestors). Accept a child iff it
+    equals the target's argmax at its parent; the deepest accepted node wins (lowest index on
+    ties); bonus = argmax there."""
+    n, dev = layout.num_nodes, logits.device
+    argmax = logits.argmax(dim=-1)  # [N]
+    tokens = torch.tensor(tree.token_ids, dtype=torch.long, device=dev)  # [N]
+    parent = torch.tensor([0, *layout.parents[1:]], dtype=torch.long, device=dev)  # [N], root -> itself
+    order = torch.arange(n, dtype=torch.long, device=dev)
+    # [N]: node i's token is the target's choice after its parent (the root always "matches")
+    match = (tokens == argmax[parent]) | (order == 0)
+    accepted = ~(visible & ~match[None, :]).any(dim=-1)  # [N]: every node from the root matches
+    depth = torch.tensor(layout.depths, dtype=torch.long, device=dev)
+    key = torch.where(accepted, depth * n + (n - 1 - order), -1)  # deepest, then lowest index
+    best = key.argmax().view(1)  # [1]
+    best_i, bonus = torch.cat([best, argmax.gather(0, best)]).tolist()  # the one host copy
+    return Verdict(path_to(best_i, layout.parents), bonus)
 
 
 def verify_sampling(
@@ -63,28 +51,39 @@ def verify_sampling(
     r = p_v; child c_j with token x is accepted with prob min(1, r(x)/q_j(x)); on rejection
     r <- normalize(max(r - q_j, 0)). If none is accepted the bonus is drawn from r; at a leaf
     from p_v. Children drawn i.i.d. from one q (sampled tree, duplicates allowed) or distinct
-    deterministic proposals (point masses) both keep the output distributed exactly as p."""
-    vocab = logits.shape[-1]
+    deterministic proposals (point masses) both keep the output distributed exactly as p.
+
+    Computed for every node at once: the j-th child test of every node (as reached, i.e. after
+    its j-1 elder siblings were rejected) and every node's bonus draw; the walk from the root
+    then reads them on the host."""
+    n, vocab = logits.shape
+    dev = logits.device
+    r = S.probs_from_logits(logits, sampling)  # [N, V] residuals, p to start with
+    dt = r.dtype
+    u_test = torch.rand(n, generator=g, dtype=dt, device=dev)  # [N]: child c's test uses u_test[c]
+    u_bonus = torch.rand(n, 1, generator=g, dtype=dt, device=dev)  # [N, 1]: node v's bonus draw
+    tokens = torch.tensor(tree.token_ids, dtype=torch.long, device=dev)  # [N]
+    q_shared = (S.dense_rows(tree.child_dist_ids, tree.child_dist_probs, vocab, dtype=dt, device=dev)
+                if tree.sampled else None)  # [N, V]: the distribution node v's children were drawn from
+    accepted = torch.zeros(n, dtype=torch.bool, device=dev)  # [N], by child index
+    for j in range(max(len(c) for c in layout.children)):
+        kid = torch.tensor([c[j] if j < len(c) else 0 for c in layout.children], dtype=torch.long, device=dev)
+        has = kid > 0  # [N]: node v has a j-th child (node 0, the root, is nobody's child)
+        x = tokens[kid]  # [N]
+        q = q_shared if q_shared is not None else torch.nn.functional.one_hot(x, vocab).to(dt)  # [N, V]
+        qx, rx = q.gather(1, x[:, None])[:, 0], r.gather(1, x[:, None])[:, 0]
+        # entries of nodes without a j-th child land on index 0 (the root), which is never read
+        accepted.scatter_(0, kid, (u_test[kid] * qx < rx) & has)
+        resid = torch.clamp(r - q, min=0.0)
+        total = resid.sum(dim=-1, keepdim=True)  # 0 means r == q, where rejection has probability 0
+        r = torch.where(has[:, None] & (total > 0), resid / torch.where(total > 0, total, 1.0), r)
+    bonus = S.inverse_cdf(r, u_bonus)[:, 0]  # [N]
+    host = torch.cat([accepted.long(), bonus]).tolist()  # the one host copy
+    acc, bonus_of = host[:n], host[n:]
     path, v = [0], 0
     while True:
-        r = S.probs_from_logits(logits[v : v + 1], sampling)[0]  # [V] float64, only visited nodes
-        nxt = -1
-        q_shared = None
-        for c in layout.children[v]:
-            if tree.sampled:
-                q_shared = q_shared if q_shared is not None else _child_q(tree, v, c, vocab)
-                q = q_shared
-            else:
-                q = _child_q(tree, v, c, vocab)
-            x = tree.token_ids[c]
-            if S.uniform(g) * float(q[x]) < float(r[x]):
-                nxt = c
-                break
-            resid = torch.clamp(r - q, min=0.0)
-            total = float(resid.sum())
-            if total > 0.0:  # total == 0 means r == q, where rejection has probability 0
-                r = resid / total
+        nxt = next((c for c in layout.children[v] if acc[c]), -1)
         if nxt < 0:
-            return Verdict(path, S.sample_from(r, g)[0])
+            return Verdict(path, bonus_of[v])
         path.append(nxt)
         v = nxt

@@ -104,8 +104,9 @@ def _cached_sha256(path: Path, index_dir: Path) -> str:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", threads: int | None = None,
-               attn_implementation: str | None = None):
-    """(model in eval mode, tokenizer) from a local HF model directory; never touches a hub."""
+               attn_implementation: str | None = None, device: str = "cpu"):
+    """(model in eval mode on ``device``, tokenizer) from a local HF model directory; never
+    touches a hub."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     import torch
@@ -119,6 +120,8 @@ def load_model(path: str | Path, *, dtype: str = "float32", threads: int | None 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), local_files_only=True, **kwargs)
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
     model.eval()
     return model, tokenizer
 

@@ -51,6 +51,14 @@ def _packing_works(linear: torch.nn.Linear) -> bool:
         return False
 
 
+def packing_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU and torch build pack ``dtype`` weights bit-identically (oneDNN's bf16
+    reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return _packing_works(torch.nn.Linear(16, 8, bias=False).to(dtype))
+
+
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Replace every packable ``nn.Linear`` of ``model`` in place; returns how many were packed
     (0 for fp32 models, other devices, or a torch build without the oneDNN ops). Weights tied to

@@ -22,11 +22,13 @@ from schemas import (
     SamplingSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
-from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, remaining_tree
+from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
 FREE_RESENDS = 64  # CACHE_MISS / router-lost resends per request that do not count as attempts
+SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 
 
 def _swallow(task: asyncio.Future) -> None:
@@ -49,6 +51,10 @@ class ActorPolicy:
     max_attempts: int = 8
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
+    # greedy sessions: hang up to this many prompt-lookup tokens (continuations of an earlier
+    # occurrence of the context's last >= lookup_min_ngram tokens) under each tree's root; 0: off
+    lookup_max_tokens: int = 0
+    lookup_min_ngram: int = 3
     grow: bool = False  # greedy sessions: the draft grows its tree while the target verifies
     grow_fraction: float = 0.9  # of the previous round's verify time
     grow_width: int = 4
@@ -66,7 +72,7 @@ class SessionActor:
     """Runs one GenerateRequest to completion; ``emit`` streams TokenChunk/GenerateDone."""
 
     def __init__(self, req: GenerateRequest, draft_rpc, target_rpc, policy: ActorPolicy,
-                 emit: Callable[[Message], None]):
+                 emit: Callable[[Message], None], cost: CostModel | None = None):
         self.req, self.draft_rpc, self.target_rpc = req, draft_rpc, target_rpc
         self.policy, self.emit = policy, emit
         self.sid = req.session_id
@@ -77,6 +83,9 @@ class SessionActor:
         self.out: list[int] = []
         self._last_verify_ms = 0.0
         self._grow_task: asyncio.Future | None = None  # the fire-and-forget GrowRequest in flight
+        self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
+        self.predicted_tokens = self.predicted_ms = 0.0  # what the cost model expected of its choices
+        self._attempts = 0
         self.log = get_logger("specsplit.orchestrator")
 
     async def run(self) -> GenerateDone:
@@ -96,6 +105,7 @@ class SessionActor:
                 session_id=self.sid, token_ids=self.out, finish_reason=finish, rounds=self.stats.rounds,
                 drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
                 elapsed_ms=(time.perf_counter() - t0) * 1e3,
+                predicted_tok_s=(1e3 * self.predicted_tokens / self.predicted_ms) if self.predicted_ms else 0.0,
             )
             if failure is not None:  # the producer gets the typed error instead of a done
                 self.emit(ErrorReply.of(failure.code, str(failure), session_id=self.sid, retryable=False))
@@ -114,9 +124,15 @@ class SessionActor:
             timing = _Timing()
             t_round = time.perf_counter()
             spec = remaining_tree(self.tree, self.req.max_new_tokens - len(self.out))
-            tree = await self._draft(rnd, spec, timing)
+            drafted = await self._draft(rnd, spec, timing)
+            sync_tokens = len(self.cur.target_sync().append_token_ids)
+            plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
+                              lookup_max_tokens=self.policy.lookup_max_tokens,
+                              lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens)
+            tree = plan.tree
             self._grow(rnd)
             reply = await self._verify(rnd, tree, timing)
+            clean = self._attempts == 1 and sync_tokens <= SMALL_SYNC  # not a resend, not a prefill
             self._last_verify_ms = reply.verify_ms
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
@@ -125,6 +141,7 @@ class SessionActor:
             self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
                                  accepted=len(reply.accepted_token_ids)))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
+            self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0)
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
@@ -132,6 +149,17 @@ class SessionActor:
             if done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
+
+    def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool) -> None:
+        """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction."""
+        if self.cost is None or plan.choice is None:
+            return
+        self.predicted_tokens += plan.choice.expected_tokens
+        self.predicted_ms += plan.choice.expected_ms
+        self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
+        if clean:
+            self.cost.observe_verify(sync_tokens + plan.tree.num_nodes, reply.verify_ms)
+            self.cost.observe_overhead(max(0.0, timing.wall_ms - reply.verify_ms))
 
     # ---- one request each, with recovery --------------------------------------------------
     async def _draft(self, rnd: int, spec: TreeSpec, timing: _Timing) -> FlatTree:
@@ -188,6 +216,7 @@ class SessionActor:
         delay, last = p.backoff_s, "no attempt"
         attempts = misses = losses = 0
         while True:
+            self._attempts = attempts + misses + losses + 1  # 1: the first send (a clean cost sample)
             try:
                 reply = await rpc.call(build(), session_id=self.sid, timeout_s=p.rpc_timeout_s)
             except RpcTimeout:

@@ -22,6 +22,7 @@ from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.orchestrator.admission import Admission
+from specsplit.orchestrator.costmodel import CostModel
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -33,12 +34,15 @@ class Orchestrator:
         self.policy = ActorPolicy(
             tree=settings.tree(), rpc_timeout_s=settings.rpc_timeout_s, max_attempts=settings.max_attempts,
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
+            lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.admission = Admission(active=settings.orchestrator_active_sessions,
                                    max_sessions=settings.orchestrator_max_sessions,
                                    client_share=settings.orchestrator_client_share)
+        # one cost model for all sessions: same models, same machine
+        self.cost = CostModel() if settings.tree_budget == "cost" else None
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
@@ -57,7 +61,8 @@ class Orchestrator:
                                          heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree=s.tree().model_dump())
+        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
+                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump())
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -119,7 +124,7 @@ class Orchestrator:
         if sid in self.admission:
             err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"session {sid!r} is already running", session_id=sid)
             return self._send(client, err, sid, rid)
-        need = session_tokens_needed(req, req.tree or self.policy.tree)
+        need = session_tokens_needed(req, req.tree or self.policy.tree, self.policy.lookup_max_tokens)
         if need > self.settings.max_session_tokens:
             why = (f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens ({req.max_new_tokens}) + a tree would need "
                    f"{need} tokens per session, limit is {self.settings.max_session_tokens}")
@@ -136,7 +141,7 @@ class Orchestrator:
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
 
-        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit)
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))
@@ -164,11 +169,11 @@ class Orchestrator:
                 task.cancel()
 
 
-def session_tokens_needed(req: GenerateRequest, tree) -> int:
+def session_tokens_needed(req: GenerateRequest, tree, lookup_max_tokens: int = 0) -> int:
     """Most tokens a worker holds for the session: the committed context before the last round
-    (prompt + max_new_tokens - 2 at most) plus the largest request's tree (verify: max_nodes;
-    draft: the root + branch x max_depth)."""
-    extra = max(tree.max_nodes, 1 + tree.branch * tree.max_depth)
+    (prompt + max_new_tokens - 2 at most) plus the largest request's tree (verify: max_nodes +
+    the prompt-lookup nodes merged into it; draft: the root + branch x max_depth)."""
+    extra = max(tree.max_nodes + lookup_max_tokens, 1 + tree.branch * tree.max_depth)
     return len(req.prompt_token_ids) + req.max_new_tokens - 2 + extra
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
+from schemas import SamplingSpec
+from specsplit.orchestrator.costmodel import Choice, CostModel, select_nodes
+from specsplit.tree import depths_of, lookup_continuation, merge_chain
 
 
 @dataclass
@@ -47,12 +50,26 @@ class RoundStats:
     accepted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     reused_rounds: int = 0  # rounds whose draft tree started from the grown previous tree
+    # drafted nodes and accepted nodes by depth (index 0: depth 1): acceptance by depth, what a
+    # tree budget is weighed against
+    drafted_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
 
     def add(self, tree: FlatTree, reply: VerifyReply) -> None:
+        n_accepted = len(reply.accepted_token_ids)
         self.rounds += 1
         self.drafted += tree.num_nodes - 1
-        self.accepted += len(reply.accepted_token_ids)
-        self.accepted_per_round.append(len(reply.accepted_token_ids))
+        self.accepted += n_accepted
+        self.accepted_per_round.append(n_accepted)
+        for d in depths_of(tree.parents)[1:]:
+            _bump(self.drafted_per_depth, d - 1)
+        for d in range(n_accepted):  # the accepted path holds one node per depth 1..n_accepted
+            _bump(self.accepted_per_depth, d)
+
+    def acceptance_by_depth(self) -> list[float]:
+        """Share of drafted nodes at each depth that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_depth + [0] * len(self.drafted_per_depth),
+                                                     self.drafted_per_depth)]
 
     @property
     def mean_accepted(self) -> float:
@@ -62,6 +79,12 @@ class RoundStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _bump(counts: list[int], i: int) -> None:
+    if i >= len(counts):
+        counts.extend([0] * (i + 1 - len(counts)))
+    counts[i] += 1
 
 
 def remaining_tree(tree: TreeSpec, remaining: int) -> TreeSpec:
@@ -79,20 +102,34 @@ def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[in
     return False
 
 
-def best_path(tree: FlatTree) -> list[int]:
-    """Node indices of the most probable root->leaf path by cumulative draft log-prob."""
-    n = tree.num_nodes
-    score = [0.0] * n
-    depth = [0] * n
-    for i in range(1, n):
-        p = tree.parents[i]
-        score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
-        depth[i] = depth[p] + 1
-    has_child = {p for p in tree.parents[1:]}
-    leaves = [i for i in range(n) if i not in has_child]
-    best = max(leaves, key=lambda i: (depth[i], score[i], -i))
-    path = []
-    while best != -1:
-        path.append(best)
-        best = tree.parents[best]
-    return path[::-1]
+
+@dataclass(frozen=True)
+class Plan:
+    """What a round verifies: the tree, which of its nodes came from prompt lookup, and what the
+    cost model expects of it (None without one)."""
+
+    tree: FlatTree
+    lookup: frozenset[int]
+    choice: Choice | None = None
+
+
+def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
+               lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
+               sync_tokens: int = 0) -> Plan:
+    """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
+    ends with the tree's root), within the round's depth and ``lookup_max_tokens`` extra nodes;
+    then, with a cost model, only the nodes that pay for their verify time. Sampled rounds keep
+    the draft's tree as drawn (dropping drawn children by value would bias the output)."""
+    if not sampling.greedy:
+        return Plan(tree, frozenset())
+    n_draft = tree.num_nodes
+    if lookup_max_tokens > 0 and spec.max_depth >= 1:
+        chain = lookup_continuation(committed, max_tokens=min(lookup_max_tokens, spec.max_depth),
+                                    min_ngram=lookup_min_ngram)
+        tree = merge_chain(tree, chain, max_depth=spec.max_depth, max_nodes=min(256, n_draft + lookup_max_tokens))
+    lookup = frozenset(range(n_draft, tree.num_nodes))
+    if cost is None:
+        return Plan(tree, lookup)
+    choice = cost.choose(tree, sync_tokens, lookup)
+    index = {old: new for new, old in enumerate(choice.nodes)}
+    return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice)

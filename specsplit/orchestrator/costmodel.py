@@ -1,0 +1,153 @@
+"""The tree budget per round, from measurements instead of fixed constants (torch-free).
+
+A round costs ``overhead + verify(tokens)`` milliseconds and yields ``1 + accepted`` tokens. The
+model learns, online and shared by every session of an orchestrator (same models, same machine):
+- verify ms as a linear function of the tokens a verify forward carries (sync tokens + tree
+  nodes), by exponentially weighted least squares: on a CPU whose GEMMs are compute-bound the
+  slope is large (a 16-node tree costs several 1-node forwards), on a GPU it is near zero;
+- the round's other time on the critical path (draft, transport), an exponential average;
+- the probability that a drafted node is accepted, calibrated against the draft's own path
+  probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), and for prompt-lookup
+  nodes (no draft probability) by their position in the lookup chain.
+Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
+expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from schemas import FlatTree
+
+BINS = 10
+LOOKUP_POSITIONS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    nodes: list[int]  # kept node indices, ascending (root first)
+    expected_tokens: float  # 1 (bonus) + expected accepted nodes
+    expected_ms: float  # overhead + verify(tokens)
+
+
+@dataclass
+class CostModel:
+    decay: float = 0.97  # weight of history per observation (~33 observations' memory)
+    min_nodes: int = 1  # never fewer than this many nodes besides the root (1: always speculate)
+    _w: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum of w, wx, wy, wxx, wxy
+    overhead_ms: float | None = None
+    _acc: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(BINS)])
+    _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
+
+    # ---- verify cost ------------------------------------------------------------------
+    def observe_verify(self, tokens: int, ms: float) -> None:
+        w = self._w
+        for i in range(5):
+            w[i] *= self.decay
+        x, y = float(tokens), float(ms)
+        w[0] += 1.0
+        w[1] += x
+        w[2] += y
+        w[3] += x * x
+        w[4] += x * y
+
+    def verify_line(self) -> tuple[float, float]:
+        """(intercept ms, ms per token); slope 0 until sizes vary, never negative."""
+        n, sx, sy, sxx, sxy = self._w
+        if n <= 0:
+            return 0.0, 0.0
+        var = sxx / n - (sx / n) ** 2
+        slope = max(0.0, (sxy / n - (sx / n) * (sy / n)) / var) if var > 1e-6 else 0.0
+        return max(0.0, sy / n - slope * sx / n), slope
+
+    def verify_ms(self, tokens: int) -> float:
+        a, b = self.verify_line()
+        return a + b * tokens
+
+    def observe_overhead(self, ms: float) -> None:
+        self.overhead_ms = ms if self.overhead_ms is None else 0.8 * self.overhead_ms + 0.2 * ms
+
+    # ---- acceptance ---------------------------------------------------------------------
+    @staticmethod
+    def _bin(path_prob: float) -> int:
+        return min(BINS - 1, max(0, int(path_prob * BINS)))
+
+    def accept_prob(self, path_prob: float) -> float:
+        """Calibrated probability that a node whose draft path probability is ``path_prob`` is
+        accepted (its whole path matches); the draft's own estimate weighs as two observations."""
+        hits, total = self._acc[self._bin(path_prob)]
+        return (hits + 2.0 * path_prob) / (total + 2.0)
+
+    def lookup_prob(self, position: int) -> float:
+        hits, total = self._lookup[min(position, LOOKUP_POSITIONS - 1)]
+        return (hits + 1.0) / (total + 2.0)
+
+    def node_probs(self, tree: FlatTree, lookup: set[int]) -> list[float]:
+        """Estimated acceptance probability of every node (root: 1)."""
+        probs = [1.0] * tree.num_nodes
+        score = [0.0] * tree.num_nodes
+        pos = [0] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            p = tree.parents[i]
+            if i in lookup:
+                pos[i] = pos[p] + 1 if p in lookup else 0
+                probs[i] = min(probs[p], self.lookup_prob(pos[i]))
+            else:
+                score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
+                probs[i] = min(probs[p], self.accept_prob(math.exp(min(0.0, score[i]))))
+        return probs
+
+    def observe_round(self, tree: FlatTree, accepted_nodes: list[int], lookup: set[int]) -> None:
+        """Learn from one verified tree: which nodes were on the accepted path."""
+        on_path = set(accepted_nodes)
+        score = [0.0] * tree.num_nodes
+        pos = [0] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            p = tree.parents[i]
+            if p != 0 and p not in on_path:
+                continue  # its parent was rejected: this node was never tested
+            hit = 1.0 if i in on_path else 0.0
+            if i in lookup:
+                pos[i] = pos[p] + 1 if p in lookup else 0
+                cell = self._lookup[min(pos[i], LOOKUP_POSITIONS - 1)]
+            else:
+                score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
+                cell = self._acc[self._bin(math.exp(min(0.0, score[i])))]
+            cell[0] += hit
+            cell[1] += 1.0
+
+    # ---- the choice ---------------------------------------------------------------------
+    def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset()) -> Choice:
+        """The prefix-closed node set (grown most-likely-first from the root) with the most
+        expected tokens per millisecond of round time."""
+        probs = self.node_probs(tree, lookup)
+        children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+        for i in range(1, tree.num_nodes):
+            children[tree.parents[i]].append(i)
+        overhead = self.overhead_ms or 0.0
+        chosen, frontier = [0], list(children[0])
+        expected = 1.0
+        best = Choice([0], expected, overhead + self.verify_ms(sync_tokens + 1))
+        while frontier:
+            nxt = max(frontier, key=lambda i: (probs[i], -i))
+            frontier.remove(nxt)
+            frontier.extend(children[nxt])
+            chosen.append(nxt)
+            expected += probs[nxt]
+            ms = overhead + self.verify_ms(sync_tokens + len(chosen))
+            if (len(chosen) - 1 <= self.min_nodes or expected * best.expected_ms > best.expected_tokens * ms):
+                best = Choice(sorted(chosen), expected, ms)
+        return best
+
+
+def select_nodes(tree: FlatTree, nodes: list[int]) -> FlatTree:
+    """The sub-tree of ``tree`` made of ``nodes`` (ascending, prefix-closed, root first)."""
+    if len(nodes) == tree.num_nodes:
+        return tree
+    index = {old: new for new, old in enumerate(nodes)}
+    return FlatTree(
+        token_ids=[tree.token_ids[i] for i in nodes],
+        parents=[-1] + [index[tree.parents[i]] for i in nodes[1:]],
+        draft_logprobs=[tree.draft_logprobs[i] for i in nodes] if tree.draft_logprobs else [],
+    )

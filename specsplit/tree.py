@@ -1,0 +1,315 @@
+"""The one tree module, torch-free: validation, depths, paths to the root, subtrees, and the
+in-memory tree a draft grows and re-roots.
+
+Two representations only: the wire's ``FlatTree`` (``parents[i]`` is node i's parent,
+``parents[0] == -1`` and ``0 <= parents[i] < i``: topological order; node 0 is the root, the
+newest committed token) and ``DraftTree``, the draft's growable tree that becomes a FlatTree.
+The orchestrator, the draft and verification all take their tree math from here; masks and
+positions (tensors) are built from these index lists in ``specsplit.engine.masks``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from schemas import ErrorCode, FlatTree
+from specsplit.errors import SpecError, TreeError
+
+__all__ = [
+    "DraftTree", "SpecError", "TreeError", "TreeLayout", "ancestor_pairs", "check_child_dists", "check_parents",
+    "check_token_ids", "depths_of", "path_to", "root_to_leaf_paths", "subtree", "subtree_nodes", "validate_tree",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeLayout:
+    """Validated structure of a flat tree."""
+
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+
+def check_parents(parents, *, max_nodes: int, max_depth: int) -> TreeLayout:
+    """Validate parent order and caps; return depths and children. Raises TreeError."""
+    n = len(parents)
+    if n == 0:
+        raise TreeError("tree has no nodes")
+    if n > max_nodes:
+        raise TreeError(f"tree has {n} nodes, limit is {max_nodes}")
+    if parents[0] != -1:
+        raise TreeError(f"parents[0] must be -1, got {parents[0]}")
+    depths = [0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        p = parents[i]
+        if not isinstance(p, int) or not 0 <= p < i:
+            raise TreeError(f"parents[{i}] = {p} must satisfy 0 <= parent < {i} (topological order)")
+        depths[i] = depths[p] + 1
+        if depths[i] > max_depth:
+            raise TreeError(f"node {i} has depth {depths[i]}, limit is {max_depth}")
+        children[p].append(i)
+    return TreeLayout(tuple(parents), tuple(depths), tuple(tuple(c) for c in children))
+
+
+def check_token_ids(token_ids, vocab_size: int, what: str = "token") -> None:
+    """All ids in [0, vocab_size) or TreeError."""
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise TreeError(f"{what} id {t} at index {i} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_child_dists(tree: FlatTree, layout: TreeLayout, vocab_size: int, tol: float = 1e-3) -> None:
+    """A sampled tree carries, for every node with children, the distribution its children were
+    drawn from; each child token must have positive probability there."""
+    if not tree.sampled:
+        return
+    for v in range(layout.num_nodes):
+        ids, probs = tree.child_dist_ids[v], tree.child_dist_probs[v]
+        if not layout.children[v]:
+            continue
+        if not ids:
+            raise TreeError(f"node {v} has children but no draft distribution")
+        check_token_ids(ids, vocab_size, what=f"distribution of node {v}:")
+        if len(set(ids)) != len(ids):
+            raise TreeError(f"distribution of node {v} repeats a token id")
+        if any(not math.isfinite(p) or p < 0.0 for p in probs):
+            raise TreeError(f"distribution of node {v} has a negative or non-finite probability")
+        if abs(sum(probs) - 1.0) > tol:
+            raise TreeError(f"distribution of node {v} sums to {sum(probs):.6f}, not 1")
+        support = dict(zip(ids, probs))
+        for c in layout.children[v]:
+            if support.get(tree.token_ids[c], 0.0) <= 0.0:
+                raise TreeError(f"child {c} (token {tree.token_ids[c]}) has zero draft probability at node {v}")
+
+
+def validate_tree(tree: FlatTree, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeLayout:
+    """The one validation of an incoming tree: structure, caps, token range, distributions."""
+    layout = check_parents(tree.parents, max_nodes=max_nodes, max_depth=max_depth)
+    check_token_ids(tree.token_ids, vocab_size)
+    check_child_dists(tree, layout, vocab_size)
+    return layout
+
+
+def depths_of(parents) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def path_to(node: int, parents) -> list[int]:
+    """Node indices from the root to ``node`` inclusive: the one walk to the root."""
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def ancestor_pairs(parents) -> tuple[list[int], list[int]]:
+    """(rows, cols): node ``rows[k]`` sees node ``cols[k]`` (itself or an ancestor). The index
+    lists an ancestor mask is scattered from, on any device, in one operation."""
+    rows, cols = [], []
+    for i in range(len(parents)):
+        for a in path_to(i, parents):
+            rows.append(i)
+            cols.append(a)
+    return rows, cols
+
+
+def root_to_leaf_paths(parents) -> list[list[int]]:
+    """Every root->leaf path, leaves in index order."""
+    has_child = [False] * len(parents)
+    for p in parents[1:]:
+        has_child[p] = True
+    return [path_to(i, parents) for i in range(len(parents)) if not has_child[i]]
+
+
+def subtree_nodes(parents, node: int) -> list[int]:
+    """``node`` and its descendants, in index (topological) order."""
+    inside, out = {node}, [node]
+    for i in range(node + 1, len(parents)):
+        if parents[i] in inside:
+            inside.add(i)
+            out.append(i)
+    return out
+
+
+def subtree(tree: FlatTree, node: int) -> FlatTree:
+    """The subtree of a FlatTree rooted at ``node``, re-indexed, with its draft distributions."""
+    keep = subtree_nodes(tree.parents, node)
+    index = {old: new for new, old in enumerate(keep)}
+    return FlatTree(
+        token_ids=[tree.token_ids[i] for i in keep],
+        parents=[-1] + [index[tree.parents[i]] for i in keep[1:]],
+        draft_logprobs=[0.0] + [tree.draft_logprobs[i] for i in keep[1:]] if tree.draft_logprobs else [],
+        child_dist_ids=[tree.child_dist_ids[i] for i in keep] if tree.sampled else [],
+        child_dist_probs=[tree.child_dist_probs[i] for i in keep] if tree.sampled else [],
+    )
+
+
+class DraftTree:
+    """A draft's tree in memory. Node 0 is the newest committed token, at cache index
+    ``prefix_len - 1``. A forwarded node has a cache ``slot`` (-1 until it is forwarded); scores
+    are cumulative draft log-probs. Sampled trees also carry, per expanded node, the distribution
+    its children were drawn from (``dists``). Greedy trees are kept between requests: grown while
+    the target verifies, then re-rooted at the bonus token."""
+
+    def __init__(self, root: int, prefix_len: int, branch: int):
+        self.branch, self.prefix_len = branch, prefix_len
+        self.tokens, self.parents, self.logps, self.scores, self.depths = [root], [-1], [0.0], [0.0], [0]
+        self.kids: list[list[int]] = [[]]
+        self.slot = [prefix_len - 1]
+        self.dists: dict[int, tuple[list[int], list[float]]] = {}
+        self.round, self.max_depth, self.forward_ms = -1, 0, 0.0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, logp: float) -> int:
+        i = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.logps.append(logp)
+        self.scores.append(self.scores[parent] + logp)
+        self.depths.append(self.depths[parent] + 1)
+        self.kids.append([])
+        self.slot.append(-1)
+        self.kids[parent].append(i)
+        return i
+
+    def add_children(self, node: int, tokens: list[int], logps: list[float]) -> list[int]:
+        return [self.add(node, t, lp) for t, lp in zip(tokens, logps)]
+
+    def candidates(self, max_depth: int, min_logp: float) -> list[int]:
+        """Unforwarded nodes whose children would still be within ``max_depth``."""
+        return [i for i in range(1, len(self.tokens))
+                if self.slot[i] < 0 and self.depths[i] < max_depth and self.scores[i] >= min_logp]
+
+    def settled(self, keep: int, max_depth: int, cands: list[int]) -> bool:
+        """True when no descendant of a candidate can enter the best ``keep`` nodes (a child's
+        score never exceeds its parent's), so further steps cannot change the result."""
+        scores = [self.scores[i] for i in range(1, len(self.tokens)) if self.depths[i] <= max_depth]
+        if len(scores) < keep:
+            return False
+        return heapq.nlargest(keep, scores)[-1] >= max(self.scores[c] for c in cands)
+
+    def best(self, width: int, cands: list[int]) -> list[int]:
+        """The ``width`` most probable candidates (lowest index on ties)."""
+        return heapq.nlargest(width, cands, key=lambda i: (self.scores[i], -i))
+
+    def first_of_token(self, nodes: list[int]) -> list[int]:
+        """Nodes whose token no earlier sibling carries (siblings drawn i.i.d. may repeat)."""
+        seen, out = set(), []
+        for i in nodes:
+            key = (self.parents[i], self.tokens[i])
+            if key not in seen:
+                seen.add(key)
+                out.append(i)
+        return out
+
+    def child_path(self, tokens: list[int]) -> list[int]:
+        """Nodes spelling ``tokens`` from the root (one per token), or [] if it leaves the tree."""
+        path, node = [], 0
+        for tok in tokens:
+            node = next((c for c in self.kids[node] if self.tokens[c] == tok), -1)
+            if node < 0:
+                return []
+            path.append(node)
+        return path
+
+    def rerooted(self, node: int, prefix_len: int, where: dict[int, int]) -> DraftTree:
+        """The subtree under ``node`` as a new tree, its cache slots moved per ``where``
+        (old slot -> new slot)."""
+        sub = subtree_nodes(self.parents, node)
+        g = DraftTree(self.tokens[node], prefix_len, self.branch)
+        index = {old: new for new, old in enumerate(sub)}
+        for old in sub[1:]:
+            i = g.add(index[self.parents[old]], self.tokens[old], self.logps[old])
+            g.slot[i] = where[self.slot[old]] if self.slot[old] >= 0 else -1
+        g.max_depth, g.forward_ms = self.max_depth, self.forward_ms
+        return g
+
+    def best_flat(self, keep: int, max_depth: int) -> FlatTree:
+        """The root and the ``keep`` most probable nodes within ``max_depth`` (a parent always
+        outranks its children, so the selection is a tree)."""
+        eligible = [i for i in range(1, len(self.tokens)) if self.depths[i] <= max_depth]
+        chosen = [0, *sorted(sorted(eligible, key=lambda i: (-self.scores[i], i))[: max(keep, 0)])]
+        return self.to_flat(chosen)
+
+    def to_flat(self, chosen: list[int] | None = None) -> FlatTree:
+        """The FlatTree of ``chosen`` nodes (default: all), with sampled distributions if any."""
+        chosen = list(range(len(self.tokens))) if chosen is None else chosen
+        index = {old: new for new, old in enumerate(chosen)}
+        if any(self.parents[i] not in index for i in chosen[1:]):
+            raise SpecError(ErrorCode.INTERNAL, "tree selection lost a parent")
+        has_child = {self.parents[i] for i in chosen[1:]}
+        sampled = bool(self.dists)
+        return FlatTree(
+            token_ids=[self.tokens[i] for i in chosen],
+            parents=[-1] + [index[self.parents[i]] for i in chosen[1:]],
+            draft_logprobs=[self.logps[i] for i in chosen],
+            child_dist_ids=[list(self.dists[i][0]) if i in has_child else [] for i in chosen] if sampled else [],
+            child_dist_probs=[list(self.dists[i][1]) if i in has_child else [] for i in chosen] if sampled else [],
+        )
+
+
+def lookup_continuation(context: list[int], *, max_tokens: int, min_ngram: int = 3, max_ngram: int = 8,
+                        window: int = 4096) -> list[int]:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+    context's longest suffix n-gram (``max_ngram`` down to ``min_ngram``) within the last
+    ``window`` tokens; [] when none recurs. Candidates at no model cost: code and quoted text
+    repeat their own identifiers and lines."""
+    if max_tokens <= 0 or len(context) <= min_ngram:
+        return []
+    ctx = context[-window:]
+    n_ctx = len(ctx)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = ctx[n_ctx - n:]
+        first = suffix[0]
+        for start in range(n_ctx - n - 1, -1, -1):  # most recent earlier occurrence first
+            if ctx[start] == first and ctx[start:start + n] == suffix:
+                follow = ctx[start + n:start + n + max_tokens]
+                if follow:
+                    return follow
+    return []
+
+
+def merge_chain(tree: FlatTree, chain: list[int], *, max_depth: int, max_nodes: int) -> FlatTree:
+    """``tree`` with the token chain ``chain`` hung under its root: existing nodes are followed
+    where they spell the chain, the rest is appended as new nodes (draft log-prob 0: not drafted),
+    within ``max_depth`` and ``max_nodes``. Greedy trees only (sampled trees carry draw
+    distributions that added nodes would not follow)."""
+    if tree.sampled or not chain:
+        return tree
+    tokens, parents = list(tree.token_ids), list(tree.parents)
+    logps = list(tree.draft_logprobs) if tree.draft_logprobs else [0.0] * len(tokens)
+    depths = depths_of(parents)
+    node = 0
+    for tok in chain:
+        if depths[node] >= max_depth:
+            break
+        child = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == tok), -1)
+        if child < 0:
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(tok)
+            parents.append(node)
+            logps.append(0.0)
+            depths.append(depths[node] + 1)
+            child = len(tokens) - 1
+        node = child
+    if len(tokens) == tree.num_nodes:
+        return tree
+    return FlatTree(token_ids=tokens, parents=parents, draft_logprobs=logps)

@@ -1,0 +1,93 @@
+"""The per-round tree budget: verify cost fit, acceptance calibration, the choice, and that
+choosing nodes never changes greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from schemas import FlatTree, GenerateRequest, SamplingSpec, TreeSpec
+from specsplit.local import generate
+from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.costmodel import CostModel, select_nodes
+from specsplit.tree import check_parents
+from tests.conftest import greedy_reference
+from tests.test_actor import LIMITS, EngineRpc
+
+CHAIN = FlatTree(token_ids=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4],
+                 draft_logprobs=[0.0, -0.05, -0.05, -0.7, -0.7, -0.7])
+
+
+def test_verify_line_is_fitted_and_never_negative():
+    cm = CostModel()
+    assert cm.verify_line() == (0.0, 0.0)
+    for tokens in (1, 4, 9, 16, 2, 12):
+        cm.observe_verify(tokens, 100.0 + 20.0 * tokens)
+    a, b = cm.verify_line()
+    assert abs(a - 100.0) < 1e-6 and abs(b - 20.0) < 1e-6
+    flat = CostModel()
+    for tokens in (1, 16):
+        flat.observe_verify(tokens, 300.0 - tokens)  # noise that slopes down: clamped to 0
+    assert flat.verify_line()[1] == 0.0
+
+
+def test_free_verification_keeps_everything_and_costly_verification_prunes():
+    free = CostModel()
+    free.observe_verify(1, 100.0)
+    free.observe_verify(16, 100.0)
+    assert free.choose(CHAIN, 0).nodes == [0, 1, 2, 3, 4, 5]
+    costly = CostModel()
+    for tokens in (1, 8, 16):
+        costly.observe_verify(tokens, 50.0 + 100.0 * tokens)
+    choice = costly.choose(CHAIN, 0)
+    assert choice.nodes == [0, 1, 2]  # the two likely nodes pay, the unlikely tail does not
+    assert choice.expected_tokens > 2.5 and abs(choice.expected_ms - (50.0 + 100.0 * 3)) < 1e-6
+
+
+def test_acceptance_is_calibrated_from_observations():
+    cm = CostModel()
+    before = cm.accept_prob(0.5)
+    tree = FlatTree(token_ids=[1, 2], parents=[-1, 0], draft_logprobs=[0.0, -0.69])  # path prob ~0.5
+    for _ in range(50):
+        cm.observe_round(tree, [], set())  # always rejected
+    assert cm.accept_prob(0.5) < 0.1 < before
+    for _ in range(50):
+        cm.observe_round(CHAIN, [1, 2, 3], {3, 4, 5})  # lookup tail: first accepted, then rejected
+    assert cm.lookup_prob(0) > 0.9 and cm.lookup_prob(1) < 0.1
+
+
+def test_select_nodes_keeps_a_valid_tree():
+    tree = FlatTree(token_ids=[1, 2, 3, 4, 5], parents=[-1, 0, 0, 1, 3], draft_logprobs=[0.0] * 5)
+    sub = select_nodes(tree, [0, 1, 3])
+    assert sub.token_ids == [1, 2, 4] and sub.parents == [-1, 0, 1]
+    check_parents(sub.parents, max_nodes=8, max_depth=8)
+
+
+def test_generate_with_a_cost_model_equals_plain_greedy(models):
+    target, often, _ = models["llama"]
+    rng = random.Random(3)
+    cm = CostModel()
+    cm.observe_verify(1, 10.0)
+    cm.observe_verify(16, 40.0)  # a steep line: the model prunes
+    for _ in range(5):
+        prompt = [rng.randrange(128) for _ in range(rng.randrange(2, 20))]
+        want = greedy_reference(target, prompt, 20)[0]
+        out = generate(often, target, prompt, max_new_tokens=20, tree=TreeSpec(max_nodes=12, max_depth=5, branch=2),
+                       sampling=SamplingSpec(), cost_model=cm, lookup_max_tokens=4)
+        assert out == want
+
+
+def test_actor_with_a_cost_model_predicts_its_speed(models):
+    from specsplit.engine.draft import DraftEngine
+    from specsplit.engine.target import TargetEngine
+
+    target, often, _ = models["qwen2"]
+    spec = TreeSpec(max_nodes=8, max_depth=4, branch=2)
+    cm, out = CostModel(), []
+    prompt = [3, 14, 15, 92, 65, 35]
+    req = GenerateRequest(session_id="c", prompt_token_ids=prompt, max_new_tokens=30, tree=spec)
+    actor = SessionActor(req, EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS)),
+                         ActorPolicy(tree=spec, grow=True), out.append, cm)
+    done = asyncio.run(actor.run())
+    assert done.token_ids == greedy_reference(target, prompt, 30)[0]
+    assert done.predicted_tok_s > 0 and cm.overhead_ms is not None and cm.verify_line()[0] > 0

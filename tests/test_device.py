@@ -1,0 +1,114 @@
+"""Tensors of the engine path are created on the engine's device.
+
+Two checks that need no GPU:
+- the model on the ``meta`` device: the engine path runs up to its first data-dependent step
+  (the one host copy, which meta tensors cannot give), so any tensor built on the CPU and mixed
+  into the computation raises a device mismatch first;
+- on CPU, every tensor factory called from SpecSplit's engine code (torch.tensor, zeros, ones,
+  arange, rand, ...) names its device: nothing is left to the CPU default.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from schemas import CacheSync, DraftRequest, FlatTree, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.target import TargetEngine
+from specsplit.errors import SpecError
+from specsplit.tree import DraftTree
+from tests.conftest import tiny_model
+
+LIMITS = EngineLimits(max_sessions=4, max_session_tokens=128, max_tree_nodes=16, max_tree_depth=6)
+FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand, torch.randn,
+             torch.randint, torch.eye, torch.linspace, torch.as_tensor}
+META_COPY = "Cannot copy out of meta tensor"
+
+
+class FactoryAudit(TorchFunctionMode):
+    """Records factory calls made from specsplit's engine code without an explicit device."""
+
+    def __init__(self):
+        super().__init__()
+        self.undeviced: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            caller = sys._getframe(1)
+            path = caller.f_code.co_filename
+            if "/specsplit/" in path and "/tests/" not in path:
+                self.undeviced.append(f"{func.__name__} at {path}:{caller.f_lineno}")
+        return func(*args, **kwargs)
+
+
+def meta_model():
+    return tiny_model("qwen2", seed=4).to("meta")
+
+
+def verify_request(sampling=SamplingSpec()):
+    return VerifyRequest(session_id="m", round=0, sync=CacheSync(base_len=0, append_token_ids=[5, 6, 7, 8]),
+                         tree=FlatTree(token_ids=[9, 3, 4, 5], parents=[-1, 0, 0, 1]), sampling=sampling)
+
+
+def test_target_path_on_meta_reaches_its_host_copy():
+    """Masks, positions, the forward and greedy verification all run on meta; the first failure
+    is the verdict's one host copy, never a CPU tensor mixed in."""
+    eng = TargetEngine(meta_model(), LIMITS)
+    assert eng.device.type == "meta"
+    with pytest.raises(SpecError, match=META_COPY) as info:
+        eng.verify(verify_request())
+    assert isinstance(info.value.__cause__, NotImplementedError)
+
+
+def test_draft_path_on_meta_reaches_its_host_copy():
+    eng = DraftEngine(meta_model(), LIMITS)
+    req = DraftRequest(session_id="m", round=0, sync=CacheSync(base_len=0, append_token_ids=[5, 6, 7]), root=8,
+                       tree=TreeSpec(max_nodes=8, max_depth=3, branch=2))
+    with pytest.raises(SpecError, match=META_COPY) as info:
+        eng.draft(req)
+    assert isinstance(info.value.__cause__, NotImplementedError)
+
+
+def test_draft_tree_forward_and_compaction_on_meta():
+    """The draft's tree forward (mask scattered from ancestor slots) and the KV compaction index."""
+    eng = DraftEngine(meta_model(), LIMITS)
+    kv = eng.store.get_or_create("m").kv
+    eng._root_forward(kv, CacheSync(base_len=0, append_token_ids=[5, 6, 7]), 8)
+    g = DraftTree(8, kv.length, 2)
+    a, b = g.add_children(0, [3, 4], [-0.1, -0.2])
+    rows = eng._forward_nodes(kv, g, [a, b], [kv.length, kv.length])  # [2, V]
+    g.slot[a], g.slot[b] = kv.length - 2, kv.length - 1
+    c = g.add(a, 9, -0.3)
+    rows = eng._forward_nodes(kv, g, [c], [kv.length - 1])
+    assert rows.device.type == "meta" and rows.shape[0] == 1
+    kv.compact([4, 6], 4)
+    assert kv.length == 6 and kv.layers[0].keys.device.type == "meta"
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_engine_factories_name_their_device(greedy):
+    """Draft, grow and verify requests on CPU: every tensor factory in specsplit's code passes
+    ``device=``, so the same code builds its tensors on CUDA or MPS."""
+    model = tiny_model("qwen2", seed=4)
+    d_eng, t_eng = DraftEngine(model, LIMITS), TargetEngine(model, LIMITS)
+    sampling = SamplingSpec() if greedy else SamplingSpec(temperature=0.9, top_p=0.95, seed=3)
+    sync = CacheSync(base_len=0, append_token_ids=[5, 6, 7])
+    audit = FactoryAudit()
+    with audit:
+        d = d_eng.handle(DraftRequest(session_id="f", round=0, sync=sync, root=8, sampling=sampling,
+                                      tree=TreeSpec(max_nodes=8, max_depth=3, branch=2)))
+        if greedy:
+            d_eng.handle(GrowRequest(session_id="f", round=0, budget_ms=60_000, width=2))
+        v = t_eng.handle(VerifyRequest(session_id="f", round=0, sync=sync, tree=d.tree, sampling=sampling))
+        committed = [5, 6, 7, 8, *v.accepted_token_ids, v.bonus_token_id]
+        d_eng.handle(DraftRequest(session_id="f", round=1, sampling=sampling, root=committed[-1],
+                                  sync=CacheSync(base_len=4, append_token_ids=committed[4:-1]),
+                                  tree=TreeSpec(max_nodes=8, max_depth=3, branch=2)))
+    assert type(v).__name__ == "VerifyReply"
+    assert not audit.undeviced, audit.undeviced
