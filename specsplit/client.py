@@ -148,7 +148,10 @@ class SpecSplitClient:
             finally:
                 self._streams.pop(rid, None)
             if time.monotonic() - self._last_heard > hb * self.liveness:
-                self._lose("silent")
+                # frames waiting unread mean a busy loop, not a silent orchestrator
+                waiting = await self._sock.poll(0) if self._sock is not None else 0
+                if not waiting & zmq.POLLIN:
+                    self._lose("silent")
             await asyncio.sleep(max(0.0, hb - (time.monotonic() - t0)))
 
     async def _monitor(self, mon) -> None:

@@ -26,12 +26,15 @@ class FakeOrchestrator:
     def __init__(self, ctx, behave, addr: str = "tcp://127.0.0.1:*") -> None:
         self.sock = make_socket(ctx, zmq.ROUTER, bind=addr)
         self.addr, self.behave, self.requests = endpoint(self.sock), behave, []
+        self.mute = False  # hung: reads, never answers
         self.task = asyncio.ensure_future(self._serve())
 
     async def _serve(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
             client, env = frames[0], unpack_frames(frames[1:])
+            if self.mute:
+                continue
 
             async def send(msg, client=client, env=env):
                 await self.sock.send_multipart([client, *pack_frames(msg, env.session_id, env.request_id)])
@@ -129,3 +132,13 @@ def test_overloaded_is_retried_bad_request_is_not():
     with pytest.raises(GenerationError) as info:
         asyncio.run(_run(bad))
     assert info.value.reply.code == ErrorCode.BAD_REQUEST
+
+
+def test_hung_orchestrator_is_noticed_by_heartbeat_and_the_request_resumes():
+    async def hang_after_4(orch, req, send):
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=continuation(req)[:4]))
+        orch.mute = True  # alive socket, no answers: only the heartbeat can tell
+
+    res, a, b = asyncio.run(_run(hang_after_4))
+    assert res.finish_reason == "length" and len(res.token_ids) == 20 and res.resumes == 1
+    assert b.requests[-1].max_new_tokens == 16
