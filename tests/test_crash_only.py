@@ -158,7 +158,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         err.close()
         _wait(lambda: _log(tmp_path).count("round_done") > rounds_before + 32 or producer.poll() is not None,
               60, "the prompts are being served")
-        killed = []
+        killed, killed_at = [], {}
         for slot in ("target.1", "draft.2", "router_target.1", "orchestrator.1"):
             time.sleep(1.5)
             if producer.poll() is not None:
@@ -166,6 +166,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
             pid = _worker_pid(proc.pid, slot)
             os.kill(pid, signal.SIGKILL)
             killed.append((slot, round(time.monotonic() - t0, 1)))
+            killed_at[slot] = time.time()
         rc = producer.wait(timeout=150)
         took = time.monotonic() - t0
         stdout = (tmp_path / "produce.out").read_text()
@@ -183,6 +184,12 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         log = _log(tmp_path)
         assert log.count("role_died") >= 4, log[-3000:]
         print(f"kills at {killed}; produce finished in {took:.1f}s; resumes {sum(r['resumes'] for r in rows)}")
+        # how fast the survivors noticed: orchestrators the router's loss, the producer the orchestrator's
+        router_lost = _stamp(log, "router_lost") - killed_at["router_target.1"]
+        orch_lost = _stamp(stderr, "orchestrator_lost") - killed_at["orchestrator.1"]
+        print(f"router kill -> router_lost {router_lost:.3f}s; orchestrator kill -> producer's orchestrator_lost "
+              f"{orch_lost:.3f}s")
+        assert router_lost < 5 and orch_lost < 5
         # every role came back: the killed slots are served by fresh children
         for slot, _ in killed:
             _wait(lambda slot=slot: _worker_pid(proc.pid, slot), 30, f"{slot} restarted")
@@ -203,11 +210,11 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
 
 def _stamp(text: str, event: str, nth: int = 1) -> float:
     """Epoch seconds of the nth structlog line with ``event`` (ISO timestamps, UTC)."""
-    from datetime import datetime
+    from datetime import datetime, timezone
 
     lines = [ln for ln in text.splitlines() if event in ln]
-    stamp = lines[nth - 1].split()[0].rstrip("Z")
-    return datetime.fromisoformat(stamp).timestamp()
+    stamp = next(w for w in lines[nth - 1].split() if w.endswith("Z") and "T" in w).rstrip("Z")
+    return datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
 
 
 @pytest.mark.timeout(240)
