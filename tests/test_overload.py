@@ -59,5 +59,15 @@ def test_flood_from_one_client_loses_no_admitted_session_and_starves_no_one(tmp_
               f"of {total_s:.1f}s")
         log = fleet.log("orchestrator")
         assert "session_failed" not in log
+
+        async def too_long():  # 4,000 + 200 tokens can never fit 4,096: refused before it starts
+            async with SpecSplitClient(fleet.orchestrator, timeout_s=30) as c:
+                t = time.monotonic()
+                with pytest.raises(GenerationError) as info:
+                    await c.generate([7] * 4000, max_new_tokens=200)
+                return info.value.reply, time.monotonic() - t
+
+        reply, took = asyncio.run(too_long())
+        assert reply.code == ErrorCode.BAD_REQUEST and "limit is 4096" in reply.message and took < 5
     finally:
         fleet.stop()
