@@ -28,6 +28,8 @@ def test_runs_up_to_active_then_queues_then_refuses():
     assert [w.session_id for w in a.finish("s0")] == ["s2"]
     assert a.withdraw("s3").session_id == "s3" and a.withdraw("s3") is None
     assert a.admitted == 2 and a.waiting == 0
+    a.offer(b"A", "w1", 0), a.offer(b"B", "w2", 0)
+    assert [w.session_id for w in a.clear_waiting()] == ["w1", "w2"] and a.waiting == 0 and a.admitted == 2
 
 
 def test_one_client_cannot_starve_another():

@@ -83,6 +83,13 @@ class Admission:
         self._release(w.client)
         return w
 
+    def clear_waiting(self) -> list[Waiting]:
+        """Drop every waiting session (the orchestrator is stopping); returns them."""
+        out = list(self._waiting.values())
+        for w in out:
+            self.withdraw(w.session_id)
+        return out
+
     def _release(self, client: bytes) -> None:
         n = self._per_client.get(client, 0) - 1
         if n > 0:

@@ -79,6 +79,10 @@ class Orchestrator:
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        for w in self.admission.clear_waiting():  # never started: the producer resumes it elsewhere now
+            rid, _ = w.item
+            self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
+                       w.session_id, rid)
         tasks = list(self.sessions.values())
         for t in tasks:
             t.cancel()
