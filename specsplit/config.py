@@ -159,13 +159,17 @@ class SupervisorSettings(CommonSettings):
     """The supervising parent of every role's command (specsplit.supervise). Env:
     SPECSPLIT_SUPERVISE (false: the command does the work itself, unsupervised),
     SPECSPLIT_SUPERVISE_BACKOFF_S / _BACKOFF_MAX_S (restart back-off, doubling), _STABLE_S (uptime
-    after which the back-off starts over), _STOP_TIMEOUT_S (SIGTERM to SIGKILL of the child)."""
+    after which the back-off starts over), _STOP_TIMEOUT_S (SIGTERM to SIGKILL of the child),
+    _MAX_QUICK_RESTARTS (give up on a crash loop)."""
 
     supervise: bool = True
     supervise_backoff_s: float = Field(default=0.5, gt=0)
     supervise_backoff_max_s: float = Field(default=10.0, gt=0)
     supervise_stable_s: float = Field(default=30.0, gt=0)
     supervise_stop_timeout_s: float = Field(default=90.0, gt=0)
+    # a crash loop (this many deaths in a row, each before supervise_stable_s of uptime: a missing
+    # model, a bad setting) ends the supervisor with the child's code, so the operator sees it
+    supervise_max_quick_restarts: int = Field(default=20, ge=1)
 
 
 class ProducerSettings(FleetAddresses):

@@ -11,7 +11,8 @@ same command line (``python -m specsplit <role> ...``, so operators find it with
   abnormally (killed by a signal, OOM, any exit code other than 0 and 2), logging and counting
   each restart (``role_restarted`` with ``restarts``);
 - exits with the child's code when it exits 0 (done) or 2 (bad settings / refused: restarting
-  cannot help);
+  cannot help), or after ``supervise_max_quick_restarts`` deaths in a row that each came before
+  ``supervise_stable_s`` of uptime (a crash loop: a missing model, a port held by another program);
 - on SIGTERM/SIGINT forwards SIGTERM to the child, waits up to ``supervise_stop_timeout_s`` for
   it to drain and exit (then SIGKILL), and exits 0 when the child stopped cleanly.
 
@@ -103,6 +104,9 @@ class Supervisor:
                 self._log("role_exited", rc=rc, restarts=self.restarts)
                 return rc
             in_a_row = 1 if uptime >= self.s.supervise_stable_s else in_a_row + 1
+            if in_a_row > self.s.supervise_max_quick_restarts:
+                self._log("role_crash_loop", rc=rc, deaths_in_a_row=in_a_row, restarts=self.restarts)
+                return rc if rc > 0 else 1
             delay = backoff_delay(in_a_row, self.s.supervise_backoff_s, self.s.supervise_backoff_max_s)
             self.restarts += 1
             self._log("role_died", rc=rc, uptime_s=round(uptime, 2), restarts=self.restarts, backoff_s=delay)

@@ -137,3 +137,21 @@ def test_sigterm_to_the_whole_group_twice_over_still_exits_zero(tmp_path, role):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_loop_ends_the_supervisor_with_the_childs_code(tmp_path):
+    import socket
+
+    with socket.socket() as held:  # another program holds the router's port: every start fails
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "SPECSPLIT_DRAFT_ROUTER": f"tcp://127.0.0.1:{port}",
+               "SPECSPLIT_DRAFT_BACKEND": f"tcp://127.0.0.1:{free_ports(1)[0]}",
+               "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.05", "SPECSPLIT_SUPERVISE_MAX_QUICK_RESTARTS": "2"}
+        env.pop("SPECSPLIT_SUPERVISED_CHILD", None)
+        out = subprocess.run([sys.executable, "-m", "specsplit", "router", "draft"], env=env, capture_output=True,
+                             text=True, timeout=50)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.count("role_died") == 2 and "role_crash_loop" in out.stderr
