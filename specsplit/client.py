@@ -96,6 +96,7 @@ class SpecSplitClient:
         self._streams: dict[bytes, asyncio.Queue] = {}
         self._rids = itertools.count(random.getrandbits(40))
         self.alive = False  # answered within liveness x heartbeat (liveness mode only)
+        self._closing = False
         self.losses = 0
         self._last_heard = 0.0
         self.log = get_logger("specsplit.client", orchestrator=addr)
@@ -122,10 +123,14 @@ class SpecSplitClient:
                 self._tasks = [loop.create_task(self._watch()), loop.create_task(self._monitor(mon))]
 
     async def close(self) -> None:
-        for task in [*self._tasks, self._reader]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*[t for t in [*self._tasks, self._reader] if t is not None], return_exceptions=True)
+        self._closing = True  # the watchdog stops even if a cancellation is swallowed (wait_for race)
+        tasks = [t for t in [*self._tasks, self._reader] if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            if stuck:
+                self.log.warning("client_tasks_stuck", count=len(stuck))
         self._tasks, self._reader = [], None
         if self._sock is not None:
             if self.heartbeat_s:
@@ -138,12 +143,13 @@ class SpecSplitClient:
         """One ping a heartbeat; liveness beats without any frame fail every open stream (a
         stream opened while the orchestrator is away fails within a beat)."""
         hb = self.heartbeat_s
-        while True:
+        while not self._closing:
             t0 = time.monotonic()
             rid, q = await self._request(Heartbeat(sent_at=time.time()), "-")
             try:
-                await asyncio.wait_for(q.get(), hb)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(hb):  # (asyncio.wait_for can swallow a cancellation)
+                    await q.get()
+            except TimeoutError:
                 pass
             finally:
                 self._streams.pop(rid, None)
@@ -202,8 +208,9 @@ class SpecSplitClient:
         """Readiness by handshake: True when the orchestrator answers a heartbeat in time."""
         rid, q = await self._request(Heartbeat(sent_at=time.time()), "-")
         try:
-            return isinstance(await asyncio.wait_for(q.get(), timeout_s), Heartbeat)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                return isinstance(await q.get(), Heartbeat)
+        except TimeoutError:
             return False
         finally:
             self._streams.pop(rid, None)
@@ -222,7 +229,8 @@ class SpecSplitClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
-                    msg = await asyncio.wait_for(q.get(), self.chunk_timeout_s)
+                    async with asyncio.timeout(self.chunk_timeout_s):
+                        msg = await q.get()
                     if isinstance(msg, TokenChunk):
                         if not res.token_ids:
                             res.first_token_s = time.perf_counter() - t0
