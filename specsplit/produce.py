@@ -150,7 +150,8 @@ async def wait_until_serving(pool, probe_ids: list[int], wait_s: float) -> bool:
     while time.monotonic() < deadline:
         if await pool.ping(timeout_s=2.0):
             try:
-                await asyncio.wait_for(pool.generate(probe_ids, max_new_tokens=1), max(0.1, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await pool.generate(probe_ids, max_new_tokens=1)
                 return True
             except GenerationError as exc:
                 if not exc.reply.retryable and exc.reply.code.value not in ("NO_WORKER", "INTERNAL"):
