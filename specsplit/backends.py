@@ -48,6 +48,10 @@ class CpuBackend(Backend):
         self.quantize, self.pack_weights = quantize, pack_weights
         self.packed_layers = 0
 
+    def load_dtype(self, requested: str) -> str:
+        """Dynamic int8 Linear layers take float32 activations: such a model loads in float32."""
+        return "float32" if self.quantize == "int8" else requested
+
     def before_forward(self, new_tokens: int) -> None:
         want = self.prefill_threads if new_tokens > PREFILL_TOKENS else self.threads
         if want != torch.get_num_threads():
@@ -79,6 +83,9 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def load_dtype(self, requested: str) -> str:
+        return requested
 
     def prepare(self, model):
         return model

@@ -68,6 +68,7 @@ class GenerationResult:
     accepted_tokens: int = 0
     elapsed_s: float = 0.0
     first_token_s: float = 0.0
+    predicted_tok_s: float = 0.0  # what the orchestrator's cost model expected (0: no model)
     chunks: list[int] = field(default_factory=list)  # tokens per streamed chunk
 
     @property
@@ -242,6 +243,7 @@ class SpecSplitClient:
                         res.token_ids = list(msg.token_ids)
                         res.finish_reason, res.rounds = msg.finish_reason, msg.rounds
                         res.drafted_tokens, res.accepted_tokens = msg.drafted_tokens, msg.accepted_tokens
+                        res.predicted_tok_s = msg.predicted_tok_s
                         break
                     elif isinstance(msg, ErrorReply):
                         raise GenerationError(msg)

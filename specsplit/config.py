@@ -121,10 +121,10 @@ class OrchestratorSettings(SessionLimitSettings):
     # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
     # greedy sessions: up to this many prompt-lookup tokens (what followed an earlier occurrence of
     # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
-    lookup_max_tokens: int = Field(default=0, ge=0, le=64)
+    lookup_max_tokens: int = Field(default=8, ge=0, le=64)
     # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
     # their measured verify time (specsplit.orchestrator.costmodel); "fixed": the whole tree
-    tree_budget: Literal["cost", "fixed"] = "fixed"
+    tree_budget: Literal["cost", "fixed"] = "cost"
     lookup_min_ngram: int = Field(default=3, ge=1, le=16)
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
@@ -211,14 +211,15 @@ def effective_settings(role: str) -> dict:
 
         worker, models = WorkerSettings(), ModelSettings()
         device = getattr(models, f"{role}_device")
+        backend = build_backend(role, device, worker)
         return {
             "worker": worker.model_dump(mode="json"),
             "models": models.model_dump(mode="json"),
             "effective": {
                 "identity": worker.identity(role), "router_backend": worker.backend(role),
                 "model": getattr(models, f"{role}_model") or f"preset {models.preset}",
-                "dtype": model_dtype(role, models), "device": device,
-                **build_backend(role, device, worker).describe(),
+                "dtype": backend.load_dtype(model_dtype(role, models)), "device": device,
+                **backend.describe(),
             },
         }
     if role == "orchestrator":

@@ -42,7 +42,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     backend = build_backend(service, device, settings)
     paths = resolve_model_paths(model_settings)
     path = getattr(paths, service)
-    model, tokenizer = load_model(path, dtype=model_dtype(service, model_settings), device=device)
+    model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
     limits = EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,

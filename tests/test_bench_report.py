@@ -39,3 +39,16 @@ def test_bench_transport_writes_the_issue_json_keys(tmp_path, capsys):
     assert result["n"] == 60 and result["body_bytes"] > 0
     assert "rpc client->router->worker" in capsys.readouterr().out
     assert not mp.active_children() and signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_cost_model_prediction_is_reported_next_to_the_measurement():
+    from specsplit.bench import report as R
+    from specsplit.bench.systems import Answer
+
+    rows = [R.make_row(i, "p", 5, {"target": Answer([1] * 10, 2.0),
+                                   "specsplit": Answer([1] * 10, 1.0, 3, 6, 9, extra={"predicted_tok_s": pred})})
+            for i, pred in enumerate((11.0, 20.0))]
+    summary = R.summarize(rows)
+    assert summary["predicted_within_20pct"] == "1/2"  # 11 vs 10 measured: within; 20 vs 10: not
+    assert abs(summary["predicted_tok_s"] - 20 / (10 / 11 + 10 / 20)) < 1e-3
+    assert "specsplit predicted" in R.markdown(rows, summary) and rows[0]["specsplit"]["predicted_tok_s"] == 11.0

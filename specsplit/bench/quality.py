@@ -4,8 +4,11 @@ Alternates the three systems prompt by prompt in one invocation (the order rotat
 same prompt formatting (the tokenizer's chat template), the same dtypes and the same threads.
 Prints a markdown table, writes ``--json FILE`` (per-prompt rows and ``summary.speedup_vs_target``
 / ``summary.speedup_vs_assisted``: ratios of total tokens over total time) and a PNG plot.
+With a llama.cpp build (--llamacpp-bin DIR or SPECSPLIT_LLAMACPP_BIN), ``--systems ...,llamacpp``
+adds the target alone through llama.cpp on the same GGUF (``summary.speedup_vs_llamacpp``).
 
     specsplit bench --limit 20 --max-new-tokens 128 --json runs/bench.json
+    specsplit bench --prompts chat10 --systems target,specsplit,llamacpp --llamacpp-bin DIR
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from specsplit.bench import llamacpp as LL
 from specsplit.bench import report as R
 from specsplit.bench.systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
 
@@ -25,7 +29,8 @@ from specsplit.bench.systems import Answer, FleetRunner, HFRunner, humaneval_pro
 def parse(argv):
     p = argparse.ArgumentParser(prog="specsplit bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (default: HumanEval)")
+    p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line, or a shipped set: chat10 "
+                                     "(default: HumanEval)")
     p.add_argument("--offset", type=int, default=0, help="skip this many prompts first")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -34,7 +39,7 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--systems", default="target,assisted,specsplit",
                    help="comma list of: target, target_packed (the target alone with the fleet's packed weights), "
-                        "assisted, specsplit")
+                        "assisted, specsplit, llamacpp (the target alone through llama.cpp, needs --llamacpp-bin)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
     p.add_argument("--draft-threads", type=int, default=None, help="default: the workers' default")
     p.add_argument("--target-threads", type=int, default=None, help="default: the workers' default")
@@ -42,10 +47,20 @@ def parse(argv):
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
+    p.add_argument("--tree-budget", choices=["cost", "fixed"], default="cost",
+                   help="the fleet's per-round tree budget: a cost model, or the whole tree")
+    p.add_argument("--lookup-max-tokens", type=int, default=8, help="prompt-lookup tokens per tree (0: off)")
+    p.add_argument("--target-quantize", choices=["none", "int8"], default="int8",
+                   help="the fleet's target kernels; the target and assisted rows use the same ones")
     p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
     p.add_argument("--grow", action=argparse.BooleanOptionalAction, default=True,
                    help="the draft grows its tree while the target verifies (greedy)")
     p.add_argument("--assisted-tokens", default="auto", help="'auto' tunes it on the first prompt, or an int")
+    p.add_argument("--llamacpp-bin", default=os.environ.get(LL.BIN_ENV) or None,
+                   help=f"a llama.cpp build's bin dir with {LL.BINARY} (default: {LL.BIN_ENV})")
+    p.add_argument("--llamacpp-model", default=None,
+                   help="GGUF file for llamacpp (default: the target's GGUF kept by `specsplit models pull --keep`)")
+    p.add_argument("--llamacpp-threads", type=int, default=None, help="default: --threads")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
@@ -62,7 +77,8 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_TREE_MIN_PATH_PROB": rest[0] if rest else None,
            "SPECSPLIT_GROW": str(args.grow).lower(), "SPECSPLIT_DRAFT_THREADS": args.draft_threads,
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
-           "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize,
+           "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
+           "SPECSPLIT_TREE_BUDGET": args.tree_budget, "SPECSPLIT_LOOKUP_MAX_TOKENS": args.lookup_max_tokens,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
@@ -90,11 +106,19 @@ def main(argv=None) -> int:
     unknown = set(systems) - set(R.SYSTEMS)
     if unknown or not systems:
         raise SystemExit(f"specsplit bench: --systems takes a comma list of {', '.join(R.SYSTEMS)} (got {args.systems!r})")
+    if "llamacpp" in systems:  # before any model loads: fail fast without a build or a GGUF
+        if args.temperature > 0:
+            raise SystemExit("specsplit bench: the llamacpp system runs greedy only (--temperature 0)")
+        llama_bin = LL.find_binary(args.llamacpp_bin)
+        args.llamacpp_model = str(Path(args.llamacpp_model).expanduser() if args.llamacpp_model else LL.kept_gguf(ms))
+        args.llamacpp_threads = args.llamacpp_threads or args.threads
     paths = resolve_model_paths(ms)
     texts = (jsonl_prompts(args.prompts) if args.prompts else humaneval_prompts())[args.offset: args.offset + args.limit]
     codec = PromptCodec(paths.target, chat=args.chat)
     encoded = [codec.encode(t) for t in texts]
 
+    llama = (LL.LlamaCppRunner(llama_bin, Path(args.llamacpp_model), args.llamacpp_threads, codec.tok)
+             if "llamacpp" in systems else None)
     fleet = runner = None
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
     try:
@@ -108,8 +132,13 @@ def main(argv=None) -> int:
         if {"target", "target_packed", "assisted"} & set(systems):
             import torch
 
-            torch.set_num_threads(args.threads)
-            target, tok = load_model(paths.target, dtype=args.target_dtype)
+            from specsplit.backends import CpuBackend
+
+            # the target alone runs the fleet target's kernels (int8 / packed weights), so the
+            # speculation gain stays separable from the kernel gain
+            fleet_kernels = CpuBackend(args.threads, args.threads, quantize=args.target_quantize)
+            target, tok = load_model(paths.target, dtype=fleet_kernels.load_dtype(args.target_dtype))
+            target = fleet_kernels.prepare(target)
             draft = load_model(paths.draft, dtype=args.draft_dtype)[0] if "assisted" in systems else None
             hf = HFRunner(target, draft, codec.stop_token_ids, tok.pad_token_id or codec.stop_token_ids[0],
                           args.temperature, args.seed)
@@ -131,7 +160,7 @@ def main(argv=None) -> int:
             else:
                 hf.assisted_kwargs = {"num_assistant_tokens": int(args.assisted_tokens),
                                       "num_assistant_tokens_schedule": "constant"}
-        rows = run_all(args, systems, texts, encoded, hf, runner)
+        rows = run_all(args, systems, texts, encoded, hf, runner, llama)
     finally:
         if runner is not None:
             runner.close()
@@ -164,13 +193,14 @@ def assisted_drafts(draft) -> dict:
     return {str(next(draft.parameters()).dtype).removeprefix("torch."): draft, "int8-dynamic": int8}
 
 
-def run_all(args, systems, texts, encoded, hf, fleet_runner) -> list[dict]:
+def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None) -> list[dict]:
     from tqdm import tqdm
 
     calls = {"target": (lambda ids: hf.target_alone(ids, args.max_new_tokens)),
              "target_packed": (lambda ids: hf.target_alone(ids, args.max_new_tokens, hf.packed_target)),
              "assisted": (lambda ids: hf.assisted(ids, args.max_new_tokens)),
-             "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens))}
+             "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens)),
+             "llamacpp": (lambda ids: llama(ids, args.max_new_tokens))}
     rows = []
     for i, (text, ids) in enumerate(tqdm(list(zip(texts, encoded)), desc="bench", file=sys.stderr)):
         order = systems[i % len(systems):] + systems[: i % len(systems)]  # rotate to cancel drift
@@ -181,7 +211,9 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner) -> list[dict]:
                          greedy=args.temperature == 0)
         rows.append(row)
         log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
-            + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else ""))
+            + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else "")
+            + (f" llamacpp_identical={row['llamacpp_identical_to_target']}"
+               if "llamacpp_identical_to_target" in row else ""))
     return rows
 
 

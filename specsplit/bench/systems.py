@@ -1,5 +1,6 @@
-"""The three systems `specsplit bench` compares, each answering one prompt (token ids in, new
-token ids and seconds out): the target alone, transformers assisted generation, the fleet."""
+"""The systems `specsplit bench` compares, each answering one prompt (token ids in, new token ids
+and seconds out): the target alone, transformers assisted generation, the fleet (llama.cpp, the
+anchor, is in ``llamacpp.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import gzip
 import importlib.util
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,10 +20,16 @@ class Answer:
     rounds: int = 0
     accepted: int = 0
     drafted: int = 0
+    reported_tokens: int | None = None  # the system's own count when token_ids are reconstructed (llama.cpp)
+    extra: dict = field(default_factory=dict)  # system-specific row fields
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids) if self.reported_tokens is None else self.reported_tokens
 
     @property
     def tok_s(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def humaneval_prompts() -> list[str]:
@@ -35,7 +42,14 @@ def humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
+PROMPT_SETS = Path(__file__).parent / "prompts"  # named sets: --prompts chat10
+
+
 def jsonl_prompts(path: str) -> list[str]:
+    """Prompts from a JSONL file ('prompt' field per line), or a set shipped with the bench by name."""
+    named = PROMPT_SETS / f"{path}.jsonl"
+    if not Path(path).exists() and named.is_file():
+        path = str(named)
     return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
@@ -118,7 +132,8 @@ class FleetRunner:
         res = self.loop.run_until_complete(self.client.generate(
             ids, max_new_tokens=max_new, sampling=self.sampling, tree=self.tree, stop_token_ids=self.stop_ids))
         dt = time.perf_counter() - t0
-        return Answer(res.token_ids, dt, res.rounds, res.accepted_tokens, res.drafted_tokens)
+        extra = {"predicted_tok_s": round(res.predicted_tok_s, 3)} if res.predicted_tok_s else {}
+        return Answer(res.token_ids, dt, res.rounds, res.accepted_tokens, res.drafted_tokens, extra=extra)
 
     def close(self) -> None:
         if self.client is not None:

