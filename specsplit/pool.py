@@ -119,6 +119,7 @@ class OrchestratorPool:
                     setattr(total, k, getattr(total, k) + getattr(res, k))
                 if res.finish_reason in FINISHED:
                     total.finish_reason, total.session_id = res.finish_reason, res.session_id
+                    total.predicted_tok_s = res.predicted_tok_s  # the last attempt's orchestrator
                     break
                 why = f"finish_reason={res.finish_reason}"
             done = self._finished_already(received, max_new_tokens, stop)
