@@ -17,6 +17,42 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is ever imported
 
 
+def _exit_zero_on_stop_signals() -> None:
+    """Before a role installs its own stop handlers, and after it restores them: SIGTERM/SIGINT
+    mean "stop now, cleanly" (exit 0). honcho signals the whole process group and the supervisor
+    forwards the signal too, so a role may get a second one while it is already exiting."""
+    import signal
+    import threading
+
+    def _exit(signum, frame):
+        raise SystemExit(0)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit)
+
+
+def _ignore_stop_signals() -> None:
+    """The role is done and the process exits: a late SIGTERM must not kill it (Python's
+    finalization resets handled signals to SIG_DFL, but leaves ignored ones ignored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _role(cmd: str, rest: list[str]) -> int:
+    if cmd == "router":
+        from brokers.__main__ import main as router_main
+
+        return router_main(rest)
+    if cmd in ("draft", "target"):
+        return _worker(cmd, rest)
+    return _orchestrator(rest)
+
+
 def _worker(service: str, argv: list[str]) -> int:
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
@@ -42,9 +78,19 @@ def _orchestrator(argv: list[str]) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await Orchestrator(settings).run(stop)
+
+        def on_signal(signum, frame) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stop.set)
+
+        # process-level handlers, restored afterwards (asyncio's add_signal_handler would leave
+        # SIG_DFL behind, and a second SIGTERM, e.g. honcho's and the supervisor's, would kill us)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            await Orchestrator(settings).run(stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     asyncio.run(main())
     return 0
@@ -86,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.config import check_removed_settings
 
     check_removed_settings()
-    if cmd == "router":
-        from brokers.__main__ import main as router_main
+    if cmd in ("router", "draft", "target", "orchestrator"):
+        from specsplit.supervise import supervise
 
-        return router_main(rest)
-    if cmd in ("draft", "target"):
-        return _worker(cmd, rest)
-    if cmd == "orchestrator":
-        return _orchestrator(rest)
+        rc = supervise(argv)  # None: this process is the supervised child (or unsupervised)
+        if rc is not None:
+            return rc
+        _exit_zero_on_stop_signals()
+        try:
+            return _role(cmd, rest)
+        finally:
+            _ignore_stop_signals()
     if cmd == "produce":
         from specsplit.produce import produce_main
 

@@ -3,6 +3,12 @@
 One DEALER per client, owned by one reader task; any number of concurrent ``generate`` calls,
 matched by request id. No torch.
 
+Orchestrator liveness (opt-in, ``heartbeat_s``): the client pings the orchestrator every
+heartbeat and watches its connection. A dropped connection (the orchestrator died) or
+``liveness`` unanswered beats fail every open stream at once with ``OrchestratorLost``, which
+carries the tokens received so far, so a caller (``specsplit.pool.OrchestratorPool``) can
+resume the request elsewhere. ``alive`` is True while the orchestrator answers.
+
     async with SpecSplitClient("tcp://127.0.0.1:5570") as client:
         result = await client.generate([1, 2, 3], max_new_tokens=64)
 """
@@ -34,6 +40,22 @@ class GenerationError(RuntimeError):
         self.reply = reply
 
 
+class OrchestratorLost(RuntimeError):
+    """The orchestrator died or went silent while a generation streamed; ``token_ids`` were
+    received before that (resume from prompt + token_ids)."""
+
+    def __init__(self, addr: str, reason: str, token_ids: list[int] | None = None):
+        super().__init__(f"orchestrator {addr} lost ({reason})")
+        self.addr, self.reason, self.token_ids = addr, reason, list(token_ids or [])
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """Put on every open stream when the orchestrator is lost."""
+
+    reason: str
+
+
 @dataclass
 class GenerationResult:
     session_id: str
@@ -41,6 +63,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     rounds: int = 0
+    resumes: int = 0  # times the request was resumed on a (possibly other) orchestrator
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     elapsed_s: float = 0.0
@@ -64,14 +87,24 @@ class GenerationResult:
 
 class SpecSplitClient:
     def __init__(self, addr: str, *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
-                 chunk_timeout_s: float = 300.0):
+                 chunk_timeout_s: float = 300.0, heartbeat_s: float | None = None, liveness: int = 3):
         self.addr, self.timeout_s, self.chunk_timeout_s = addr, timeout_s, chunk_timeout_s
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = None
         self._reader: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []  # liveness: watchdog and connection monitor
         self._streams: dict[bytes, asyncio.Queue] = {}
         self._rids = itertools.count(random.getrandbits(40))
-        self.log = get_logger("specsplit.client")
+        self.alive = False  # answered within liveness x heartbeat (liveness mode only)
+        self._closing = False
+        self.losses = 0
+        self._last_heard = 0.0
+        self.log = get_logger("specsplit.client", orchestrator=addr)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
 
     async def __aenter__(self) -> SpecSplitClient:
         self.start()
@@ -83,15 +116,70 @@ class SpecSplitClient:
     def start(self) -> None:
         if self._sock is None:
             self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.addr)
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop())
+            self._last_heard = time.monotonic()
+            if self.heartbeat_s:
+                mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._tasks = [loop.create_task(self._watch()), loop.create_task(self._monitor(mon))]
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        self._closing = True  # the watchdog stops even if a cancellation is swallowed (wait_for race)
+        tasks = [t for t in [*self._tasks, self._reader] if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            if stuck:
+                self.log.warning("client_tasks_stuck", count=len(stuck))
+        self._tasks, self._reader = [], None
         if self._sock is not None:
+            if self.heartbeat_s:
+                self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
+
+    # ---- orchestrator liveness ---------------------------------------------------------
+    async def _watch(self) -> None:
+        """One ping a heartbeat; liveness beats without any frame fail every open stream (a
+        stream opened while the orchestrator is away fails within a beat)."""
+        hb = self.heartbeat_s
+        while not self._closing:
+            t0 = time.monotonic()
+            rid, q = await self._request(Heartbeat(sent_at=time.time()), "-")
+            try:
+                async with asyncio.timeout(hb):  # (asyncio.wait_for can swallow a cancellation)
+                    await q.get()
+            except TimeoutError:
+                pass
+            finally:
+                self._streams.pop(rid, None)
+            if time.monotonic() - self._last_heard > hb * self.liveness:
+                # frames waiting unread mean a busy loop, not a silent orchestrator
+                waiting = await self._sock.poll(0) if self._sock is not None else 0
+                if not waiting & zmq.POLLIN:
+                    self._lose("silent")
+            await asyncio.sleep(max(0.0, hb - (time.monotonic() - t0)))
+
+    async def _monitor(self, mon) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await mon.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._lose("disconnected")
+        finally:
+            mon.close(linger=0)
+
+    def _lose(self, reason: str) -> None:
+        """Fail every open generation now: its orchestrator is gone (or hung)."""
+        if self.alive:
+            self.losses += 1
+            self.log.warning("orchestrator_lost", reason=reason, streams=len(self._streams))
+        self.alive = False
+        for q in self._streams.values():
+            q.put_nowait(_Lost(reason))
 
     async def _read_loop(self) -> None:
         while True:
@@ -101,6 +189,10 @@ class SpecSplitClient:
             except CodecError as exc:
                 self.log.warning("bad_reply_dropped", error=str(exc))
                 continue
+            self._last_heard = time.monotonic()
+            if self.heartbeat_s and not self.alive:
+                self.alive = True
+                self.log.info("orchestrator_alive")
             q = self._streams.get(env.request_id)
             if q is not None:
                 q.put_nowait(env.msg)
@@ -117,8 +209,9 @@ class SpecSplitClient:
         """Readiness by handshake: True when the orchestrator answers a heartbeat in time."""
         rid, q = await self._request(Heartbeat(sent_at=time.time()), "-")
         try:
-            return isinstance(await asyncio.wait_for(q.get(), timeout_s), Heartbeat)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                return isinstance(await q.get(), Heartbeat)
+        except TimeoutError:
             return False
         finally:
             self._streams.pop(rid, None)
@@ -137,7 +230,8 @@ class SpecSplitClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
-                    msg = await asyncio.wait_for(q.get(), self.chunk_timeout_s)
+                    async with asyncio.timeout(self.chunk_timeout_s):
+                        msg = await q.get()
                     if isinstance(msg, TokenChunk):
                         if not res.token_ids:
                             res.first_token_s = time.perf_counter() - t0
@@ -153,6 +247,8 @@ class SpecSplitClient:
                         break
                     elif isinstance(msg, ErrorReply):
                         raise GenerationError(msg)
+                    elif isinstance(msg, _Lost):
+                        raise OrchestratorLost(self.addr, msg.reason, res.token_ids)
         finally:
             self._streams.pop(rid, None)
         res.elapsed_s = time.perf_counter() - t0

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from brokers.settings import FleetAddresses, HeartbeatSettings
+from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings
 from schemas import SamplingSpec, TreeSpec
 
 # Variables that no longer exist, and what replaced them: setting one is an error at startup
@@ -36,7 +36,33 @@ def check_removed_settings(environ=None) -> None:
         raise SystemExit("specsplit: settings no longer read:\n  " + "\n  ".join(found))
 
 
-class WorkerSettings(HeartbeatSettings):
+def honcho_slot(environ=None) -> int:
+    """This process's instance number: N of honcho's HONCHO_PROCESS_NAME "role.N" (foreman: PS);
+    1 without one."""
+    environ = os.environ if environ is None else environ
+    name = environ.get("HONCHO_PROCESS_NAME") or environ.get("PS") or ""
+    tail = name.rsplit(".", 1)[-1]
+    return int(tail) if "." in name and tail.isdigit() and int(tail) >= 1 else 1
+
+
+def orchestrator_address(base: str, index: int) -> str:
+    """The index-th (0-based) orchestrator's address: ``base`` with its TCP port + index."""
+    if index == 0:
+        return base
+    head, sep, port = base.rpartition(":")
+    if not (sep and port.isdigit()):
+        raise ValueError(f"{base!r}: several orchestrators need a tcp://host:port base address")
+    return f"{head}:{int(port) + index}"
+
+
+class SessionLimitSettings(HeartbeatSettings):
+    """Read by workers (their per-session KV limit) and orchestrators (which refuse, before it
+    starts, a request that could never fit it): one variable, one meaning."""
+
+    max_session_tokens: int = Field(default=4096, ge=16)
+
+
+class WorkerSettings(SessionLimitSettings):
     """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
 
     worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
@@ -47,7 +73,6 @@ class WorkerSettings(HeartbeatSettings):
     prefill_threads: int | None = Field(default=None, ge=1)
     worker_max_sessions: int = Field(default=256, ge=1)  # sessions whose KV caches a worker keeps (LRU)
     session_ttl_s: float = Field(default=900.0, gt=0)
-    max_session_tokens: int = Field(default=4096, ge=16)
     max_tree_nodes: int = Field(default=64, ge=1, le=256)
     max_tree_depth: int = Field(default=16, ge=1, le=64)
     max_queue: int = Field(default=1024, ge=1)
@@ -81,8 +106,10 @@ class WorkerSettings(HeartbeatSettings):
         return self.worker_id or f"{service}-{slot}"
 
 
-class OrchestratorSettings(FleetAddresses):
-    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ..."""
+class OrchestratorSettings(SessionLimitSettings):
+    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ...
+    SPECSPLIT_HEARTBEAT_S / _LIVENESS keep their one meaning (liveness with a router): the
+    orchestrator pings each router every heartbeat and declares it lost after liveness beats."""
 
     # measured on 2 cores with the qwen-coder pair: a deep, narrow tree that stops below
     # unlikely paths (16 nodes, depth 10, branch 2, min_path_prob 0.3) beat 10/6/2 by ~25%
@@ -106,18 +133,60 @@ class OrchestratorSettings(FleetAddresses):
     max_attempts: int = Field(default=8, ge=1)
     backoff_s: float = Field(default=0.05, gt=0)
     backoff_max_s: float = Field(default=2.0, gt=0)
-    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions run at once; more: OVERLOADED
+    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions admitted (running + queued); more: OVERLOADED
+    # sessions drafting/verifying at once (the rest wait in a fair queue): at most what the workers'
+    # KV caches hold (SPECSPLIT_WORKER_MAX_SESSIONS each), divided among the orchestrators
+    orchestrator_active_sessions: int = Field(default=256, ge=1)
+    orchestrator_client_share: float = Field(default=0.75, gt=0, le=1)  # of max_sessions one producer may hold
+    # max_session_tokens (SessionLimitSettings): a request that can never fit (prompt +
+    # max_new_tokens + a tree) is refused with BAD_REQUEST before it starts
+    # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
+    # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
+    orchestrator_bind: str | None = None
+
+    def bind_address(self, environ=None) -> str:
+        environ = os.environ if environ is None else environ
+        if self.orchestrator_bind:
+            return self.orchestrator_bind
+        return orchestrator_address(self.orchestrator, honcho_slot(environ) - 1)
 
     def tree(self) -> TreeSpec:
         return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch,
                         min_path_prob=self.tree_min_path_prob)
 
 
+class SupervisorSettings(CommonSettings):
+    """The supervising parent of every role's command (specsplit.supervise). Env:
+    SPECSPLIT_SUPERVISE (false: the command does the work itself, unsupervised),
+    SPECSPLIT_SUPERVISE_BACKOFF_S / _BACKOFF_MAX_S (restart back-off, doubling), _STABLE_S (uptime
+    after which the back-off starts over), _STOP_TIMEOUT_S (SIGTERM to SIGKILL of the child),
+    _MAX_QUICK_RESTARTS (give up on a crash loop)."""
+
+    supervise: bool = True
+    supervise_backoff_s: float = Field(default=0.5, gt=0)
+    supervise_backoff_max_s: float = Field(default=10.0, gt=0)
+    supervise_stable_s: float = Field(default=30.0, gt=0)
+    supervise_stop_timeout_s: float = Field(default=90.0, gt=0)
+    # a crash loop (this many deaths in a row, each before supervise_stable_s of uptime: a missing
+    # model, a bad setting) ends the supervisor with the child's code, so the operator sees it
+    supervise_max_quick_restarts: int = Field(default=20, ge=1)
+
+
 class ProducerSettings(FleetAddresses):
-    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_PRODUCE_TIMEOUT_S."""
+    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_ORCHESTRATOR_COUNT,
+    SPECSPLIT_PRODUCE_TIMEOUT_S, ..."""
 
     produce_timeout_s: float = Field(default=600.0, gt=0)  # one whole generation
     produce_chunk_timeout_s: float = Field(default=300.0, gt=0)  # between two streamed chunks
+    # orchestrators serving side by side (honcho -c orchestrator=N): SPECSPLIT_ORCHESTRATOR and the
+    # next N-1 ports; producers spread requests over the live ones and resume on another when one dies
+    orchestrator_count: int = Field(default=1, ge=1, le=64)
+    produce_heartbeat_s: float = Field(default=1.0, gt=0, le=60)  # producer -> orchestrator pings
+    produce_liveness: int = Field(default=3, ge=1, le=100)  # missed pings before an orchestrator is dead
+    produce_max_resumes: int = Field(default=16, ge=0)  # per prompt: resumes after a lost orchestrator
+
+    def orchestrator_addresses(self) -> list[str]:
+        return [orchestrator_address(self.orchestrator, i) for i in range(self.orchestrator_count)]
 
     @staticmethod
     def sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingSpec:

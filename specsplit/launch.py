@@ -2,6 +2,9 @@
 
 Used by the system tests (tiny preset, random free ports), ``specsplit bench`` and the demo.
 Every process is started in its own process group and stopped by pid (SIGTERM, then SIGKILL).
+Each role's command is a supervisor with the working child beside it (specsplit.supervise), so
+``kill9`` (the whole group) removes a role for good, as a crashed machine would; killing only
+the child lets the supervisor bring it back.
 """
 
 from __future__ import annotations

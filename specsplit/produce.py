@@ -4,6 +4,13 @@ Prompts come from arguments, ``--file`` (one per line), ``--jsonl FILE`` (a ``pr
 line, as HumanEval's), or stdin. Instruct models get their chat template (``--chat auto``, the
 default, applies it when the tokenizer has one); stopping follows the tokenizer's and the
 generation config's end tokens.
+
+Orchestrators: ``--orchestrator`` (a comma list) or SPECSPLIT_ORCHESTRATOR and
+SPECSPLIT_ORCHESTRATOR_COUNT (that address and the next count-1 ports, as ``honcho start -c
+orchestrator=N`` binds them). Requests are spread over the live ones; a request whose orchestrator
+dies, hangs or stops is resumed from the tokens already received (``specsplit.pool``), so greedy
+answers equal an uninterrupted run. Only finished answers ("stop" / "length") are printed; a
+prompt that could not be finished is reported on stderr and makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -79,14 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    p.add_argument("--orchestrator", default=None, help="default: SPECSPLIT_ORCHESTRATOR or tcp://127.0.0.1:5570")
+    p.add_argument("--orchestrator", default=None,
+                   help="comma list of addresses; default: SPECSPLIT_ORCHESTRATOR (+ SPECSPLIT_ORCHESTRATOR_COUNT ports)")
     p.add_argument("--wait-s", type=float, default=600.0, help="wait this long for the fleet to answer a ping")
     return p
 
 
-async def produce(args, codec: PromptCodec, addr: str, timeout_s: float, chunk_timeout_s: float = 300.0) -> int:
-    from specsplit.client import GenerationError, SpecSplitClient
+async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: float, chunk_timeout_s: float = 300.0,
+                  *, heartbeat_s: float = 1.0, liveness: int = 3, max_resumes: int = 16) -> int:
+    from specsplit.client import GenerationError
+    from specsplit.pool import FINISHED, OrchestratorPool
 
+    addrs = [addrs] if isinstance(addrs, str) else list(addrs)
     prompts = read_prompts(args)
     if not prompts:
         print("specsplit produce: no prompts", file=sys.stderr)
@@ -95,9 +106,10 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float, chunk_t
     stream = args.concurrency == 1 and not args.json
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
-    async with SpecSplitClient(addr, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s) as client:
-        if not await wait_until_serving(client, codec.encode(prompts[0])[:8], args.wait_s):
-            print(f"specsplit produce: the fleet at {addr} did not serve within {args.wait_s:.0f}s", file=sys.stderr)
+    async with OrchestratorPool(addrs, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s, heartbeat_s=heartbeat_s,
+                                liveness=liveness, max_resumes=max_resumes) as pool:
+        if not await wait_until_serving(pool, codec.encode(prompts[0])[:8], args.wait_s):
+            print(f"specsplit produce: no orchestrator of {addrs} served within {args.wait_s:.0f}s", file=sys.stderr)
             return 3
         t0 = time.perf_counter()
 
@@ -110,12 +122,16 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float, chunk_t
                     print(f"\n=== prompt {i}: {prompt[:80]!r}", file=sys.stderr, flush=True)
                     on_tokens = lambda toks: print(codec.decode(toks), end="", flush=True)  # noqa: E731
                 try:
-                    res = await client.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                                stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens)
+                    res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                              stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens)
                 except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:
                     failures += 1
                     print(f"prompt {i} failed: {exc!r}", file=sys.stderr)
                     return None
+            if res.finish_reason not in FINISHED:  # never print an unfinished answer as one
+                failures += 1
+                print(f"prompt {i} failed: finish_reason={res.finish_reason}", file=sys.stderr)
+                return None
             report(i, prompt, res, codec, args, stream)
             return res
 
@@ -125,20 +141,23 @@ async def produce(args, codec: PromptCodec, addr: str, timeout_s: float, chunk_t
     return 1 if failures else 0
 
 
-async def wait_until_serving(client, probe_ids: list[int], wait_s: float) -> bool:
-    """Readiness by handshake: the orchestrator answers a ping, then a one-token generation
+async def wait_until_serving(pool, probe_ids: list[int], wait_s: float) -> bool:
+    """Readiness by handshake: an orchestrator answers a ping, then a one-token generation
     succeeds end to end (workers may still be loading their models when the fleet starts)."""
     from specsplit.client import GenerationError
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if await client.ping(timeout_s=2.0):
+        if await pool.ping(timeout_s=2.0):
             try:
-                await client.generate(probe_ids, max_new_tokens=1)
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await pool.generate(probe_ids, max_new_tokens=1)
                 return True
             except GenerationError as exc:
-                if not exc.reply.retryable and exc.reply.code.value != "NO_WORKER":
+                if not exc.reply.retryable and exc.reply.code.value not in ("NO_WORKER", "INTERNAL"):
                     raise
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
         await asyncio.sleep(1.0)
     return False
 
@@ -149,7 +168,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
         print(json.dumps({
             "index": i, "prompt": prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids, "text": text,
             "finish_reason": res.finish_reason, "new_tokens": len(res.token_ids), "tok_per_s": res.tokens_per_s,
-            "rounds": res.rounds, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
+            "rounds": res.rounds, "resumes": res.resumes, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
             "elapsed_s": res.elapsed_s,
         }), flush=True)
     elif not streamed:
@@ -181,4 +200,7 @@ def produce_main(argv=None) -> int:
     configure_logging(settings.log_level if settings.log_level != "INFO" else "WARNING", settings.log_json)
     paths = resolve_model_paths(ModelSettings())
     codec = PromptCodec(paths.target, chat=args.chat)
-    return asyncio.run(produce(args, codec, args.orchestrator or settings.orchestrator, settings.produce_timeout_s, settings.produce_chunk_timeout_s))
+    addrs = args.orchestrator.split(",") if args.orchestrator else settings.orchestrator_addresses()
+    return asyncio.run(produce(args, codec, [a.strip() for a in addrs if a.strip()], settings.produce_timeout_s,
+                               settings.produce_chunk_timeout_s, heartbeat_s=settings.produce_heartbeat_s,
+                               liveness=settings.produce_liveness, max_resumes=settings.produce_max_resumes))

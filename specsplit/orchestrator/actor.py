@@ -3,7 +3,9 @@
 Recovery is one rule: a worker without the session answers CACHE_MISS and the actor resends with
 the full committed context (``CacheSync(0, committed[:-1])``). Timeouts, NO_WORKER, INTERNAL and
 OVERLOADED are retried with exponential back-off (a timed-out or dead worker's state is unknown,
-so the context is resent in full). Every wait has a timeout. No torch here.
+so the context is resent in full). A lost router (``RpcRouterLost``: its connection dropped, or it
+was silent and answers again) is resent at once with the full context. Neither CACHE_MISS nor a
+lost router uses up a session's attempts. Every wait has a timeout. No torch here.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from schemas import (
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
-from specsplit.transport.rpc import RpcError, RpcTimeout
+from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
+FREE_RESENDS = 64  # CACHE_MISS / router-lost resends per request that do not count as attempts
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 
 
@@ -206,15 +209,25 @@ class SessionActor:
         self.cur.target_len = 0
 
     async def _call(self, rpc, build: Callable[[], Message], reset: Callable[[], None]) -> Message:
+        """One request with recovery. CACHE_MISS and a lost router are resent at once and do not
+        use up attempts (up to FREE_RESENDS each: a session survives any number of ordinary
+        crashes, but never loops forever); timeouts and retryable errors back off and count."""
         p = self.policy
         delay, last = p.backoff_s, "no attempt"
-        for attempt in range(p.max_attempts):
-            self._attempts = attempt + 1
+        attempts = misses = losses = 0
+        while True:
+            self._attempts = attempts + misses + losses + 1  # 1: the first send (a clean cost sample)
             try:
                 reply = await rpc.call(build(), session_id=self.sid, timeout_s=p.rpc_timeout_s)
             except RpcTimeout:
                 last = "timeout"
                 reset()
+            except RpcRouterLost as exc:  # its worker may still hold the session: CACHE_MISS otherwise
+                last, losses = f"router lost: {exc}", losses + 1
+                reset()
+                if losses <= FREE_RESENDS:
+                    self.log.info("request_resent", reason="router_lost", resends=losses)
+                    continue
             except RpcError as exc:
                 raise SessionFailed(f"transport closed: {exc}", ErrorCode.INTERNAL) from exc
             else:
@@ -223,15 +236,19 @@ class SessionActor:
                 last = f"{reply.code.value}: {reply.message}"
                 if reply.code == ErrorCode.CACHE_MISS:
                     reset()
-                    continue  # resend at once with the full context
-                if not reply.retryable:
+                    misses += 1
+                    if misses <= FREE_RESENDS:
+                        continue  # resend at once with the full context (PROTOCOL.md)
+                elif not reply.retryable:
                     raise SessionFailed(last, reply.code)
-                if reply.code in RESET_ON:
+                elif reply.code in RESET_ON:
                     reset()
-            self.log.info("request_retry", attempt=attempt + 1, reason=last, delay_s=round(delay, 3))
+            attempts += 1
+            if attempts >= p.max_attempts:
+                raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}", ErrorCode.NO_WORKER)
+            self.log.info("request_retry", attempt=attempts, reason=last, delay_s=round(delay, 3))
             await asyncio.sleep(delay)
             delay = min(delay * 2, p.backoff_max_s)
-        raise SessionFailed(f"gave up after {p.max_attempts} attempts: {last}", ErrorCode.NO_WORKER)
 
     async def _end_sessions(self) -> None:
         msg = EndSession(session_id=self.sid)

@@ -21,6 +21,7 @@ from schemas import (
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.admission import Admission
 from specsplit.orchestrator.costmodel import CostModel
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
@@ -36,24 +37,31 @@ class Orchestrator:
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
         )
-        self.sessions: dict[str, asyncio.Task] = {}
+        self.sessions: dict[str, asyncio.Task] = {}  # running
+        self.admission = Admission(active=settings.orchestrator_active_sessions,
+                                   max_sessions=settings.orchestrator_max_sessions,
+                                   client_share=settings.orchestrator_client_share)
         # one cost model for all sessions: same models, same machine
         self.cost = CostModel() if settings.tree_budget == "cost" else None
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.draft_rpc = self.target_rpc = None
         self.ready = asyncio.Event()
+        self._stopping = False
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=s.orchestrator)
+        self.frontend = s.bind_address()
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
-                                        default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
+                                        default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
+                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
-                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions)
+                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
+                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=s.orchestrator, grow=s.grow, tree_budget=s.tree_budget,
+        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
                       lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump())
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
@@ -70,6 +78,11 @@ class Orchestrator:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
+        self._stopping = True
+        for w in self.admission.clear_waiting():  # never started: the producer resumes it elsewhere now
+            rid, _ = w.item
+            self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
+                       w.session_id, rid)
         tasks = list(self.sessions.values())
         for t in tasks:
             t.cancel()
@@ -98,6 +111,10 @@ class Orchestrator:
             task = self.sessions.get(msg.session_id)
             if task:
                 task.cancel()
+            elif (w := self.admission.withdraw(msg.session_id)) is not None:
+                rid, _ = w.item
+                self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
+                           w.session_id, rid)
         elif isinstance(msg, Heartbeat):
             self._send(client, Heartbeat(sent_at=msg.sent_at), env.session_id, env.request_id)
         else:
@@ -106,13 +123,24 @@ class Orchestrator:
             self._send(client, err, env.session_id, env.request_id)
 
     def _start(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+        """Admit a session: run it now, queue it (fairly), or refuse it at once."""
         sid = req.session_id
-        if sid in self.sessions:
+        if sid in self.admission:
             err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"session {sid!r} is already running", session_id=sid)
             return self._send(client, err, sid, rid)
-        if len(self.sessions) >= self.settings.orchestrator_max_sessions:
-            err = ErrorReply.of(ErrorCode.OVERLOADED, f"{len(self.sessions)} sessions running", session_id=sid)
-            return self._send(client, err, sid, rid)
+        need = session_tokens_needed(req, req.tree or self.policy.tree, self.policy.lookup_max_tokens)
+        if need > self.settings.max_session_tokens:
+            why = (f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens ({req.max_new_tokens}) + a tree would need "
+                   f"{need} tokens per session, limit is {self.settings.max_session_tokens}")
+            return self._send(client, ErrorReply.of(ErrorCode.BAD_REQUEST, why, session_id=sid), sid, rid)
+        verdict = self.admission.offer(client, sid, (rid, req))
+        if verdict == "run":
+            self._launch(client, rid, req)
+        elif verdict != "wait":
+            self._send(client, ErrorReply.of(ErrorCode.OVERLOADED, verdict, session_id=sid), sid, rid)
+
+    def _launch(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+        sid = req.session_id
 
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
@@ -126,6 +154,11 @@ class Orchestrator:
         self.sessions.pop(sid, None)
         if not task.cancelled() and task.exception() is not None:
             self.log.error("session_crashed", session_id=sid, error=repr(task.exception()))
+        if self._stopping:
+            return
+        for w in self.admission.finish(sid):
+            rid, req = w.item
+            self._launch(w.client, rid, req)
 
     def _send(self, client: bytes, msg: Message, sid: str, rid: bytes) -> None:
         try:
@@ -138,6 +171,14 @@ class Orchestrator:
             task = self.sessions.get(sid)
             if task and exc.errno == zmq.EHOSTUNREACH:
                 task.cancel()
+
+
+def session_tokens_needed(req: GenerateRequest, tree, lookup_max_tokens: int = 0) -> int:
+    """Most tokens a worker holds for the session: the committed context before the last round
+    (prompt + max_new_tokens - 2 at most) plus the largest request's tree (verify: max_nodes +
+    the prompt-lookup nodes merged into it; draft: the root + branch x max_depth)."""
+    extra = max(tree.max_nodes + lookup_max_tokens, 1 + tree.branch * tree.max_depth)
+    return len(req.prompt_token_ids) + req.max_new_tokens - 2 + extra
 
 
 def _best_effort_ids(body: list[bytes]) -> tuple[str | None, bytes]:

@@ -8,6 +8,14 @@ whose request id matches, so a reply costs one event-loop wake-up and no extra t
 (zmq.asyncio's future machinery cost ~200 us of CPU per round trip here). ZMQ's descriptor is
 edge-triggered: after every send the client checks ``EVENTS`` and drains if replies are waiting.
 Any number of tasks on that loop may ``call`` concurrently.
+
+Router liveness (opt-in, ``heartbeat_s``): the client pings the router every ``heartbeat_s`` and
+watches its socket's connection events. A dropped connection (the router process died), or
+``liveness`` heartbeats without any frame from the router (hung, partitioned), marks the router
+lost (``router_lost``); requests in flight on a lost connection can never be answered, so each
+pending call fails with ``RpcRouterLost`` (retryable: resend) as soon as the connection drops
+and again when the router answers after being lost (``router_back``), so that nothing waits for
+its timeout. A resent request may reach a worker twice; ``round`` makes that harmless.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 
 import zmq
 import zmq.asyncio
@@ -41,6 +50,12 @@ class RpcClosed(RpcError):
     """The client was closed while (or before) the call was waiting."""
 
 
+class RpcRouterLost(RpcError):
+    """The router was lost (connection dropped, or silent for liveness x heartbeat) while the
+    call was waiting: its reply will never come. Retryable: resend (the worker's state is
+    unknown, so with the full context)."""
+
+
 class AsyncRpcClient:
     """Request/reply client of one router frontend.
 
@@ -61,6 +76,8 @@ class AsyncRpcClient:
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         name: str = "rpc",
+        heartbeat_s: float | None = None,
+        liveness: int = 3,
     ) -> None:
         self.addr = addr
         self.max_pending = max_pending
@@ -74,6 +91,12 @@ class AsyncRpcClient:
         self._pending: dict[bytes, asyncio.Future] = {}
         self._rids = itertools.count(random.getrandbits(48))
         self._closed = False
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self._mon: zmq.Socket | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._last_heard = time.monotonic()
+        self.router_lost = False
+        self.router_losses = 0  # times the router was lost (connection dropped or silent)
         self.log = get_logger("specsplit.rpc", client=name, addr=addr)
 
     @property
@@ -101,6 +124,12 @@ class AsyncRpcClient:
             )
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._sock.FD, self._drain)
+            if self.heartbeat_s:
+                self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                self._loop.add_reader(self._mon.FD, self._on_monitor)
+                self._loop.call_soon(self._on_monitor)  # edge-triggered: drain what came before
+                self._last_heard = time.monotonic()
+                self._watchdog = self._loop.create_task(self._watch())
 
     async def call(self, msg: Message, *, session_id: str, timeout_s: float | None = None) -> Message:
         """Send ``msg`` for ``session_id`` and wait for the reply with the same request id."""
@@ -133,8 +162,17 @@ class AsyncRpcClient:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         if self._sock is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.FD)
+            if self._mon is not None:
+                self._loop.remove_reader(self._mon.FD)
+        if self._mon is not None:
+            self._sock.disable_monitor()
+            self._mon.close(linger=0)
+            self._mon = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(RpcClosed(f"client of {self.addr} closed"))
@@ -174,7 +212,65 @@ class AsyncRpcClient:
             except Exception:  # a bug, not a frame problem: keep reading
                 self.log.exception("rpc_dispatch_failed")
 
+    # ---- router liveness -------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Ping the router every heartbeat; mark it lost after liveness beats of silence."""
+        hb = self.heartbeat_s
+        while not self._closed:
+            await asyncio.sleep(hb)
+            if len(self._pending) < self.max_pending:
+                ping = self._loop.create_task(self.call(Heartbeat(sent_at=time.time()), session_id="-",
+                                                        timeout_s=hb * self.liveness))
+                ping.add_done_callback(_retrieve)
+            if not self.router_lost and time.monotonic() - self._last_heard > hb * self.liveness:
+                self._drain()  # a busy loop may not have read what is waiting: that is not silence
+                if time.monotonic() - self._last_heard > hb * self.liveness:
+                    self._lose_router("silent")
+
+    def _on_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._mon is not None:
+            try:
+                event = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                self.log.warning("rpc_monitor_failed", error=str(exc))
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lose_router("disconnected")
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.router_lost:
+                self._router_back("reconnected")
+
+    def _lose_router(self, why: str) -> None:
+        if not self.router_lost:
+            self.router_lost = True
+            self.router_losses += 1
+            self.log.warning("router_lost", reason=why, pending=len(self._pending))
+        if why == "disconnected":  # replies to what was sent on that connection will never come
+            self._fail_pending(why)
+
+    def _router_back(self, why: str) -> None:
+        self.router_lost = False
+        self.log.info("router_back", reason=why, pending=len(self._pending))
+        self._fail_pending(f"router back ({why})")  # sent while it was away: maybe never delivered
+
+    def _fail_pending(self, why: str) -> None:
+        pending = [(rid, fut) for rid, fut in self._pending.items() if not fut.done()]
+        for rid, fut in pending:
+            self._pending.pop(rid, None)
+            fut.set_exception(RpcRouterLost(f"router {self.addr} lost: {why}"))
+
     def _dispatch(self, frames: list[bytes]) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            self._resolve(frames)
+        finally:
+            if self.router_lost:  # after resolving the reply that proved it back
+                self._router_back("answered")
+
+    def _resolve(self, frames: list[bytes]) -> None:
         try:
             kind, sid, rid = check_envelope(frames)
         except CodecError as exc:
@@ -191,3 +287,8 @@ class AsyncRpcClient:
             self.log.warning("bad_reply_body", session_id=sid, kind=kind.name, error=str(exc))
             msg = ErrorReply.of(ErrorCode.INTERNAL, f"malformed reply: {exc}", retryable=False, session_id=sid)
         fut.set_result(msg)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # a lost ping is what the watchdog measures, not an error

@@ -109,7 +109,7 @@ class WorkerLoop:
         heartbeat_s: float = 1.0,
         liveness: int = 3,
         max_queue: int = 1024,
-        reconnect_max_s: float = 8.0,
+        reconnect_max_s: float = 2.0,  # a returning router is found within ~2 s
         drain_timeout_s: float = 60.0,
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,

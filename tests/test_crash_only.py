@@ -1,0 +1,258 @@
+"""Crash-only fleet: real ``honcho start`` with supervised roles, kill -9 of the processes doing
+the work while a producer streams; and a router that is away for 10 s. Tiny preset, free ports.
+
+The killed processes are the python processes doing each role's work (the supervised children,
+found through /proc: cmdline, parent pid, HONCHO_PROCESS_NAME), never the supervisors or shells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.launch import Fleet, free_ports, port_is_free
+from tests.conftest import greedy_reference
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
+CHILD_MARKER = b"SPECSPLIT_SUPERVISED_CHILD=1"
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    import torch
+
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+
+    torch.set_num_threads(1)
+    model, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny")).target)
+    return model
+
+
+# ---------------------------------------------------------------------------- /proc helpers
+def _procs() -> dict[int, tuple[int, str, bytes]]:
+    """pid -> (ppid, cmdline, environ) of every process we can read."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            env = (d / "environ").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        out[int(d.name)] = (ppid, cmd, env)
+    return out
+
+
+def _descendants(root: int) -> dict[int, tuple[int, str, bytes]]:
+    procs, out, todo = _procs(), {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, info in procs.items():
+            if info[0] == parent and pid not in out:
+                out[pid] = info
+                todo.append(pid)
+    return out
+
+
+def _worker_pid(root: int, slot: str) -> int:
+    """The supervised child doing the work of honcho slot ``slot`` ("target.1", ...)."""
+    for pid, (ppid, cmd, env) in _descendants(root).items():
+        if CHILD_MARKER in env.split(b"\0") and f"HONCHO_PROCESS_NAME={slot}".encode() in env.split(b"\0"):
+            assert "-m specsplit" in cmd, cmd
+            return pid
+    raise LookupError(f"no supervised child for {slot}")
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def _two_free_ports() -> int:
+    for _ in range(50):
+        p = free_ports(1)[0]
+        if p < 65535 and port_is_free(p + 1):
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+# ---------------------------------------------------------------------------- the honcho fleet
+def _honcho_fleet(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], dict]:
+    names = ["draft_fe", "draft_be", "target_fe", "target_be"]
+    ports = dict(zip(names, free_ports(len(names))))
+    ports["orch"] = _two_free_ports()
+    ports["orch2"] = ports["orch"] + 1
+    addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
+    overrides = {
+        "SPECSPLIT_PRESET": "tiny", "SPECSPLIT_THREADS": "1", "SPECSPLIT_PREFILL_THREADS": "1",
+        "SPECSPLIT_DRAFT_QUANTIZE": "none", "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
+        "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"], "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
+        "SPECSPLIT_TARGET_BACKEND": addr["target_be"], "SPECSPLIT_ORCHESTRATOR": addr["orch"],
+        "SPECSPLIT_ORCHESTRATOR_COUNT": "2", "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2",
+    }
+    lines = [ln for ln in (REPO / ".env").read_text().splitlines()
+             if not ln.strip().startswith("#") and "=" in ln and ln.split("=", 1)[0].strip() not in overrides]
+    (tmp / "fleet.env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
+    (tmp / "Procfile").write_text((REPO / "Procfile").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    log = open(tmp / "honcho.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "honcho", "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / "fleet.env"),
+         "-d", str(REPO), "-c", "draft=2,target=2,orchestrator=2"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    produce_env = {**env, **overrides}
+    return proc, ports, produce_env
+
+
+def _log(tmp: Path) -> str:
+    return (tmp / "honcho.log").read_text(errors="replace")
+
+
+def _stop_honcho(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+PROMPTS = [f"{'abc xyz '[i % 7:]}{i} def f{i}(x): return x * {i}" + " ." * (i % 5) for i in range(16)]
+
+
+@pytest.mark.timeout(360)  # ~70 s on an idle 2-core box; the ceiling is for a starved one
+def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
+    proc, ports, env = _honcho_fleet(tmp_path)
+    try:
+        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 8 and _log(tmp_path).count("orchestrator_started") >= 2,
+              120, "fleet ready")  # each worker logs worker_admitted, and each router too: 4 + 4
+        (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+        rounds_before = _log(tmp_path).count("round_done")
+        t0 = time.monotonic()
+        out = open(tmp_path / "produce.out", "wb")
+        err = open(tmp_path / "produce.err", "wb")
+        producer = subprocess.Popen(
+            [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp_path / "prompts.txt"), "--json",
+             "--concurrency", "16", "--max-new-tokens", "200", "--chat", "off", "--wait-s", "60"],
+            env=env, stdout=out, stderr=err, start_new_session=True)
+        out.close()
+        err.close()
+        _wait(lambda: _log(tmp_path).count("round_done") > rounds_before + 32 or producer.poll() is not None,
+              60, "the prompts are being served")
+        killed, killed_at = [], {}
+        for slot in ("target.1", "draft.2", "router_target.1", "orchestrator.1"):
+            time.sleep(1.5)
+            if producer.poll() is not None:
+                break
+            pid = _worker_pid(proc.pid, slot)
+            os.kill(pid, signal.SIGKILL)
+            killed.append((slot, round(time.monotonic() - t0, 1)))
+            killed_at[slot] = time.time()
+        rc = producer.wait(timeout=150)
+        took = time.monotonic() - t0
+        stdout = (tmp_path / "produce.out").read_text()
+        stderr = (tmp_path / "produce.err").read_text()
+        assert rc == 0, stderr[-3000:]
+        assert len(killed) == 4, f"the run ended before every kill: {killed}"
+        assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp_path)[-3000:]
+        rows = sorted((json.loads(line) for line in stdout.splitlines()), key=lambda r: r["index"])
+        assert len(rows) == len(PROMPTS)
+        for r in rows:
+            ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
+            assert r["token_ids"] == ref, r["index"]
+            assert r["finish_reason"] in ("stop", "length")
+            assert r["finish_reason"] == "stop" or r["new_tokens"] == 200
+        log = _log(tmp_path)
+        assert log.count("role_died") >= 4, log[-3000:]
+        print(f"kills at {killed}; produce finished in {took:.1f}s; resumes {sum(r['resumes'] for r in rows)}")
+        # how fast the survivors noticed: orchestrators the router's loss, the producer the orchestrator's
+        router_lost = _stamp(log, "router_lost") - killed_at["router_target.1"]
+        orch_lost = _stamp(stderr, "orchestrator_lost") - killed_at["orchestrator.1"]
+        print(f"router kill -> router_lost {router_lost:.3f}s; orchestrator kill -> producer's orchestrator_lost "
+              f"{orch_lost:.3f}s")
+        assert router_lost < 5 and orch_lost < 5
+        # every role came back: the killed slots are served by fresh children
+        for slot, _ in killed:
+            _wait(lambda slot=slot: _worker_pid(proc.pid, slot), 30, f"{slot} restarted")
+    finally:
+        tree = _descendants(proc.pid)
+        _stop_honcho(proc)
+    # honcho itself exits 143 after a SIGTERM (its convention); every role drained and exited 0
+    assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
+    stopped = [ln for ln in _log(tmp_path).splitlines() if "role_stopped" in ln]
+    assert len(stopped) == 8 and all("rc=0" in ln for ln in stopped), stopped
+    time.sleep(0.5)
+    alive = [pid for pid in tree if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, [tree[p][1] for p in alive]
+    for name, port in ports.items():
+        assert port_is_free(port), f"{name} port {port} still bound"
+
+
+def _stamp(text: str, event: str, nth: int = 1) -> float:
+    """Epoch seconds of the nth structlog line with ``event`` (ISO timestamps, UTC)."""
+    from datetime import datetime, timezone
+
+    lines = [ln for ln in text.splitlines() if event in ln]
+    stamp = next(w for w in lines[nth - 1].split() if w.endswith("Z") and "T" in w).rstrip("Z")
+    return datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.timeout(240)
+def test_router_away_10s_then_back_run_finishes_fast_and_exact(tmp_path, target_model):
+    import asyncio
+
+    from specsplit.launch import generate_all
+    from tests.test_system import prompts
+
+    fleet = Fleet.create(tmp_path, SPECSPLIT_MAX_ATTEMPTS="8", SPECSPLIT_RPC_TIMEOUT_S="60")
+    fleet.start(drafts=1, targets=1)
+    try:
+        fleet.wait_ready(drafts=1, targets=1)
+        ps = prompts(8, seed=21)
+
+        async def run():
+            task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 160))
+            await asyncio.sleep(1.0)
+            assert not task.done(), "the run ended before the router went away"
+            fleet.kill9("router_target")
+            await asyncio.sleep(10.0)
+            fleet.spawn("router_target", "router", "target", "--frontend", fleet.addr("target_fe"),
+                        "--backend", fleet.addr("target_be"))
+            back = time.monotonic()
+            results = await asyncio.wait_for(task, 60)
+            return results, time.monotonic() - back
+
+        results, after_back = asyncio.run(run())
+        for p, r in zip(ps, results):
+            assert r.token_ids == greedy_reference(target_model, p, 160)[0]
+        orch = fleet.log("orchestrator")
+        assert "router_lost" in orch and "router_back" in orch
+        restarted = _stamp(fleet.log("router_target"), "router_started", nth=2)
+        first_round = min(_stamp(line, "round_done") for line in orch.splitlines()
+                          if "round_done" in line and _stamp(line, "round_done") > restarted)
+        print(f"router back -> first round done {first_round - restarted:.2f}s; run finished {after_back:.1f}s "
+              f"after the router came back")
+        assert first_round - restarted < 5 and after_back < 15
+    finally:
+        codes = fleet.stop()
+    assert all(c == 0 for c in codes.values()), codes

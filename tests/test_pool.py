@@ -1,0 +1,144 @@
+"""OrchestratorPool against fake orchestrators (real sockets, no fleet): a request whose
+orchestrator dies or cancels is resumed elsewhere from what was received, with the remaining
+budget and the same stop ids; OVERLOADED is retried; BAD_REQUEST is not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from schemas import (
+    ErrorCode, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, TokenChunk, pack_frames, unpack_frames,
+)
+from specsplit.client import GenerationError
+from specsplit.pool import OrchestratorPool
+from specsplit.transport.sockets import endpoint, make_socket
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeOrchestrator:
+    """Answers pings; ``behave(req, send)`` serves each GenerateRequest (``send(msg)`` replies)."""
+
+    def __init__(self, ctx, behave, addr: str = "tcp://127.0.0.1:*") -> None:
+        self.sock = make_socket(ctx, zmq.ROUTER, bind=addr)
+        self.addr, self.behave, self.requests = endpoint(self.sock), behave, []
+        self.mute = False  # hung: reads, never answers
+        self.task = asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            client, env = frames[0], unpack_frames(frames[1:])
+            if self.mute:
+                continue
+
+            async def send(msg, client=client, env=env):
+                await self.sock.send_multipart([client, *pack_frames(msg, env.session_id, env.request_id)])
+
+            if isinstance(env.msg, Heartbeat):
+                await send(Heartbeat())
+            elif isinstance(env.msg, GenerateRequest):
+                self.requests.append(env.msg)
+                await self.behave(self, env.msg, send)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.sock.close(linger=0)
+
+
+def continuation(req: GenerateRequest) -> list[int]:
+    """A deterministic 'model': the next token is (sum of the context) % 97 + 1."""
+    ctx, out = list(req.prompt_token_ids), []
+    for _ in range(req.max_new_tokens):
+        t = sum(ctx) % 97 + 1
+        out.append(t)
+        ctx.append(t)
+        if t in req.stop_token_ids:
+            break
+    return out
+
+
+async def serve_all(orch, req, send):
+    toks = continuation(req)
+    await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
+    await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="length"))
+
+
+async def _run(behave_a, n=20, **pool_kw):
+    ctx = zmq.asyncio.Context()
+    a = FakeOrchestrator(ctx, behave_a)
+    b = FakeOrchestrator(ctx, serve_all)
+    try:
+        async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=3, timeout_s=20,
+                                    **pool_kw) as pool:
+            assert await pool.ping(5.0)
+            while len(pool.live) < 2:
+                await asyncio.sleep(0.05)
+            # both idle: the first attempt goes to a (the first of equals)
+            res = await pool.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[1000])
+            return res, a, b
+    finally:
+        await a.close()
+        await b.close()
+        ctx.term()
+
+
+def test_orchestrator_dies_mid_stream_request_resumes_elsewhere_from_received_tokens():
+    async def die_after_5(orch, req, send):
+        toks = continuation(req)[:5]
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
+        await asyncio.sleep(0.05)
+        orch.sock.close(linger=0)  # the process died
+
+    res, a, b = asyncio.run(_run(die_after_5))
+    full = continuation(GenerateRequest(session_id="x", prompt_token_ids=[1, 2, 3], max_new_tokens=20))
+    assert res.token_ids == full and res.finish_reason == "length" and res.resumes == 1
+    resumed = b.requests[-1]
+    assert resumed.prompt_token_ids == [1, 2, 3, *full[:5]] and resumed.max_new_tokens == 15
+    assert resumed.stop_token_ids == [1000] and resumed.session_id != a.requests[0].session_id
+
+
+def test_cancelled_is_resumed_not_returned():
+    async def cancel_after_3(orch, req, send):
+        toks = continuation(req)[:3]
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
+        await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="cancelled"))
+
+    res, a, b = asyncio.run(_run(cancel_after_3))
+    assert res.finish_reason == "length" and len(res.token_ids) == 20 and res.resumes == 1
+
+
+def test_overloaded_is_retried_bad_request_is_not():
+    calls = {"n": 0}
+
+    async def overloaded_twice(orch, req, send):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            await send(ErrorReply.of(ErrorCode.OVERLOADED, "full", session_id=req.session_id))
+        else:
+            await serve_all(orch, req, send)
+
+    res, a, b = asyncio.run(_run(overloaded_twice, max_resumes=0, backoff_s=0.01))
+    assert res.finish_reason == "length" and res.resumes == 0  # OVERLOADED costs no resume
+
+    async def bad(orch, req, send):
+        await send(ErrorReply.of(ErrorCode.BAD_REQUEST, "too long", session_id=req.session_id))
+
+    with pytest.raises(GenerationError) as info:
+        asyncio.run(_run(bad))
+    assert info.value.reply.code == ErrorCode.BAD_REQUEST
+
+
+def test_hung_orchestrator_is_noticed_by_heartbeat_and_the_request_resumes():
+    async def hang_after_4(orch, req, send):
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=continuation(req)[:4]))
+        orch.mute = True  # alive socket, no answers: only the heartbeat can tell
+
+    res, a, b = asyncio.run(_run(hang_after_4))
+    assert res.finish_reason == "length" and len(res.token_ids) == 20 and res.resumes == 1
+    assert b.requests[-1].max_new_tokens == 16

@@ -1,0 +1,157 @@
+"""The supervising parent of every role: restart with back-off, clean stop, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specsplit.launch import free_ports, port_is_free
+from specsplit.supervise import backoff_delay
+
+
+def test_backoff_doubles_and_caps():
+    assert [backoff_delay(n, 0.5, 3.0) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _wait(pred, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def _start_router(tmp_path):
+    fe, be = free_ports(2)
+    env = {**os.environ, "SPECSPLIT_DRAFT_ROUTER": f"tcp://127.0.0.1:{fe}", "SPECSPLIT_DRAFT_BACKEND": f"tcp://127.0.0.1:{be}",
+           "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2", "PYTHONUNBUFFERED": "1"}
+    env.pop("SPECSPLIT_SUPERVISED_CHILD", None)
+    log = open(tmp_path / "router.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "router", "draft"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, (fe, be), tmp_path / "router.log"
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_restarts_a_killed_child_and_stops_cleanly(tmp_path):
+    proc, ports, log = _start_router(tmp_path)
+    try:
+        first = _wait(lambda: _children(proc.pid))[0]
+        assert "specsplit router draft" in Path(f"/proc/{first}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        _wait(lambda: log.read_text().count("router_started") >= 1)
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: log.read_text().count("router_started") >= 2)
+        second = _children(proc.pid)
+        assert second and second[0] != first
+        assert "role_died" in log.read_text() and "restarts=1" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert all(port_is_free(p) for p in ports)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_child_dies_with_a_killed_supervisor(tmp_path):
+    proc, ports, log = _start_router(tmp_path)
+    try:
+        child = _wait(lambda: _children(proc.pid))[0]
+        _wait(lambda: "router_started" in log.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _wait(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
+        _wait(lambda: all(port_is_free(p) for p in ports))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_orchestrator_instances_bind_consecutive_ports_and_producers_find_them(monkeypatch):
+    from specsplit.config import OrchestratorSettings, ProducerSettings, honcho_slot, orchestrator_address
+
+    assert honcho_slot({}) == 1 and honcho_slot({"HONCHO_PROCESS_NAME": "orchestrator.3"}) == 3
+    assert honcho_slot({"PS": "orchestrator.2"}) == 2 and honcho_slot({"HONCHO_PROCESS_NAME": "weird"}) == 1
+    assert orchestrator_address("tcp://127.0.0.1:5570", 2) == "tcp://127.0.0.1:5572"
+    for var in ("SPECSPLIT_ORCHESTRATOR", "SPECSPLIT_ORCHESTRATOR_BIND", "SPECSPLIT_ORCHESTRATOR_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR", "tcp://127.0.0.1:6000")
+    s = OrchestratorSettings()
+    assert s.bind_address({"HONCHO_PROCESS_NAME": "orchestrator.1"}) == "tcp://127.0.0.1:6000"
+    assert s.bind_address({"HONCHO_PROCESS_NAME": "orchestrator.2"}) == "tcp://127.0.0.1:6001"
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR_BIND", "tcp://127.0.0.1:7000")  # explicit per instance wins
+    assert OrchestratorSettings().bind_address({"HONCHO_PROCESS_NAME": "orchestrator.2"}) == "tcp://127.0.0.1:7000"
+    monkeypatch.setenv("SPECSPLIT_ORCHESTRATOR_COUNT", "2")
+    assert ProducerSettings().orchestrator_addresses() == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("role", [["router", "draft"], ["orchestrator"]])
+def test_sigterm_to_the_whole_group_twice_over_still_exits_zero(tmp_path, role):
+    """honcho signals the process group, and the supervisor forwards the signal too: the child
+    gets two SIGTERMs, the second maybe while Python is finalizing; it must still exit 0."""
+    for attempt, late_s in enumerate((0.02, 0.06, 0.12, 0.25)):
+        ports = free_ports(5)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECSPLIT_DRAFT_ROUTER": f"tcp://127.0.0.1:{ports[0]}",
+               "SPECSPLIT_DRAFT_BACKEND": f"tcp://127.0.0.1:{ports[1]}", "SPECSPLIT_TARGET_ROUTER": f"tcp://127.0.0.1:{ports[2]}",
+               "SPECSPLIT_TARGET_BACKEND": f"tcp://127.0.0.1:{ports[3]}", "SPECSPLIT_ORCHESTRATOR": f"tcp://127.0.0.1:{ports[4]}"}
+        env.pop("SPECSPLIT_SUPERVISED_CHILD", None)
+        log = tmp_path / f"{attempt}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "specsplit", *role], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(lambda: "router_started" in log.read_text() or "orchestrator_started" in log.read_text(), 30)
+            child = _children(proc.pid)[0]
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(late_s)  # one more, late: as if forwarded while the child is already exiting
+            try:
+                os.kill(child, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            assert proc.wait(timeout=30) == 0
+            stopped = [ln for ln in log.read_text().splitlines() if "role_stopped" in ln]
+            assert stopped and "rc=0" in stopped[0], log.read_text()[-2000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_loop_ends_the_supervisor_with_the_childs_code(tmp_path):
+    import socket
+
+    with socket.socket() as held:  # another program holds the router's port: every start fails
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "SPECSPLIT_DRAFT_ROUTER": f"tcp://127.0.0.1:{port}",
+               "SPECSPLIT_DRAFT_BACKEND": f"tcp://127.0.0.1:{free_ports(1)[0]}",
+               "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.05", "SPECSPLIT_SUPERVISE_MAX_QUICK_RESTARTS": "2"}
+        env.pop("SPECSPLIT_SUPERVISED_CHILD", None)
+        out = subprocess.run([sys.executable, "-m", "specsplit", "router", "draft"], env=env, capture_output=True,
+                             text=True, timeout=50)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.count("role_died") == 2 and "role_crash_loop" in out.stderr
