@@ -100,7 +100,8 @@ def _honcho_fleet(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], dict]:
     addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
     overrides = {
         "SPECSPLIT_PRESET": "tiny", "SPECSPLIT_THREADS": "1", "SPECSPLIT_PREFILL_THREADS": "1",
-        "SPECSPLIT_DRAFT_QUANTIZE": "none", "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
+        # fp32 both: the exactness oracle (the .env's int8 kernels are their own reference)
+        "SPECSPLIT_DRAFT_QUANTIZE": "none", "SPECSPLIT_TARGET_QUANTIZE": "none", "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
         "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"], "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
         "SPECSPLIT_TARGET_BACKEND": addr["target_be"], "SPECSPLIT_ORCHESTRATOR": addr["orch"],
         "SPECSPLIT_ORCHESTRATOR_COUNT": "2", "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2",
