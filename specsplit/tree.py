@@ -274,16 +274,19 @@ def lookup_continuation(context: list[int], *, max_tokens: int, min_ngram: int =
     if max_tokens <= 0 or len(context) <= min_ngram:
         return []
     ctx = context[-window:]
-    n_ctx = len(ctx)
-    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
-        suffix = ctx[n_ctx - n:]
-        first = suffix[0]
-        for start in range(n_ctx - n - 1, -1, -1):  # most recent earlier occurrence first
-            if ctx[start] == first and ctx[start:start + n] == suffix:
-                follow = ctx[start + n:start + n + max_tokens]
-                if follow:
-                    return follow
-    return []
+    n_ctx, last = len(ctx), ctx[-1]
+    best_k, best_p = 0, -1
+    for p in range(n_ctx - 1, min_ngram - 1, -1):  # one pass, most recent first: O(window), not per n
+        if ctx[p - 1] != last:
+            continue
+        k = 1
+        while k < max_ngram and k < p and ctx[p - 1 - k] == ctx[n_ctx - 1 - k]:
+            k += 1
+        if k > best_k:  # the longest match; among equals, the most recent (found first)
+            best_k, best_p = k, p
+            if k == max_ngram:
+                break
+    return ctx[best_p:best_p + max_tokens] if best_k >= min_ngram else []
 
 
 def merge_chain(tree: FlatTree, chain: list[int], *, max_depth: int, max_nodes: int) -> FlatTree:

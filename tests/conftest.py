@@ -29,6 +29,19 @@ def _device_param(name: str):
 DEVICE_PARAMS = [_device_param(d) for d in ("cpu", "cuda", "mps")]
 
 
+def wait_until(pred, timeout_s: float = 20.0, what: str = "condition", poll_s: float = 0.05):
+    """pred()'s first truthy value within ``timeout_s``, or TimeoutError naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise TimeoutError(what)
+
+
 @pytest.fixture(params=DEVICE_PARAMS)
 def device(request) -> torch.device:
     """The device the engine oracles run on: CPU everywhere, CUDA / MPS where present."""

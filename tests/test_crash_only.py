@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from specsplit.launch import Fleet, free_ports, port_is_free
-from tests.conftest import greedy_reference
+from tests.conftest import greedy_reference, wait_until
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
@@ -73,14 +73,7 @@ def _worker_pid(root: int, slot: str) -> int:
     raise LookupError(f"no supervised child for {slot}")
 
 
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise TimeoutError(what)
+_wait = wait_until  # (pred, timeout_s, what)
 
 
 def _two_free_ports() -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from specsplit.launch import free_ports, port_is_free
 from specsplit.supervise import backoff_delay
+from tests.conftest import wait_until
 
 
 def test_backoff_doubles_and_caps():
@@ -31,14 +32,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _wait(pred, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise TimeoutError
+_wait = wait_until  # (pred, timeout_s, what)
 
 
 def _start_router(tmp_path):
