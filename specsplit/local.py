@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from schemas import CacheSync, DraftRequest, ErrorReply, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
-from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
@@ -60,6 +60,8 @@ def generate(
     rnd = 0
     while True:
         spec = remaining_tree(tree, max_new_tokens - len(out))
+        if cost_model is not None and sampling.greedy:
+            spec = cost_model.draft_spec(spec)
         t_round = time.perf_counter()
         d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
                                             root=cur.committed[-1], tree=spec, sampling=sampling))
@@ -79,8 +81,12 @@ def generate(
         if cost_model is not None and plan.choice is not None:
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
             if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
+                wall_ms = (time.perf_counter() - t_round) * 1e3
                 cost_model.observe_verify(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms)
-                cost_model.observe_overhead(max(0.0, (time.perf_counter() - t_round) * 1e3 - v_reply.verify_ms))
+                cost_model.observe_overhead(max(0.0, wall_ms - v_reply.verify_ms))
+                cost_model.observe_rate(len(new), wall_ms)
+                if d_reply.reused_nodes == 0:
+                    cost_model.observe_draft(expanded_nodes(d_reply.tree), d_reply.draft_ms)
         stats.add(verify_tree, v_reply)
         rnd += 1
         if accept_new(out, new, max_new_tokens, stop):

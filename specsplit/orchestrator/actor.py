@@ -22,7 +22,7 @@ from schemas import (
     SamplingSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
-from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
 from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
@@ -66,6 +66,7 @@ class _Timing:
     verify_ms: float = 0.0
     wall_ms: float = 0.0
     reused: int = 0
+    drafted: FlatTree | None = None
 
 
 class SessionActor:
@@ -124,6 +125,8 @@ class SessionActor:
             timing = _Timing()
             t_round = time.perf_counter()
             spec = remaining_tree(self.tree, self.req.max_new_tokens - len(self.out))
+            if self.cost is not None and self.sampling.greedy:
+                spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             drafted = await self._draft(rnd, spec, timing)
             sync_tokens = len(self.cur.target_sync().append_token_ids)
             plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
@@ -145,7 +148,7 @@ class SessionActor:
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
-                          draft_reused=timing.reused)
+                          draft_reused=timing.reused, min_path_prob=spec.min_path_prob)
             if done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
@@ -167,6 +170,9 @@ class SessionActor:
         if clean:
             self.cost.observe_verify(sync_tokens + plan.tree.num_nodes, reply.verify_ms)
             self.cost.observe_overhead(max(0.0, timing.wall_ms - reply.verify_ms))
+            self.cost.observe_rate(new_tokens, timing.wall_ms)
+            if timing.reused == 0 and timing.drafted is not None:
+                self.cost.observe_draft(expanded_nodes(timing.drafted), timing.draft_ms)
 
     # ---- one request each, with recovery --------------------------------------------------
     async def _draft(self, rnd: int, spec: TreeSpec, timing: _Timing) -> FlatTree:
@@ -178,6 +184,7 @@ class SessionActor:
         self.cur.after_draft()
         timing.draft_ms += reply.draft_ms
         timing.reused = reply.reused_nodes
+        timing.drafted = reply.tree
         self.stats.reused_rounds += reply.reused_nodes > 0
         return reply.tree
 
