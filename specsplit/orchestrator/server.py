@@ -36,6 +36,7 @@ class Orchestrator:
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
+            specpv=settings.specpv_spec(),
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.admission = Admission(active=settings.orchestrator_active_sessions,
