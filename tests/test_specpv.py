@@ -1,0 +1,257 @@
+"""SpecPV partial verification (fp32 tiny models): a view holding the whole prefix is
+bit-identical to full verification; exact mode equals plain greedy decoding at 2K-8K contexts
+with small budgets; approximate mode's agreement is reported; bad specs are typed errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from schemas import CacheSync, ErrorCode, ErrorReply, FlatTree, GenerateRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.specpv import BlockSummaries, PartialView, plan_view, view_kv
+from specsplit.engine.target import TargetEngine
+from specsplit.local import generate
+from specsplit.orchestrator.state import RoundStats
+from tests.conftest import MARGIN_DEFAULT, greedy_cached, on_device, tiny_model
+
+CHAIN = TreeSpec(max_nodes=5, max_depth=4, branch=1)
+TREE = TreeSpec(max_nodes=12, max_depth=4, branch=3)
+TINY = SpecPVSpec(block_size=16, sink_blocks=1, retrieval_blocks=2, window_blocks=1, buffer_tokens=32,
+                  threshold=512, refresh_every=4)
+SMALL = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=8, window_blocks=2, buffer_tokens=64,
+                   threshold=1024, refresh_every=8)
+WIDER = SpecPVSpec(block_size=32, sink_blocks=2, retrieval_blocks=16, window_blocks=4, buffer_tokens=64,
+                   threshold=300, refresh_every=16)
+
+
+class Recording(TargetEngine):
+    """The real target engine, keeping the logits of its last forward."""
+
+    def forward(self, *args, **kwargs):
+        self.last = super().forward(*args, **kwargs)
+        return self.last
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(n)]
+
+
+# ---- the spec ----------------------------------------------------------------------------
+def test_spec_defaults_and_bounds():
+    s = SpecPVSpec()
+    assert (s.block_size, s.sink_blocks, s.retrieval_blocks, s.window_blocks, s.buffer_tokens, s.threshold,
+            s.refresh_every, s.exact) == (16, 2, 256, 8, 128, 4096, 32, True)
+    SpecPVSpec(block_size=8, sink_blocks=1, retrieval_blocks=2, window_blocks=1, buffer_tokens=64, threshold=200)
+    for bad in ({"block_size": 1}, {"buffer_tokens": 4}, {"refresh_every": 0}, {"threshold": -1},
+                {"retrieval_blocks": 10**6}, {"block_size": 256, "retrieval_blocks": 8192}, {"exact": "maybe"},
+                {"bogus": 1}):
+        with pytest.raises(ValidationError):
+            SpecPVSpec(**bad)
+    assert GenerateRequest(session_id="s", prompt_token_ids=[1]).specpv is None
+    with pytest.raises(ValidationError):
+        GenerateRequest(session_id="s", prompt_token_ids=[1], specpv={"window_blocks": -1})
+
+
+def test_fleet_defaults_are_off_unless_set(monkeypatch):
+    from specsplit.config import OrchestratorSettings
+
+    for k in ("SPECSPLIT_SPECPV", "SPECSPLIT_SPECPV_THRESHOLD", "SPECSPLIT_SPECPV_EXACT"):
+        monkeypatch.delenv(k, raising=False)
+    assert OrchestratorSettings().specpv_spec() is None
+    monkeypatch.setenv("SPECSPLIT_SPECPV_THRESHOLD", "300")
+    assert OrchestratorSettings().specpv_spec() == SpecPVSpec(threshold=300)
+    monkeypatch.setenv("SPECSPLIT_SPECPV_EXACT", "false")
+    assert OrchestratorSettings().specpv_spec().exact is False
+    monkeypatch.setenv("SPECSPLIT_SPECPV", "false")
+    assert OrchestratorSettings().specpv_spec() is None
+    monkeypatch.setenv("SPECSPLIT_SPECPV", "true")
+    monkeypatch.setenv("SPECSPLIT_SPECPV_THRESHOLD", "-5")
+    with pytest.raises(ValidationError):
+        OrchestratorSettings()
+
+
+def test_bad_confirmed_len_is_a_typed_error_and_changes_nothing():
+    eng = TargetEngine(tiny_model("qwen2", seed=1), EngineLimits(max_session_tokens=512))
+    tree = FlatTree(token_ids=[3, 4], parents=[-1, 0])
+    ok = eng.handle(VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[1, 2]),
+                                  tree=tree, specpv=TINY))
+    assert not isinstance(ok, ErrorReply)
+    bad = eng.handle(VerifyRequest(session_id="s", round=1, sync=CacheSync(base_len=ok.cache_len), tree=tree,
+                                   specpv=TINY, confirmed_len=ok.cache_len + 5))
+    assert isinstance(bad, ErrorReply) and bad.code == ErrorCode.BAD_REQUEST
+    assert eng.committed_len(eng.store.get("s")) == ok.cache_len
+
+
+# ---- summaries and retrieval ---------------------------------------------------------------
+def test_summaries_grow_incrementally_and_bound_every_key():
+    torch.manual_seed(0)
+    kv = SessionKV(2, 512, chunk=64)
+    s = BlockSummaries(2, 16, 512 // 16)
+    for step in (37, 5, 90, 16, 3):  # grows in uneven steps, summarizing complete blocks only
+        for layer in kv.layers:
+            layer.update(torch.randn(1, 2, step, 8), torch.randn(1, 2, step, 8))
+        s.extend(kv)
+        assert s.n == kv.length // 16
+    keys = kv.layers[1].keys[0]  # [Hkv, L, D]
+    blocks = keys[:, : s.n * 16].reshape(2, s.n, 16, 8)
+    assert torch.equal(s.kmax[1][:, : s.n], blocks.amax(2)) and torch.equal(s.kmin[1][:, : s.n], blocks.amin(2))
+    kv.crop_to(40)
+    s.crop(40)
+    assert s.n == 2
+    # Quest's bound q+.Kmax + q-.Kmin is >= q.k for every key of the block
+    q = torch.randn(2, 5, 8)
+    bound = q.clamp(min=0) @ s.kmax[1][:, :2].transpose(1, 2) + q.clamp(max=0) @ s.kmin[1][:, :2].transpose(1, 2)
+    exact = (q @ keys[:, :32].transpose(1, 2)).reshape(2, 5, 2, 16).amax(-1)
+    assert (bound >= exact - 1e-5).all()
+
+
+def test_retrieval_takes_the_block_a_query_points_at_per_head():
+    torch.manual_seed(1)
+    spec = SpecPVSpec(block_size=4, sink_blocks=1, retrieval_blocks=1, window_blocks=1, buffer_tokens=8, threshold=0)
+    kv = SessionKV(1, 64)
+    keys = torch.randn(1, 2, 40, 8) * 0.01
+    keys[0, 0, 20:24] = 5.0  # head 0: block 5 stands out along +1
+    keys[0, 1, 12:16] = -5.0  # head 1: block 3 along -1
+    kv.layers[0].update(keys, keys.clone())
+    s = BlockSummaries(1, 4, 16)
+    s.extend(kv)
+    plan = plan_view(spec, kv, s)
+    assert (plan.sink_end, plan.win_start, plan.candidates, plan.retrieve) == (4, 36, 8, 1)
+    query = torch.ones(1, 4, 3, 8)  # 4 query heads: 0-1 read KV head 0, 2-3 KV head 1
+    query[:, 2:] = -1.0
+    k, v = view_kv(plan, 0, query)
+    assert k.shape == (1, 2, 4 + 4 + 4, 8)
+    assert torch.equal(k[0, 0, 4:8], keys[0, 0, 20:24]) and torch.equal(k[0, 1, 4:8], keys[0, 1, 12:16])
+    assert torch.equal(k[0, :, :4], keys[0, :, :4]) and torch.equal(k[0, :, 8:], keys[0, :, 36:])
+
+
+# ---- budget >= context: bit-identical --------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_view_holding_the_whole_prefix_is_bit_identical(family, attn, device):
+    model = on_device(tiny_model(family, seed=3, attn=attn), device)
+    prompt = random_prompt(700, seed=4)
+    spec = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=64, window_blocks=2, buffer_tokens=128,
+                      threshold=100, refresh_every=64, exact=False)  # every round after the prefill is partial
+    lim = EngineLimits(max_session_tokens=2048)
+    pv_eng, full_eng = Recording(model, lim), Recording(model, lim)
+    rng = random.Random(5)
+    committed, partial = list(prompt), 0
+    for rnd in range(8):
+        parents = [-1] + [rng.randrange(i) for i in range(1, 9)]
+        tokens = [committed[-1]] + [rng.randrange(128) for _ in range(8)]
+        tree = FlatTree(token_ids=tokens, parents=parents)
+        sync = CacheSync(base_len=len(committed) - 1) if rnd else CacheSync(base_len=0, append_token_ids=prompt[:-1])
+        a = pv_eng.handle(VerifyRequest(session_id="s", round=rnd, sync=sync, tree=tree, specpv=spec))
+        b = full_eng.handle(VerifyRequest(session_id="s", round=rnd, sync=sync, tree=tree))
+        assert (a.accepted_nodes, a.bonus_token_id, a.cache_len) == (b.accepted_nodes, b.bonus_token_id, b.cache_len)
+        assert a.partial == (rnd > 0)
+        partial += a.partial
+        assert torch.equal(pv_eng.last, full_eng.last), (rnd, (pv_eng.last - full_eng.last).abs().max())
+        committed += b.accepted_token_ids + [b.bonus_token_id]
+    assert partial == 7
+
+
+def test_approximate_mode_with_budget_over_context_generates_what_full_does(models):
+    target, often, _ = models["llama"]
+    prompt = random_prompt(600, seed=2)
+    spec = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=64, window_blocks=2, buffer_tokens=64,
+                      threshold=256, refresh_every=4, exact=False)
+    stats = RoundStats()
+    out = generate(often, target, prompt, max_new_tokens=40, tree=TREE, sampling=SamplingSpec(), specpv=spec,
+                   stats=stats)
+    assert out == generate(often, target, prompt, max_new_tokens=40, tree=TREE, sampling=SamplingSpec())
+    assert stats.partial_rounds > 0
+
+
+# ---- exact mode = plain greedy at 2K-8K; approximate mode's agreement ------------------------
+EXACT_CASES = [  # (family, context, spec, tree)
+    ("qwen2", 2048, TINY, CHAIN),
+    ("qwen2", 2048, SMALL, TREE),
+    ("llama", 2048, WIDER, TREE),
+    ("qwen3", 4096, TINY, TREE),
+    ("llama", 4096, SMALL, CHAIN),
+    ("qwen2", 8192, SMALL, TREE),
+]
+
+
+@pytest.mark.parametrize("family,context,spec,shape", EXACT_CASES,
+                         ids=[f"{f}-{c}-{s.retrieval_blocks}x{s.block_size}-{t.branch}" for f, c, s, t in EXACT_CASES])
+def test_exact_mode_equals_plain_greedy(models, family, context, spec, shape):
+    target, often, _ = models[family]
+    prompt = random_prompt(context, seed=context + len(family))
+    new = 40
+    ref, gap = greedy_cached(target, prompt, new)
+    if gap < MARGIN_DEFAULT:
+        pytest.skip(f"near-tie in the reference (gap {gap:.1e})")
+    stats = RoundStats()
+    out = generate(often, target, prompt, max_new_tokens=new, tree=shape, sampling=SamplingSpec(), specpv=spec,
+                   stats=stats)
+    assert out == ref
+    assert stats.partial_rounds > 0, "the view was never used"
+    approx_stats = RoundStats()
+    approx = generate(often, target, prompt, max_new_tokens=new, tree=shape, sampling=SamplingSpec(),
+                      specpv=spec.model_copy(update={"exact": False}), stats=approx_stats)
+    same = sum(a == b for a, b in zip(approx, ref))
+    first = next((i for i, (a, b) in enumerate(zip(approx, ref)) if a != b), None)
+    print(f"{family} ctx {context} budget {spec.budget_tokens}: exact {stats.rounds} rounds "
+          f"({stats.partial_rounds} partial, {stats.rolled_back} provisional tokens rolled back); approximate "
+          f"{same}/{new} tokens equal to full verification, first divergence {first}")
+
+
+def test_exact_mode_stops_at_stop_ids_and_budget(models):
+    target, often, _ = models["qwen2"]
+    prompt = random_prompt(1500, seed=9)
+    ref, gap = greedy_cached(target, prompt, 30)
+    assert gap >= MARGIN_DEFAULT
+    stop = ref[17]
+    for n in (1, 7, 30):
+        assert generate(often, target, prompt, max_new_tokens=n, tree=TREE, sampling=SamplingSpec(),
+                        specpv=TINY) == ref[:n]
+    out = generate(often, target, prompt, max_new_tokens=30, tree=TREE, sampling=SamplingSpec(), specpv=TINY,
+                   stop_token_ids=[stop])
+    assert out == ref[: ref.index(stop) + 1]
+
+
+def test_resend_rechecks_provisional_tokens():
+    """After a CACHE_MISS the orchestrator resends committed, provisional tokens included: the
+    rebuilt session's first (full) round re-checks them and rolls back at the first wrong one."""
+    model = tiny_model("qwen2", seed=6)
+    prompt = random_prompt(600, seed=7)
+    ref, _ = greedy_cached(model, prompt, 6)
+    eng = TargetEngine(model, EngineLimits(max_session_tokens=2048))
+    wrong = (ref[3] + 1) % 128
+    committed = prompt + ref[:3] + [wrong, ref[4]]  # provisional from len(prompt) on
+    tree = FlatTree(token_ids=[committed[-1], 1, 2], parents=[-1, 0, 1])
+    r = eng.handle(VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=committed[:-1]),
+                                 tree=tree, specpv=TINY, confirmed_len=len(prompt)))
+    assert r.rollback_len == len(prompt) + 3 and r.bonus_token_id == ref[3] and r.accepted_token_ids == []
+    assert r.cache_len == len(prompt) + 3 and r.confirmed_len == len(prompt) + 4
+
+
+def test_invariant_failure_falls_back_to_full_verification(models, capsys):
+    target, often, _ = models["qwen2"]
+    prompt = random_prompt(700, seed=8)
+    ref, _ = greedy_cached(target, prompt, 24)
+
+    class Breaking(TargetEngine):
+        def _partial(self, kv, pv, req, layout):
+            if req.round % 3 == 1:
+                pv.buffer.crop_to(0)  # lose the buffered K/V: the next check fails
+            return super()._partial(kv, pv, req, layout)
+
+    out = generate(often, target, prompt, max_new_tokens=24, tree=TREE, sampling=SamplingSpec(),
+                   specpv=SpecPVSpec(**{**TINY.model_dump(), "threshold": 300}), make_target_engine=Breaking)
+    assert out == ref
+
+
+def test_partial_view_state_is_bounded():
+    pv = PartialView(TINY, num_layers=2, max_tree_nodes=16, max_session_tokens=4096)
+    assert pv.buffer.max_len == TINY.buffer_tokens + 16
+    assert pv.summaries.max_blocks == 4096 // 16 + 1
