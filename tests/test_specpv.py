@@ -205,6 +205,23 @@ def test_exact_mode_equals_plain_greedy(models, family, context, spec, shape):
           f"{same}/{new} tokens equal to full verification, first divergence {first}")
 
 
+def test_exact_mode_confirms_long_provisional_chains(models):
+    """A view covering the prefix agrees with the full cache: provisional tokens pile up over
+    many partial rounds (the refresh interval grows to refresh_every, the buffer fills) and every
+    refresh confirms them all; the generation ends with a confirmation round."""
+    target, often, _ = models["qwen2"]
+    prompt = random_prompt(1024, seed=12)
+    ref, gap = greedy_cached(target, prompt, 60)
+    assert gap >= MARGIN_DEFAULT
+    spec = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=128, window_blocks=2, buffer_tokens=48,
+                      threshold=512, refresh_every=8)
+    stats = RoundStats()
+    out = generate(often, target, prompt, max_new_tokens=60, tree=TREE, sampling=SamplingSpec(), specpv=spec,
+                   stats=stats)
+    assert out == ref
+    assert stats.rolled_back == 0 and stats.partial_rounds >= stats.rounds // 2, stats
+
+
 def test_exact_mode_stops_at_stop_ids_and_budget(models):
     target, often, _ = models["qwen2"]
     prompt = random_prompt(1500, seed=9)

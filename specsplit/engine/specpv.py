@@ -210,10 +210,11 @@ class PartialView:
                                 chunk=min(256, spec.buffer_tokens + max_tree_nodes))
         self.summaries = BlockSummaries(num_layers, spec.block_size, max_session_tokens // spec.block_size + 1)
         self.rounds_since_full = 0
-        # exact mode: partial rounds between full ones, halved after a rollback and doubled after a
-        # refresh that confirmed everything (at most refresh_every), so a view that disagrees with
-        # the full cache wastes few provisional tokens
-        self.interval = spec.refresh_every
+        # exact mode: partial rounds between full ones; starts at 1, doubles after a refresh that
+        # confirmed everything (up to refresh_every) and halves after a rollback (slow start), so
+        # a view that disagrees with the full cache wastes few provisional tokens
+        self.interval = 1 if spec.exact else spec.refresh_every
+        self.cooldown = 0  # exact mode: full rounds left before the view is tried again
         self.fallbacks = 0  # rounds verified fully because an invariant failed (the first is logged)
 
     def logical_len(self, full_len: int) -> int:
@@ -232,10 +233,13 @@ class PartialView:
             self.buffer.crop_to(keep)
 
     def after_refresh(self, rolled_back: bool) -> None:
-        """A full verification ran: adapt the exact mode's refresh interval."""
-        if self.spec.exact and self.pending:
-            self.interval = max(1, self.interval // 2) if rolled_back else min(self.spec.refresh_every,
-                                                                              2 * self.interval)
+        """A full verification ran: adapt the exact mode's refresh interval (and after a rollback
+        at interval 1, verify fully for ``refresh_every`` rounds before trying the view again)."""
+        if not (self.spec.exact and self.pending):
+            return
+        if rolled_back and self.interval == 1:  # even one partial round disagrees: rest a while
+            self.cooldown = self.spec.refresh_every
+        self.interval = max(1, self.interval // 2) if rolled_back else min(self.spec.refresh_every, 2 * self.interval)
 
     def reset_buffer(self) -> None:
         """After a full verification (or a crop into the full cache): nothing is buffered."""

@@ -124,6 +124,9 @@ class TargetEngine(Engine):
                 or pv.rounds_since_full >= min(spec.refresh_every, pv.interval)
                 or len(pv.pending) + layout.num_nodes > spec.buffer_tokens):
             return False
+        if pv.cooldown:  # exact mode: the view disagreed even after one partial round
+            pv.cooldown -= 1
+            return False
         if self._view_attention is False:
             self._view_attention = attention_name(self.model)
             if self._view_attention is None:
