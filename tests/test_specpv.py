@@ -253,19 +253,52 @@ def test_resend_rechecks_provisional_tokens():
 
 
 def test_invariant_failure_falls_back_to_full_verification(models, capsys):
+    """A broken view (lost buffer entries: caught by the check; a forward that fails: caught
+    around it) costs a full verification, is logged once per session, and is never an error."""
     target, often, _ = models["qwen2"]
     prompt = random_prompt(700, seed=8)
-    ref, _ = greedy_cached(target, prompt, 24)
+    ref, _ = greedy_cached(target, prompt, 40)
+    spec = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=64, window_blocks=2, buffer_tokens=64,
+                      threshold=300, refresh_every=8)  # the view covers the prefix: many partial rounds
+    broken = {"check": 0, "forward": 0}
 
     class Breaking(TargetEngine):
+        def _partial_ok(self, session, pv, req, layout):
+            if pv.pending and req.round % 4 == 1:
+                pv.buffer.crop_to(len(pv.pending) - 1)  # the buffer lost an entry
+                broken["check"] += 1
+            return super()._partial_ok(session, pv, req, layout)
+
         def _partial(self, kv, pv, req, layout):
-            if req.round % 3 == 1:
-                pv.buffer.crop_to(0)  # lose the buffered K/V: the next check fails
+            if req.round % 4 == 3:
+                broken["forward"] += 1
+                raise RuntimeError("injected failure inside the partial forward")
             return super()._partial(kv, pv, req, layout)
 
-    out = generate(often, target, prompt, max_new_tokens=24, tree=TREE, sampling=SamplingSpec(),
-                   specpv=SpecPVSpec(**{**TINY.model_dump(), "threshold": 300}), make_target_engine=Breaking)
+    stats = RoundStats()
+    out = generate(often, target, prompt, max_new_tokens=40, tree=TREE, sampling=SamplingSpec(), specpv=spec,
+                   make_target_engine=Breaking, stats=stats)
     assert out == ref
+    assert broken["check"] and broken["forward"] and stats.partial_rounds
+    assert capsys.readouterr().out.count("specpv_fallback") == 1
+
+
+def test_sampled_sessions_in_exact_mode_verify_fully(models):
+    """Exact re-checks are greedy: a sampled session with an exact spec is verified fully, so its
+    output is the one full verification gives for the same seed."""
+    target, often, _ = models["llama"]
+    prompt = random_prompt(700, seed=13)
+    sampling = SamplingSpec(temperature=0.8, top_k=20, seed=3)
+    spec = SpecPVSpec(block_size=16, sink_blocks=1, retrieval_blocks=4, window_blocks=1, buffer_tokens=64,
+                      threshold=256)
+    stats = RoundStats()
+    out = generate(often, target, prompt, max_new_tokens=24, tree=TREE, sampling=sampling, specpv=spec, stats=stats)
+    assert out == generate(often, target, prompt, max_new_tokens=24, tree=TREE, sampling=sampling)
+    assert stats.partial_rounds == 0
+    approx = RoundStats()  # approximate mode samples under the view
+    assert len(generate(often, target, prompt, max_new_tokens=24, tree=TREE, sampling=sampling,
+                        specpv=spec.model_copy(update={"exact": False}), stats=approx)) == 24
+    assert approx.partial_rounds > 0
 
 
 def test_partial_view_state_is_bounded():
