@@ -11,11 +11,11 @@ settings, so the engines stay device-neutral.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from specsplit.engine.base import PREFILL_TOKENS, Backend
+from specsplit.models.int8 import quantize_int8
 
 
 def default_prefill_threads() -> int:
@@ -37,32 +37,17 @@ def default_threads(service: str) -> int:
     return draft if service == "draft" else max(1, cores - draft)
 
 
-def quantize_int8(model):
-    """Dynamic int8 Linear layers (torch.ao, fbgemm; int8 weights, activations quantized per
-    forward), converted one layer at a time: each Linear goes to float32 just before it is
-    quantized, then the rest of the model (embeddings, norms) goes to float32, which dynamic int8
-    layers take as activations. Peak memory stays near the loaded model's instead of a whole
-    float32 copy (a 1.5B target: ~5 GB instead of ~11 GB)."""
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is torch.nn.Linear]
-    with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
-        warnings.simplefilter("ignore")
-        for parent, name, child in linears:
-            wrapped = torch.nn.Sequential(child.float())
-            torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-            setattr(parent, name, wrapped[0])
-    return model.float()
-
-
 class CpuBackend(Backend):
     """Threads follow the forward: ``threads`` for tree-sized forwards, ``prefill_threads`` for
     forwards of more than ``PREFILL_TOKENS`` new tokens."""
 
     name = "cpu"
 
-    def __init__(self, threads: int, prefill_threads: int, *, quantize: str = "none", pack_weights: bool = True):
+    def __init__(self, threads: int, prefill_threads: int, *, quantize: str = "none", pack_weights: bool = True,
+                 batch_invariant: bool = True):
         self.threads, self.prefill_threads = threads, prefill_threads
         self.quantize, self.pack_weights = quantize, pack_weights
+        self.batch_invariant = batch_invariant  # int8: a token's logits independent of the forward's shape
         self.packed_layers = 0
 
     def load_dtype(self, requested: str) -> str:
@@ -76,10 +61,11 @@ class CpuBackend(Backend):
             torch.set_num_threads(want)
 
     def prepare(self, model):
-        """The model as this backend runs it: int8 dynamic Linear layers and/or packed weights."""
+        """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with
+        float64 attention where ``batch_invariant``) and/or packed weights."""
         torch.set_num_threads(self.threads)
         if self.quantize == "int8":
-            model = quantize_int8(model)
+            model = quantize_int8(model, batch_invariant=self.batch_invariant)
         if self.pack_weights:
             from specsplit.models.packing import pack_linear_weights
 
@@ -88,7 +74,8 @@ class CpuBackend(Backend):
 
     def describe(self) -> dict:
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
-                "quantize": self.quantize, "pack_weights": self.pack_weights, "packed_layers": self.packed_layers}
+                "quantize": self.quantize, "batch_invariant": self.batch_invariant,
+                "pack_weights": self.pack_weights, "packed_layers": self.packed_layers}
 
 
 class CudaBackend(Backend):
@@ -129,4 +116,7 @@ def build_backend(service: str, device: str, settings) -> Backend:
         prefill_threads=settings.prefill_threads or default_prefill_threads(),
         quantize=settings.quantize_for(service),
         pack_weights=settings.pack_weights,
+        # the target's tokens must equal its own greedy decoding whatever the tree's shape; a
+        # draft only proposes, so it skips the float64 attention
+        batch_invariant=service == "target",
     )

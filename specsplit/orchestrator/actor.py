@@ -150,7 +150,7 @@ class SessionActor:
                 self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
                                      accepted=len(reply.accepted_token_ids)))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
-            self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0)
+            self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
@@ -161,12 +161,19 @@ class SessionActor:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
 
-    def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool) -> None:
-        """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction."""
+    def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool, new_tokens: int) -> None:
+        """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction.
+        A round the model does not model (the prompt's prefill, a resend) enters the prediction
+        with its measured time and tokens, so ``predicted_tok_s`` is end to end like the measured
+        rate it is compared with."""
         if self.cost is None or plan.choice is None:
             return
-        self.predicted_tokens += plan.choice.expected_tokens
-        self.predicted_ms += plan.choice.expected_ms
+        if clean:
+            self.predicted_tokens += plan.choice.expected_tokens
+            self.predicted_ms += plan.choice.expected_ms
+        else:
+            self.predicted_tokens += new_tokens
+            self.predicted_ms += timing.wall_ms
         self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
         if clean:
             self.cost.observe_verify(sync_tokens + plan.tree.num_nodes, reply.verify_ms)

@@ -1,0 +1,105 @@
+"""The int8 target's kernels: a token's logits do not depend on the forward that computes them,
+so a quantized target's speculative output equals its own greedy decoding."""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+
+import pytest
+import torch
+
+from schemas import SamplingSpec, TreeSpec
+from specsplit.local import generate
+from specsplit.models.int8 import FP64_ATTENTION, RowInt8Linear, int8_supported, quantize_int8
+from tests.conftest import FAMILIES, greedy_reference, perturbed, tiny_model
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="torch's fbgemm int8 kernels need an x86 CPU build")
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_int8_rows_do_not_depend_on_the_batch(bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    q = RowInt8Linear(lin)
+    x = torch.randn(40, 96) * torch.logspace(-3, 3, 40)[:, None]  # rows of very different ranges
+    x[7] = 0.0  # an all-zero row stays finite
+    with torch.no_grad():
+        torch.set_num_threads(1)
+        full = q(x)
+        assert torch.isfinite(full).all()
+        for m in (1, 2, 3, 5, 8, 16, 33):
+            for start in (0, 1, 7):
+                assert torch.equal(q(x[start:start + m]), full[start:start + m]), (m, start)
+        torch.set_num_threads(2)
+        assert torch.equal(q(x[None]), full[None])  # other threads, a leading batch dim
+        ref = lin(x)
+    # per-row scales: every row is close to the float layer, however small its range
+    rel = (full - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+    assert rel.max() < 0.03, rel.max()  # 7-bit activations x 8-bit weights: ~1.5 % typical
+
+
+def test_per_forward_scale_is_what_breaks_exactness():
+    """The control: torch.ao's dynamic int8 (one activation scale per forward) gives a row a
+    different result when another row shares its forward, which is why targets do not use it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(2, 96)
+    x[1] *= 50
+    with torch.no_grad():
+        assert not torch.equal(ao(x)[:1], ao(x[:1]))
+        q = RowInt8Linear(lin)
+        assert torch.equal(q(x)[:1], q(x[:1]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_logits_match_between_prefill_decode_and_tree_forwards(family):
+    model = quantize_int8(tiny_model(family, seed=5))
+    assert model.config._attn_implementation == FP64_ATTENTION
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        torch.set_num_threads(2)  # prompts prefill on every core, trees on one
+        full = model(ids).logits[0]
+        cache = DynamicCache()
+        parts = [model(ids[:, :25], past_key_values=cache, use_cache=True).logits[0]]
+        torch.set_num_threads(1)
+        for i in range(25, 40):
+            parts.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0])
+    assert torch.equal(torch.cat(parts), full)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_target_speculation_equals_its_own_greedy_decoding(family):
+    """The oracle for a quantized target: speculative decoding (trees, prompt lookup, re-rooted
+    growth) returns exactly that quantized model's plain greedy tokens (full re-forwards)."""
+    target_fp32 = tiny_model(family, seed=11)
+    target = quantize_int8(copy.deepcopy(target_fp32))
+    drafts = {"often-agreeing int8": quantize_int8(perturbed(target_fp32, seed=3, noise=0.004), batch_invariant=False),
+              "rarely-agreeing fp32": tiny_model(family, seed=12)}
+    rng = random.Random(4)
+    checked = 0
+    for name, draft in drafts.items():
+        for tree in (TreeSpec(max_nodes=1, max_depth=1, branch=1), TreeSpec(max_nodes=6, max_depth=6, branch=1),
+                     TreeSpec(max_nodes=12, max_depth=4, branch=3)):
+            prompt = [rng.randrange(128) for _ in range(rng.randrange(3, 30))]
+            prompt += prompt[:8]  # a repeat, so prompt lookup proposes candidates
+            want, _ = greedy_reference(target, prompt, 24)
+            got = generate(draft, target, prompt, max_new_tokens=24, tree=tree, sampling=SamplingSpec(),
+                           lookup_max_tokens=4, grow_budget_ms=5.0)
+            assert got == want, (family, name, tree)
+            checked += 1
+    assert checked == 6
