@@ -301,6 +301,31 @@ def test_sampled_sessions_in_exact_mode_verify_fully(models):
     assert approx.partial_rounds > 0
 
 
+def test_int8_target_fp64_attention_is_wrapped_too(models):
+    """The fleet's int8 target runs its own float64 attention function: the view wraps it (a
+    whole-prefix view stays bit-identical) and exact mode equals that target's greedy decoding."""
+    import copy
+
+    from specsplit.models.int8 import int8_supported, quantize_int8
+
+    if not int8_supported():
+        pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
+    target = quantize_int8(copy.deepcopy(models["qwen2"][0]))
+    often = models["qwen2"][1]
+    prompt = random_prompt(1100, seed=14)
+    ref, gap = greedy_cached(target, prompt, 32)
+    assert gap >= MARGIN_DEFAULT
+    covering = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=128, window_blocks=2, buffer_tokens=64,
+                          threshold=512, refresh_every=8)
+    for spec in (TINY, covering):
+        stats = RoundStats()
+        assert generate(often, target, prompt, max_new_tokens=32, tree=TREE, sampling=SamplingSpec(), specpv=spec,
+                        stats=stats) == ref
+        assert stats.partial_rounds > 0
+        if spec is covering:  # the whole prefix: partial rounds agree with full ones, nothing rolls back
+            assert stats.rolled_back == 0 and stats.partial_rounds > stats.rounds // 3, stats
+
+
 def test_partial_view_state_is_bounded():
     pv = PartialView(TINY, num_layers=2, max_tree_nodes=16, max_session_tokens=4096)
     assert pv.buffer.max_len == TINY.buffer_tokens + 16

@@ -31,7 +31,7 @@ import torch
 from schemas import SpecPVSpec
 from specsplit.engine.kvcache import SessionKV
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+UNSUPPORTED_ATTENTION = ("flash", "flex", "paged")  # kernels that take no custom additive mask
 _PREFIX = "specsplit_specpv_"
 
 
@@ -175,12 +175,17 @@ def _make_view_attention(base_name: str):
 
 def attention_name(model) -> str | None:
     """The name under which the partial-view wrapper of ``model``'s attention is registered, or
-    None when its attention is not one SpecPV supports here (flash kernels: no custom masks)."""
-    base = model.config._attn_implementation or "eager"
-    if base not in SUPPORTED_ATTENTION:
-        return None
+    None when its attention cannot take the view (kernels without custom additive masks: flash,
+    flex, paged). Any other registered function (sdpa, eager, the int8 target's float64
+    attention) is wrapped: it gets the view's keys, values and mask as if they were the cache's."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    base = model.config._attn_implementation or "eager"
+    if base.startswith(_PREFIX) or any(k in base for k in UNSUPPORTED_ATTENTION):
+        return None
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        return None
     name = _PREFIX + base
     AttentionInterface.register(name, _make_view_attention(base))
     return name

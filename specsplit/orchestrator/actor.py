@@ -18,8 +18,8 @@ from typing import Callable
 import structlog
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, GrowRequest, Message,
-    SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest,
+    GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import CostModel
@@ -140,10 +140,11 @@ class SessionActor:
                 self._grow(rnd)
             tree = plan.tree
             reply = await self._verify(rnd, tree, timing, confirm)
-            clean = self._attempts == 1 and sync_tokens <= SMALL_SYNC and not reply.partial  # not a resend, not a prefill
+            # not a resend, not a prefill, not a partial round (the cost model learns full verify times)
+            clean = self._attempts == 1 and sync_tokens <= SMALL_SYNC and not reply.partial
             self._last_verify_ms = reply.verify_ms
             n_before = len(self.out)
-            self.cur.apply_verify(reply)
+            new = self.cur.apply_verify(reply)
             self.stats.add(tree, reply, self.cur.rolled_back)
             done = self.cur.take_confirmed(self.out, prompt_len, self.req.max_new_tokens, stop)
             if len(self.out) > n_before or not self.exact:
