@@ -252,7 +252,10 @@ def effective_settings(role: str) -> dict:
         }
     if role == "orchestrator":
         s = OrchestratorSettings()
-        return {"orchestrator": s.model_dump(mode="json"), "effective": {"tree": s.tree().model_dump(mode="json")}}
+        spec = s.specpv_spec()
+        return {"orchestrator": s.model_dump(mode="json"),
+                "effective": {"tree": s.tree().model_dump(mode="json"),
+                              "specpv": spec.model_dump(mode="json") if spec else None}}
     if role == "produce":
         return {"produce": ProducerSettings().model_dump(mode="json")}
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")

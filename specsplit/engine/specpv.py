@@ -135,16 +135,22 @@ def _retrieved(plan: ViewPlan, layer: int, query: torch.Tensor, keys: torch.Tens
             values.gather(2, tok.expand(-1, -1, -1, values.shape[-1])))
 
 
-def view_kv(plan: ViewPlan, layer: int, query: torch.Tensor):
-    """(K, V) [1, Hkv, view_len, D] of the full cache's part of the view, in token order."""
+def view_parts(plan: ViewPlan, layer: int, query: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The full cache's part of the view in token order, as pieces to concatenate once:
+    (K pieces, V pieces), each [1, Hkv, *, D] (together ``plan.view_len`` tokens)."""
     fl = plan.full.layers[layer]
     keys, values = fl.keys[:, :, : plan.full_len], fl.values[:, :, : plan.full_len]
     if plan.whole_prefix:
-        return keys, values
+        return [keys], [values]
     mid_k, mid_v = _retrieved(plan, layer, query, keys, values)
-    k = torch.cat([keys[:, :, : plan.sink_end], mid_k, keys[:, :, plan.win_start:]], dim=2)
-    v = torch.cat([values[:, :, : plan.sink_end], mid_v, values[:, :, plan.win_start:]], dim=2)
-    return k, v
+    return ([keys[:, :, : plan.sink_end], mid_k, keys[:, :, plan.win_start:]],
+            [values[:, :, : plan.sink_end], mid_v, values[:, :, plan.win_start:]])
+
+
+def view_kv(plan: ViewPlan, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) [1, Hkv, view_len, D] of the full cache's part of the view."""
+    ks, vs = view_parts(plan, layer, query)
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
 def _base_attention(name: str, module):
@@ -162,12 +168,12 @@ def _make_view_attention(base_name: str):
         base = _base_attention(base_name, module)
         if specpv_view is None:
             return base(module, query, key, value, attention_mask, *args, **kwargs)
-        pre_k, pre_v = view_kv(specpv_view, module.layer_idx, query)
-        k = torch.cat([pre_k, key], dim=2)
-        v = torch.cat([pre_v, value], dim=2)
+        ks, vs = view_parts(specpv_view, module.layer_idx, query)
+        k = torch.cat([*ks, key], dim=2)  # [1, Hkv, view_len + B + N, D]: one copy
+        v = torch.cat([*vs, value], dim=2)
         n = query.shape[2]
-        mask = torch.cat([attention_mask.new_zeros((*attention_mask.shape[:2], n, pre_k.shape[2])), attention_mask],
-                         dim=-1)  # [1, 1, N, view_len + B + N]: the whole view is visible
+        mask = torch.cat([attention_mask.new_zeros((*attention_mask.shape[:2], n, specpv_view.view_len)),
+                          attention_mask], dim=-1)  # [1, 1, N, view_len + B + N]: the whole view is visible
         return base(module, query, k, v, mask, *args, **kwargs)
 
     return view_attention

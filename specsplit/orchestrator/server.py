@@ -63,7 +63,8 @@ class Orchestrator:
         await self.draft_rpc.start()
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
-                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump())
+                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump(),
+                      specpv=self.policy.specpv.model_dump() if self.policy.specpv else None)
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:
