@@ -252,6 +252,32 @@ def test_resend_rechecks_provisional_tokens():
     assert r.cache_len == len(prompt) + 3 and r.confirmed_len == len(prompt) + 4
 
 
+def test_exact_worker_rechecks_its_buffer_for_a_client_without_counts():
+    """A client that sends no confirmed_len still gets exact semantics: the worker treats what it
+    buffered under partial views as provisional, and the confirming round rolls back to the
+    first token full verification disagrees with."""
+    model = tiny_model("qwen2", seed=6)
+    prompt = random_prompt(1200, seed=15)
+    ref, _ = greedy_cached(model, prompt, 12)
+    eng = TargetEngine(model, EngineLimits(max_session_tokens=2048))
+    committed, rolled, partial = list(prompt), 0, 0
+    for rnd in range(16):
+        root_only = FlatTree(token_ids=[committed[-1]], parents=[-1])
+        sync = CacheSync(base_len=len(committed) - 1) if rnd else CacheSync(base_len=0, append_token_ids=prompt[:-1])
+        r = eng.handle(VerifyRequest(session_id="s", round=rnd, sync=sync, tree=root_only, specpv=TINY,
+                                     confirm=rnd % 4 == 3))
+        assert not (r.partial and (rnd % 4 == 3 or rnd == 0))  # confirm rounds and the prefill are full
+        partial += r.partial
+        if r.rollback_len is not None:
+            rolled += len(committed) - r.rollback_len
+            del committed[r.rollback_len:]
+        committed.append(r.bonus_token_id)
+        assert r.cache_len == len(committed) - 1
+        if not r.partial:  # confirmed: what full verification gives
+            assert committed[len(prompt):] == ref[: len(committed) - len(prompt)], rnd
+    assert partial and rolled  # this small view disagrees with the full cache (see the approximate figures)
+
+
 def test_invariant_failure_falls_back_to_full_verification(models, capsys):
     """A broken view (lost buffer entries: caught by the check; a forward that fails: caught
     around it) costs a full verification, is logged once per session, and is never an error."""

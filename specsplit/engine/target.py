@@ -174,9 +174,12 @@ class TargetEngine(Engine):
         lin = [*(pv.pending if pv is not None else ()), *req.sync.append_token_ids]
         s, root = len(lin), req.tree.token_ids[0]
         start = f + s  # the root's position
+        confirmed = req.confirmed_len
+        if confirmed is None and pv is not None and pv.spec.exact and pv.pending:
+            confirmed = f + 1  # a client that keeps no count: what this worker buffered is provisional
         check_from = s  # lin rows whose successor (in lin + [root]) is provisional
-        if req.confirmed_len is not None and req.sampling.greedy:
-            check_from = min(s, max(req.confirmed_len, f + 1) - 1 - f)
+        if confirmed is not None and req.sampling.greedy:
+            check_from = min(s, max(confirmed, f + 1) - 1 - f)
         head = check_from if s > LINEAR_CHUNK else 0
         if head:
             self.forward_linear(kv, lin[:head])
