@@ -49,13 +49,16 @@ def test_fleet_exact_specpv_equals_greedy_through_a_worker_kill(tmp_path, tiny_p
     try:
         fleet.wait_ready(drafts=1, targets=2)
         rng = random.Random(17)
-        prompts = [[rng.randrange(400) for _ in range(rng.randrange(500, 800))] for _ in range(4)]
+        prompts = [[rng.randrange(400) for _ in range(rng.randrange(500, 800))] for _ in range(8)]
         new = 48
 
         async def run():
             task = asyncio.ensure_future(generate_all(fleet.orchestrator, prompts, new))
-            await asyncio.sleep(2.0)
-            fleet.kill9("target0")
+            deadline = time.monotonic() + 120
+            while fleet.log("orchestrator").count("round_done") < 12:  # every session is under way
+                assert time.monotonic() < deadline and not task.done(), "sessions did not start"
+                await asyncio.sleep(0.05)
+            fleet.kill9("target0")  # (8 sessions all on target1: probability 1/256)
             return await asyncio.wait_for(task, 240)
 
         results = asyncio.run(run())
