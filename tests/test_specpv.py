@@ -88,6 +88,48 @@ def test_bad_confirmed_len_is_a_typed_error_and_changes_nothing():
     assert eng.committed_len(eng.store.get("s")) == ok.cache_len
 
 
+def test_below_the_threshold_nothing_changes():
+    model = tiny_model("llama", seed=4)
+    prompt = random_prompt(300, seed=16)
+    lim = EngineLimits(max_session_tokens=1024)
+    on, off = Recording(model, lim), Recording(model, lim)
+    committed = list(prompt)
+    for rnd in range(6):
+        tree = FlatTree(token_ids=[committed[-1], 7, 9, 11], parents=[-1, 0, 1, 0])
+        sync = CacheSync(base_len=len(committed) - 1) if rnd else CacheSync(base_len=0, append_token_ids=prompt[:-1])
+        a = on.handle(VerifyRequest(session_id="s", round=rnd, sync=sync, tree=tree, specpv=TINY))  # threshold 512
+        b = off.handle(VerifyRequest(session_id="s", round=rnd, sync=sync, tree=tree))
+        assert not a.partial and torch.equal(on.last, off.last)
+        assert a.model_copy(update={"verify_ms": 0.0, "confirmed_len": None}) == b.model_copy(update={"verify_ms": 0.0})
+        committed += b.accepted_token_ids + [b.bonus_token_id]
+
+
+def test_cursor_rolls_back_and_streams_only_confirmed_tokens():
+    from schemas import VerifyReply
+    from specsplit.orchestrator.state import SessionCursor
+
+    def reply(accepted, bonus, cache_len, **kw):
+        return VerifyReply(session_id="s", round=0, accepted_token_ids=accepted, bonus_token_id=bonus,
+                           cache_len=cache_len, **kw)
+
+    cur, out = SessionCursor([1, 2, 3], draft_len=3), []
+    cur.apply_verify(reply([4, 5], 6, 5, partial=True, confirmed_len=3))  # provisional 4 5 6
+    assert cur.committed == [1, 2, 3, 4, 5, 6] and cur.provisional == 3
+    assert not cur.take_confirmed(out, 3, 10, set()) and out == []
+    assert cur.must_confirm(out, 3, 3, set()) and cur.must_confirm(out, 3, 10, {5})
+    assert not cur.must_confirm(out, 3, 10, set())
+    cur.draft_len = 6
+    cur.apply_verify(reply([], 9, 4, rollback_len=4, confirmed_len=5))  # 4 confirmed, 5 was wrong: 9
+    assert cur.committed == [1, 2, 3, 4, 9] and cur.rolled_back == 2 and cur.draft_len == 4
+    assert cur.draft_sync().base_len == 4 and cur.target_sync().base_len == 4
+    assert not cur.take_confirmed(out, 3, 10, set()) and out == [4, 9]
+    cur.apply_verify(reply([7], 8, 6, confirmed_len=7))
+    assert cur.take_confirmed(out, 3, 3, set()) and out == [4, 9, 7]
+    plain = SessionCursor([1])
+    plain.apply_verify(reply([2], 3, 2))  # no SpecPV: everything is confirmed
+    assert plain.confirmed == 3 and plain.provisional == 0
+
+
 # ---- summaries and retrieval ---------------------------------------------------------------
 def test_summaries_grow_incrementally_and_bound_every_key():
     torch.manual_seed(0)
