@@ -194,6 +194,10 @@ def attention_name(model) -> str | None:
         return None
     name = _PREFIX + base
     AttentionInterface.register(name, _make_view_attention(base))
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:  # masks (were one ever built under the wrapper) as for the base
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     return name
 
 
