@@ -123,7 +123,9 @@ class OrchestratorSettings(SessionLimitSettings):
     # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
     lookup_max_tokens: int = Field(default=8, ge=0, le=64)
     # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
-    # their measured verify time (specsplit.orchestrator.costmodel); "fixed": the whole tree
+    # their measured verify time and sets the round's min_path_prob from the measured draft cost
+    # (tree_min_path_prob is then only the first rounds' value; specsplit.orchestrator.costmodel);
+    # "fixed": the whole tree as configured
     tree_budget: Literal["cost", "fixed"] = "cost"
     lookup_min_ngram: int = Field(default=3, ge=1, le=16)
     grow: bool = True

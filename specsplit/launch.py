@@ -52,6 +52,20 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+def _die_with_parent() -> None:
+    """In a launched child, before exec (Linux): SIGTERM when the launching process dies, even
+    by SIGKILL or the OOM killer, so a killed test or bench leaves no fleet holding the cores
+    and memory. Elsewhere a no-op (``Fleet.stop`` still stops it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(143)
+
+
 @dataclass
 class Fleet:
     tmp: Path
@@ -95,7 +109,8 @@ class Fleet:
     def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "specsplit", *args], env={**self.env, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log.close()
         self.procs[name] = proc
         return proc

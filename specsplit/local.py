@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
-from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
 from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
@@ -66,6 +66,8 @@ def generate(
         t_round = time.perf_counter()
         confirm = exact and cur.must_confirm(out, len(prompt_ids), max_new_tokens, stop)
         spec = remaining_tree(tree, max_new_tokens - cur.produced(len(prompt_ids)))
+        if cost_model is not None and sampling.greedy:
+            spec = cost_model.draft_spec(spec)
         sync_tokens = len(cur.target_sync().append_token_ids)
         if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
             plan = Plan(root_only(cur.committed[-1]), frozenset())
@@ -84,12 +86,16 @@ def generate(
                                              tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,
                                              confirmed_len=cur.confirmed if exact else None))
         _raise_if_error(v_reply)
-        cur.apply_verify(v_reply)
+        new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
             if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
+                wall_ms = (time.perf_counter() - t_round) * 1e3
                 cost_model.observe_verify(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms)
-                cost_model.observe_overhead(max(0.0, (time.perf_counter() - t_round) * 1e3 - v_reply.verify_ms))
+                cost_model.observe_overhead(max(0.0, wall_ms - v_reply.verify_ms))
+                cost_model.observe_rate(len(new), wall_ms)
+                if d_reply.reused_nodes == 0:
+                    cost_model.observe_draft(expanded_nodes(d_reply.tree), d_reply.draft_ms)
         stats.add(verify_tree, v_reply, cur.rolled_back)
         rnd += 1
         if cur.take_confirmed(out, len(prompt_ids), max_new_tokens, stop):

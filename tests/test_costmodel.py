@@ -91,3 +91,27 @@ def test_actor_with_a_cost_model_predicts_its_speed(models):
     done = asyncio.run(actor.run())
     assert done.token_ids == greedy_reference(target, prompt, 30)[0]
     assert done.predicted_tok_s > 0 and cm.overhead_ms is not None and cm.verify_line()[0] > 0
+
+
+def _warm(cm: CostModel, draft_ms_per_node: float, tok_per_ms: float = 0.008) -> CostModel:
+    for i in range(8):
+        cm.observe_verify(1 + i % 4, 150.0 + 25.0 * (1 + i % 4))
+        cm.observe_draft(1 + i % 5, 30.0 + draft_ms_per_node * (1 + i % 5))
+        cm.observe_rate(4, 4 / tok_per_ms)
+    return cm
+
+
+def test_draft_depth_is_priced_from_measured_costs():
+    spec = TreeSpec(max_nodes=16, max_depth=10, branch=2, min_path_prob=0.3)
+    assert CostModel().draft_spec(spec) == spec  # nothing measured yet: as configured
+    costly = _warm(CostModel(), draft_ms_per_node=60.0).draft_spec(spec)
+    cheap = _warm(CostModel(), draft_ms_per_node=1.0).draft_spec(spec)
+    # 0.008 tok/ms x (60 + 25) ms = 0.68 expected tokens needed per expanded node; x (1 + 25) = 0.21
+    assert 0.6 <= costly.min_path_prob <= 0.75, costly
+    assert 0.15 <= cheap.min_path_prob <= 0.25, cheap
+    assert (costly.max_nodes, costly.max_depth, costly.branch) == (16, 10, 2)
+    # observed acceptance moves the threshold: paths the draft rates 0.5 that are always accepted
+    cm = _warm(CostModel(), draft_ms_per_node=60.0)
+    for _ in range(40):
+        cm.observe_round(FlatTree(token_ids=[1, 2], parents=[-1, 0], draft_logprobs=[0.0, -0.69]), [1], set())
+    assert cm.draft_spec(spec).min_path_prob <= 0.5 < costly.min_path_prob

@@ -22,7 +22,7 @@ from schemas import (
     GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
-from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
 from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
@@ -67,6 +67,7 @@ class _Timing:
     verify_ms: float = 0.0
     wall_ms: float = 0.0
     reused: int = 0
+    drafted: FlatTree | None = None
 
 
 class SessionActor:
@@ -129,6 +130,8 @@ class SessionActor:
             prompt_len = len(self.req.prompt_token_ids)
             confirm = self.exact and self.cur.must_confirm(self.out, prompt_len, self.req.max_new_tokens, stop)
             spec = remaining_tree(self.tree, self.req.max_new_tokens - self.cur.produced(prompt_len))
+            if self.cost is not None and self.sampling.greedy:
+                spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             sync_tokens = len(self.cur.target_sync().append_token_ids)
             if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
@@ -155,7 +158,7 @@ class SessionActor:
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
-                          draft_reused=timing.reused,
+                          draft_reused=timing.reused, min_path_prob=spec.min_path_prob,
                           **({"partial": reply.partial, "rolled_back": self.cur.rolled_back,
                               "provisional": self.cur.provisional} if self.specpv else {}))
             if done:
@@ -179,6 +182,9 @@ class SessionActor:
         if clean:
             self.cost.observe_verify(sync_tokens + plan.tree.num_nodes, reply.verify_ms)
             self.cost.observe_overhead(max(0.0, timing.wall_ms - reply.verify_ms))
+            self.cost.observe_rate(new_tokens, timing.wall_ms)
+            if timing.reused == 0 and timing.drafted is not None:
+                self.cost.observe_draft(expanded_nodes(timing.drafted), timing.draft_ms)
 
     # ---- one request each, with recovery --------------------------------------------------
     async def _draft(self, rnd: int, spec: TreeSpec, timing: _Timing) -> FlatTree:
@@ -190,6 +196,7 @@ class SessionActor:
         self.cur.after_draft()
         timing.draft_ms += reply.draft_ms
         timing.reused = reply.reused_nodes
+        timing.drafted = reply.tree
         self.stats.reused_rounds += reply.reused_nodes > 0
         return reply.tree
 

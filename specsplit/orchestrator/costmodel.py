@@ -11,6 +11,13 @@ model learns, online and shared by every session of an orchestrator (same models
   nodes (no draft probability) by their position in the lookup chain.
 Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
 expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
+
+How deep the draft goes is priced the same way (``draft_spec``): expanding a node costs the
+draft's measured milliseconds per expanded node plus the verify slope for what it adds, and
+pays only while the calibrated acceptance of the node's path is worth more than that time at
+the rate the rounds currently deliver (tokens per ms). That threshold is sent as the round's
+``min_path_prob``; on a 2-core CPU where one draft step costs ~40 % of a target step it is high
+(only near-certain paths are worth drafting), on a GPU with a cheap draft it falls toward 0.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from schemas import FlatTree
+from schemas import FlatTree, TreeSpec
 
 BINS = 10
 LOOKUP_POSITIONS = 16
@@ -39,27 +46,51 @@ class CostModel:
     overhead_ms: float | None = None
     _acc: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(BINS)])
     _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
+    _draft: list[float] = field(default_factory=lambda: [0.0] * 5)  # draft ms vs expanded nodes, as _w
+    rate: float | None = None  # tokens per ms the rounds deliver (exponential average)
+    min_observations: int = 5  # rounds / fresh drafts before the model sets the draft's depth
+    _rounds_seen: int = 0
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
-        w = self._w
-        for i in range(5):
-            w[i] *= self.decay
-        x, y = float(tokens), float(ms)
-        w[0] += 1.0
-        w[1] += x
-        w[2] += y
-        w[3] += x * x
-        w[4] += x * y
+        _observe(self._w, self.decay, float(tokens), float(ms))
 
     def verify_line(self) -> tuple[float, float]:
         """(intercept ms, ms per token); slope 0 until sizes vary, never negative."""
-        n, sx, sy, sxx, sxy = self._w
-        if n <= 0:
-            return 0.0, 0.0
-        var = sxx / n - (sx / n) ** 2
-        slope = max(0.0, (sxy / n - (sx / n) * (sy / n)) / var) if var > 1e-6 else 0.0
-        return max(0.0, sy / n - slope * sx / n), slope
+        return _line(self._w)
+
+    # ---- draft cost and depth -------------------------------------------------------------
+    def observe_draft(self, expanded: int, ms: float) -> None:
+        """A fresh draft (nothing reused) that expanded ``expanded`` nodes in ``ms``."""
+        _observe(self._draft, self.decay, float(expanded), float(ms))
+
+    def draft_ms_per_node(self) -> float:
+        a, b = _line(self._draft)
+        n, sx, sy = self._draft[:3]
+        if b <= 0.0 and n > 0 and sx > 0:
+            return sy / sx  # sizes never varied: the average
+        return b
+
+    def observe_rate(self, tokens: int, ms: float) -> None:
+        if ms <= 0:
+            return
+        r = tokens / ms
+        self.rate = r if self.rate is None else 0.8 * self.rate + 0.2 * r
+        self._rounds_seen += 1
+
+    def draft_spec(self, spec: TreeSpec) -> TreeSpec:
+        """``spec`` with the round's ``min_path_prob``: the lowest draft path probability whose
+        calibrated acceptance still pays for one more expanded node (see the module docstring).
+        Until the model has seen enough rounds and fresh drafts, ``spec`` as configured."""
+        if (self.rate is None or self._rounds_seen < self.min_observations
+                or self._draft[0] <= 0 or self._w[0] <= 0):
+            return spec
+        need = self.rate * (self.draft_ms_per_node() + self.verify_line()[1])
+        if need <= 0.0:
+            return spec.model_copy(update={"min_path_prob": 0.0})
+        grid = [k / (BINS * 10) for k in range(BINS * 10 + 1)]
+        paying = [p for p in grid if self.accept_prob(p) >= need]  # the lowest path probability that pays
+        return spec.model_copy(update={"min_path_prob": paying[0] if paying else 1.0})
 
     def verify_ms(self, tokens: int) -> float:
         a, b = self.verify_line()
@@ -139,6 +170,33 @@ class CostModel:
             if (len(chosen) - 1 <= self.min_nodes or expected * best.expected_ms > best.expected_tokens * ms):
                 best = Choice(sorted(chosen), expected, ms)
         return best
+
+
+def _observe(w: list[float], decay: float, x: float, y: float) -> None:
+    """Exponentially weighted sums (n, x, y, xx, xy) for a least-squares line."""
+    for i in range(5):
+        w[i] *= decay
+    w[0] += 1.0
+    w[1] += x
+    w[2] += y
+    w[3] += x * x
+    w[4] += x * y
+
+
+def _line(w: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the weighted least-squares line; slope 0 until x varies, never
+    negative; (0, 0) with no observations."""
+    n, sx, sy, sxx, sxy = w
+    if n <= 0:
+        return 0.0, 0.0
+    var = sxx / n - (sx / n) ** 2
+    slope = max(0.0, (sxy / n - (sx / n) * (sy / n)) / var) if var > 1e-6 else 0.0
+    return max(0.0, sy / n - slope * sx / n), slope
+
+
+def expanded_nodes(tree: FlatTree) -> int:
+    """Nodes of ``tree`` the draft forwarded to give them children (its draft steps' work)."""
+    return len(set(tree.parents[1:]))
 
 
 def select_nodes(tree: FlatTree, nodes: list[int]) -> FlatTree:
