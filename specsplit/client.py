@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from schemas import (
-    CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec,
-    pack_frames, unpack_frames,
+    CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
+    TreeSpec, pack_frames, unpack_frames,
 )
 from specsplit.logs import get_logger
 from specsplit.transport.sockets import make_socket

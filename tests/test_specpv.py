@@ -10,7 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from schemas import CacheSync, ErrorCode, ErrorReply, FlatTree, GenerateRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
+from schemas import (
+    CacheSync, ErrorCode, ErrorReply, FlatTree, GenerateRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest,
+)
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.specpv import BlockSummaries, PartialView, plan_view, view_kv
