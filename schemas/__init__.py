@@ -40,6 +40,7 @@ from schemas.messages import (
     Heartbeat,
     Message,
     SamplingSpec,
+    SpecPVSpec,
     TokenChunk,
     TreeSpec,
     VerifyReply,

@@ -81,6 +81,42 @@ class TreeSpec(Message):
     min_path_prob: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
+class SpecPVSpec(Message):
+    """SpecPV partial verification of one session's trees (None where it travels: full verification).
+
+    Past ``threshold`` context tokens the target verifies a tree against a partial view of its
+    KV cache instead of the whole prefix: the first ``sink_blocks`` blocks, the
+    ``retrieval_blocks`` blocks whose key summaries score highest against the tree's queries
+    (per layer and KV head), the last ``window_blocks`` blocks, and a buffer of up to
+    ``buffer_tokens`` tokens accepted since the last full verification. A full verification
+    runs every ``refresh_every`` rounds, when the buffer would overflow, or when an invariant
+    fails; it re-encodes the buffered tokens against the whole cache. ``exact``: tokens accepted
+    under the partial view are provisional until that full verification re-checks them (greedy
+    only; the output then equals full verification's); otherwise SpecPV's approximate semantics.
+    """
+
+    block_size: int = Field(default=16, ge=2, le=256)
+    sink_blocks: int = Field(default=2, ge=0, le=256)
+    retrieval_blocks: int = Field(default=256, ge=0, le=8192)
+    window_blocks: int = Field(default=8, ge=0, le=1024)
+    buffer_tokens: int = Field(default=128, ge=8, le=4096)
+    threshold: int = Field(default=4096, ge=0, le=MAX_CONTEXT_TOKENS)
+    refresh_every: int = Field(default=32, ge=1, le=4096)
+    exact: bool = True
+
+    @model_validator(mode="after")
+    def _budget(self) -> SpecPVSpec:
+        view = (self.sink_blocks + self.retrieval_blocks + self.window_blocks) * self.block_size
+        if view > MAX_CONTEXT_TOKENS:
+            raise ValueError(f"the view's blocks hold {view} tokens, more than {MAX_CONTEXT_TOKENS}")
+        return self
+
+    @property
+    def budget_tokens(self) -> int:
+        """Tokens a partial view holds at most (sink + retrieval + window + one partial block + buffer)."""
+        return (self.sink_blocks + self.retrieval_blocks + self.window_blocks + 1) * self.block_size + self.buffer_tokens
+
+
 class FlatTree(Message):
     """A token tree in topological order.
 
@@ -177,15 +213,30 @@ class GrowReply(Message):
 
 
 class VerifyRequest(Message):
+    """specpv: partial verification of this session (None: full verification; the target keeps
+    the partial view beside the session's cache). confirm: verify against the full cache this
+    round whatever the spec says. confirmed_len (exact mode): how many tokens of committed full
+    verification has confirmed; the rest (up to the root) are provisional, and the next full
+    verification re-checks them (None: all are confirmed)."""
+
     session_id: SessionId
     round: Round
     sync: CacheSync
     tree: FlatTree
     sampling: SamplingSpec = SamplingSpec()
+    specpv: SpecPVSpec | None = None
+    confirm: bool = False
+    confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
 
 
 class VerifyReply(Message):
-    """accepted_token_ids excludes the root; committed += accepted_token_ids + [bonus_token_id]."""
+    """accepted_token_ids excludes the root; committed += accepted_token_ids + [bonus_token_id].
+
+    SpecPV: ``partial`` says the tree was verified against the partial view. Exact mode only:
+    ``rollback_len`` (when set) first cuts committed to that many tokens (a provisional token the
+    full verification disagreed with, and everything after it, is dropped; the bonus is the
+    target's own token there), and ``confirmed_len`` is how many committed tokens (after this
+    reply) full verification has confirmed: only those may be streamed. None: all of them."""
 
     session_id: SessionId
     round: Round
@@ -194,6 +245,9 @@ class VerifyReply(Message):
     bonus_token_id: TokenId
     cache_len: int = Field(ge=0)
     verify_ms: float = Field(default=0.0, ge=0.0)
+    partial: bool = False
+    rollback_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS)
+    confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
 
 
 class EndSession(Message):
@@ -247,6 +301,7 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = SamplingSpec()
     tree: TreeSpec | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    specpv: SpecPVSpec | None = None  # None: the orchestrator's default (SPECSPLIT_SPECPV_*; off unless set)
 
 
 class TokenChunk(Message):

@@ -5,7 +5,7 @@
     specsplit orchestrator            the asyncio orchestrator
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
-    specsplit bench transport|...     benchmarks
+    specsplit bench transport|longctx|...  benchmarks
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
 """
 
@@ -99,6 +99,10 @@ def _orchestrator(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     if argv and argv[0] == "transport":
         from specsplit.bench.transport import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "longctx":
+        from specsplit.bench.longctx import main
 
         return main(argv[1:])
     from specsplit.bench import require_bench_extras

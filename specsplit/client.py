@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from schemas import (
-    CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, TokenChunk, TreeSpec,
-    pack_frames, unpack_frames,
+    CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
+    TreeSpec, pack_frames, unpack_frames,
 )
 from specsplit.logs import get_logger
 from specsplit.transport.sockets import make_socket
@@ -219,11 +219,12 @@ class SpecSplitClient:
     async def generate(
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), session_id: str | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None, specpv: SpecPVSpec | None = None,
     ) -> GenerationResult:
         sid = session_id or uuid.uuid4().hex
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
-                              sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids))
+                              sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
+                              specpv=specpv)
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
 from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings
-from schemas import SamplingSpec, TreeSpec
+from schemas import SamplingSpec, SpecPVSpec, TreeSpec
 
 # Variables that no longer exist, and what replaced them: setting one is an error at startup
 # (a silently ignored setting is worse than a clear refusal).
@@ -145,6 +145,34 @@ class OrchestratorSettings(SessionLimitSettings):
     # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
     # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
     orchestrator_bind: str | None = None
+    # SpecPV partial verification for sessions whose GenerateRequest has no ``specpv`` of its own:
+    # SPECSPLIT_SPECPV=true turns it on with SpecPVSpec's defaults, and so does setting any
+    # SPECSPLIT_SPECPV_* parameter (off unless set; SPECSPLIT_SPECPV=false keeps it off)
+    specpv: bool | None = None
+    specpv_block_size: int | None = None
+    specpv_sink_blocks: int | None = None
+    specpv_retrieval_blocks: int | None = None
+    specpv_window_blocks: int | None = None
+    specpv_buffer_tokens: int | None = None
+    specpv_threshold: int | None = None
+    specpv_refresh_every: int | None = None
+    specpv_exact: bool | None = None
+
+    def specpv_spec(self) -> SpecPVSpec | None:
+        """The fleet's default SpecPV spec, validated (bounds: SpecPVSpec), or None (off)."""
+        given = {name: getattr(self, f"specpv_{name}") for name in SpecPVSpec.model_fields
+                 if getattr(self, f"specpv_{name}") is not None}
+        if self.specpv is False or (self.specpv is None and not given):
+            return None
+        return SpecPVSpec(**given)
+
+    @model_validator(mode="after")
+    def _check_specpv(self) -> OrchestratorSettings:
+        try:
+            self.specpv_spec()  # a bad SPECSPLIT_SPECPV_* value is refused at startup, not per request
+        except ValidationError as exc:
+            raise ValueError(f"SPECSPLIT_SPECPV_*: {exc}") from None
+        return self
 
     def bind_address(self, environ=None) -> str:
         environ = os.environ if environ is None else environ
@@ -226,7 +254,10 @@ def effective_settings(role: str) -> dict:
         }
     if role == "orchestrator":
         s = OrchestratorSettings()
-        return {"orchestrator": s.model_dump(mode="json"), "effective": {"tree": s.tree().model_dump(mode="json")}}
+        spec = s.specpv_spec()
+        return {"orchestrator": s.model_dump(mode="json"),
+                "effective": {"tree": s.tree().model_dump(mode="json"),
+                              "specpv": spec.model_dump(mode="json") if spec else None}}
     if role == "produce":
         return {"produce": ProducerSettings().model_dump(mode="json")}
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from schemas import CacheSync, DraftRequest, ErrorReply, GrowRequest, SamplingSpec, TreeSpec, VerifyRequest
+from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
-from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
+from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
@@ -32,6 +32,7 @@ def generate(
     lookup_max_tokens: int = 0,
     lookup_min_ngram: int = 3,
     cost_model: CostModel | None = None,
+    specpv: SpecPVSpec | None = None,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -41,7 +42,9 @@ def generate(
     limits)`` builds the verifier (anything with ``handle(msg)``; the bench puts one in another
     process to measure what a process split alone costs). ``lookup_max_tokens`` > 0 (greedy)
     hangs prompt-lookup candidates under each tree's root, and ``cost_model`` chooses each greedy
-    round's nodes, as the orchestrator does."""
+    round's nodes, as the orchestrator does. ``specpv`` verifies long contexts against a partial
+    KV view (None: full verification); in its exact mode only confirmed tokens are returned, and
+    they equal full verification's."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -57,25 +60,31 @@ def generate(
     d_eng, t_eng = DraftEngine(draft, limits), make_target_engine(target, limits)
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
+    exact = specpv is not None and specpv.exact
     rnd = 0
     while True:
-        spec = remaining_tree(tree, max_new_tokens - len(out))
+        t_round = time.perf_counter()
+        confirm = exact and cur.must_confirm(out, len(prompt_ids), max_new_tokens, stop)
+        spec = remaining_tree(tree, max_new_tokens - cur.produced(len(prompt_ids)))
         if cost_model is not None and sampling.greedy:
             spec = cost_model.draft_spec(spec)
-        t_round = time.perf_counter()
-        d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
-                                            root=cur.committed[-1], tree=spec, sampling=sampling))
-        _raise_if_error(d_reply)
-        cur.after_draft()
-        stats.reused_rounds += d_reply.reused_nodes > 0
-        if grow_budget_ms > 0 and sampling.greedy:
-            _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms)))
         sync_tokens = len(cur.target_sync().append_token_ids)
-        plan = plan_round(d_reply.tree, cur.committed, spec, sampling, lookup_max_tokens=lookup_max_tokens,
-                          lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens)
+        if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
+            plan = Plan(root_only(cur.committed[-1]), frozenset())
+        else:
+            d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
+                                                root=cur.committed[-1], tree=spec, sampling=sampling))
+            _raise_if_error(d_reply)
+            cur.after_draft()
+            stats.reused_rounds += d_reply.reused_nodes > 0
+            if grow_budget_ms > 0 and sampling.greedy:
+                _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms)))
+            plan = plan_round(d_reply.tree, cur.committed, spec, sampling, lookup_max_tokens=lookup_max_tokens,
+                              lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens)
         verify_tree = plan.tree
         v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(),
-                                             tree=verify_tree, sampling=sampling))
+                                             tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,
+                                             confirmed_len=cur.confirmed if exact else None))
         _raise_if_error(v_reply)
         new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:
@@ -87,9 +96,9 @@ def generate(
                 cost_model.observe_rate(len(new), wall_ms)
                 if d_reply.reused_nodes == 0:
                     cost_model.observe_draft(expanded_nodes(d_reply.tree), d_reply.draft_ms)
-        stats.add(verify_tree, v_reply)
+        stats.add(verify_tree, v_reply, cur.rolled_back)
         rnd += 1
-        if accept_new(out, new, max_new_tokens, stop):
+        if cur.take_confirmed(out, len(prompt_ids), max_new_tokens, stop):
             return out
 
 

@@ -126,6 +126,29 @@ def greedy_reference(model, prompt: list[int], n: int, margin: float = 1e-3):
     return out, gap
 
 
+MARGIN_DEFAULT = 1e-3  # a greedy step whose top-2 logits are closer than this is a near-tie
+
+
+@torch.no_grad()
+def greedy_cached(model, prompt: list[int], n: int, chunk: int = 1024):
+    """Plain greedy decoding of ``model`` with its own KV cache (transformers' DynamicCache; the
+    prompt prefilled in chunks), for long prompts. Returns (tokens, min top1-top2 gap)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache, ids = DynamicCache(), torch.tensor([prompt], device=device)
+    for a in range(0, len(prompt), chunk):
+        logits = model(input_ids=ids[:, a:a + chunk], past_key_values=cache, use_cache=True).logits[0, -1].float()
+    out, gap = [], float("inf")
+    for _ in range(n):
+        top = torch.topk(logits, 2).values
+        gap = min(gap, float(top[0] - top[1]))
+        out.append(int(logits.argmax()))
+        logits = model(input_ids=torch.tensor([[out[-1]]], device=device), past_key_values=cache,
+                       use_cache=True).logits[0, -1].float()
+    return out, gap
+
+
 @pytest.fixture(scope="session")
 def models():
     """{family: (target, often-agreeing draft, rarely-agreeing draft)}"""

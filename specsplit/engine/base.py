@@ -22,7 +22,7 @@ import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.masks import additive_mask
+from specsplit.engine.masks import additive_mask, causal
 from specsplit.engine.store import Session, SessionStore
 from specsplit.errors import DeviceFailure, SpecError
 from specsplit.tree import check_token_ids
@@ -54,6 +54,7 @@ def model_num_layers(model) -> int:
 
 
 PREFILL_TOKENS = 64  # a forward of more new tokens than this is compute-bound (a prompt prefill)
+LINEAR_CHUNK = 1024  # a longer linear segment (a long prompt) is forwarded in chunks of this many tokens
 
 
 class Backend:
@@ -157,11 +158,12 @@ class Engine:
     # ---- compute ---------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor, keep: int
+        self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor, keep: int,
+        **model_kwargs,
     ) -> torch.Tensor:
         """One forward of T new tokens on top of the cache. position_ids [T] and visible
         [T, P+T] bool on the engine's device; returns float32 logits of the last ``keep``
-        tokens [keep, V] (on the device)."""
+        tokens [keep, V] (on the device). ``model_kwargs`` reach the attention functions."""
         t = len(token_ids)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         self.backend.before_forward(t)
@@ -172,8 +174,20 @@ class Engine:
             past_key_values=kv,
             use_cache=True,
             logits_to_keep=keep,
+            **model_kwargs,
         )
         return out.logits[0, -keep:].float()  # [keep, V]
+
+    def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
+        """Causal forward of a linear segment on top of the cache, ``chunk`` tokens per forward
+        (so a long prompt's masks stay [chunk, P+chunk]); the last token's logits [V]."""
+        logits = None
+        for a in range(0, len(token_ids), chunk):
+            part = token_ids[a:a + chunk]
+            p = kv.length
+            pos = torch.arange(p, p + len(part), dtype=torch.long, device=self.device)
+            logits = self.forward(kv, part, pos, causal(len(part), p, self.device), keep=1)
+        return logits[0]
 
     def guarded(self, session: Session, fn):
         """Run fn() (which mutates the session's cache); drop the session if it fails

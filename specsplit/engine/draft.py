@@ -26,7 +26,7 @@ import torch
 
 from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
 from specsplit.engine import sampling as S
-from specsplit.engine.base import Engine, EngineLimits, elapsed_ms
+from specsplit.engine.base import LINEAR_CHUNK, Engine, EngineLimits, elapsed_ms
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.masks import causal
 from specsplit.tree import DraftTree, check_token_ids, path_to, subtree_nodes
@@ -105,6 +105,8 @@ class DraftEngine(Engine):
         kv.crop_to(sync.base_len)
         tokens = [*sync.append_token_ids, root]
         t = len(tokens)
+        if t > LINEAR_CHUNK:  # a long prompt: chunked, so its masks stay small
+            return self.forward_linear(kv, tokens, LINEAR_CHUNK)
         pos = torch.arange(sync.base_len, sync.base_len + t, dtype=torch.long, device=self.device)
         return self.forward(kv, tokens, pos, causal(t, sync.base_len, self.device), keep=1)[0]
 

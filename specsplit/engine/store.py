@@ -22,6 +22,7 @@ class Session:
     last_round: int = -1
     last_used: float = 0.0
     draft_tree: object = None  # a greedy draft tree kept for the next request (DraftEngine)
+    specpv: object = None  # the SpecPV partial view beside the cache (TargetEngine; engine.specpv)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -102,7 +103,7 @@ class SessionStore:
 
     def bytes_by_session(self) -> dict[str, int]:
         with self._lock:
-            return {sid: s.kv.nbytes for sid, s in self._sessions.items()}
+            return {sid: s.kv.nbytes + getattr(s.specpv, "nbytes", 0) for sid, s in self._sessions.items()}
 
     def bytes_held(self) -> int:
         return sum(self.bytes_by_session().values())

@@ -1,26 +1,57 @@
-"""Target engine: apply the sync, ONE forward over the whole tree, verify, compact the cache."""
+"""Target engine: apply the sync, ONE forward over the whole tree, verify, compact the cache.
+
+With a ``SpecPVSpec`` (VerifyRequest.specpv) the session also keeps a partial view
+(``specsplit.engine.specpv``): past the spec's threshold a round is verified against the view
+instead of the whole prefix, and the accepted tokens go to the view's buffer; a *full* round
+re-encodes the buffered tokens against the whole cache in the same forward as the tree (exact
+mode: and re-checks them, rolling back to the first one the target disagrees with).
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from schemas import Message, VerifyReply, VerifyRequest
-from specsplit.engine.base import Engine
-from specsplit.engine.masks import linear_then_tree, positions
+from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
+from specsplit.engine.base import LINEAR_CHUNK, Engine, is_device_failure
+from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
 from specsplit.engine.sampling import make_generator
-from specsplit.engine.verify import verify_greedy, verify_sampling
-from specsplit.tree import validate_tree
+from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
+from specsplit.engine.verify import Verdict, verify_greedy, verify_sampling
+from specsplit.errors import SpecError
+from specsplit.logs import get_logger
+from specsplit.tree import TreeLayout, validate_tree
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A round's result: the accepted path and bonus, or (exact SpecPV) a rollback."""
+
+    verdict: Verdict
+    partial: bool = False
+    rollback_len: int | None = None  # committed is cut to this length first
+    confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
 
 
 class TargetEngine(Engine):
     role = "target"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._view_attention: str | None | bool = False  # False: not looked up yet
+        self.log = get_logger("specsplit.target")
+
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, VerifyRequest):
             return self.verify(msg)
         return super()._dispatch(msg)
+
+    @staticmethod
+    def committed_len(session) -> int:
+        pv = session.specpv
+        return session.kv.length + (len(pv.pending) if pv is not None else 0)
 
     def verify(self, req: VerifyRequest) -> VerifyReply:
         t0 = time.perf_counter()
@@ -31,39 +62,165 @@ class TargetEngine(Engine):
             max_depth=self.limits.max_tree_depth,
         )
         sync = req.sync
+        total = sync.base_len + len(sync.append_token_ids) + 1  # len(committed)
+        if req.confirmed_len is not None and req.confirmed_len > total:
+            raise SpecError(ErrorCode.BAD_REQUEST, f"confirmed_len {req.confirmed_len} exceeds the {total} "
+                                                   "committed tokens")
         session = self.open_session(req.session_id, req.round, sync, layout.num_nodes)
         with session.lock:
             self.check_locked(session, req.round, sync)
 
-            def run():
-                kv, dev = session.kv, self.device
-                kv.crop_to(sync.base_len)
-                s = len(sync.append_token_ids)
-                start = sync.base_len + s  # position of the root
-                n = layout.num_nodes
-                visible = torch.ones(s + n, start + n, dtype=torch.bool, device=dev)  # [S+N, P+S+N]
-                visible[:, sync.base_len:] = linear_then_tree(s, layout.parents, dev)
-                pos = torch.cat([torch.arange(sync.base_len, start, dtype=torch.long, device=dev),
-                                 positions(layout.depths, start, dev)])  # [S+N]
-                logits = self.forward(kv, [*sync.append_token_ids, *req.tree.token_ids], pos, visible, keep=n)  # [N, V]
-                if req.sampling.greedy:
-                    verdict = verify_greedy(req.tree, layout, logits, visible[s:, start:])
-                else:
-                    g = make_generator(req.sampling.seed, req.round, "target", dev)
-                    verdict = verify_sampling(req.tree, layout, logits, req.sampling, g)
-                kv.compact([start + i for i in verdict.path], start)
+            def run() -> Outcome:
+                out = self._round(session, req, layout)
                 session.last_round = req.round
-                return verdict
+                return out
 
-            verdict = self.guarded(session, run)
-            cache_len = session.kv.length
-        accepted = verdict.path[1:]
+            out = self.guarded(session, run)
+            cache_len = self.committed_len(session)
+        accepted = out.verdict.path[1:]
         return VerifyReply(
             session_id=req.session_id,
             round=req.round,
             accepted_token_ids=[req.tree.token_ids[i] for i in accepted],
             accepted_nodes=accepted,
-            bonus_token_id=verdict.bonus,
+            bonus_token_id=out.verdict.bonus,
             cache_len=cache_len,
             verify_ms=self.elapsed_ms(t0),
+            partial=out.partial,
+            rollback_len=out.rollback_len,
+            confirmed_len=out.confirmed_len,
         )
+
+    # ---- one round ---------------------------------------------------------------------
+    def _round(self, session, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+        pv: PartialView | None = session.specpv
+        if pv is None and req.specpv is not None:
+            pv = session.specpv = PartialView(req.specpv, len(session.kv.layers), self.limits.max_tree_nodes,
+                                              self.limits.max_session_tokens)
+        if pv is None:
+            session.kv.crop_to(req.sync.base_len)
+            return self._full(session.kv, None, req, layout)
+        pv.crop(session.kv, req.sync.base_len)
+        if self._partial_ok(session, pv, req, layout):
+            try:
+                return self._partial(session.kv, pv, req, layout)
+            except SpecError:
+                raise
+            except Exception as exc:
+                if is_device_failure(exc):
+                    raise
+                self._fall_back(session, pv, f"{type(exc).__name__}: {exc}")
+        out = self._full(session.kv, pv, req, layout)
+        if req.specpv != pv.spec:  # turned off, or another spec: the next round starts afresh
+            session.specpv = None if req.specpv is None else PartialView(
+                req.specpv, len(session.kv.layers), self.limits.max_tree_nodes, self.limits.max_session_tokens)
+        return out
+
+    def _partial_ok(self, session, pv: PartialView, req: VerifyRequest, layout: TreeLayout) -> bool:
+        spec, kv = pv.spec, session.kv
+        if (req.confirm or req.specpv != spec or req.sync.append_token_ids
+                or (spec.exact and not req.sampling.greedy)  # exact re-checks are greedy ones
+                or pv.logical_len(kv.length) <= spec.threshold
+                or pv.rounds_since_full >= min(spec.refresh_every, pv.interval)
+                or len(pv.pending) + layout.num_nodes > spec.buffer_tokens):
+            return False
+        if pv.cooldown:  # exact mode: the view disagreed even after one partial round
+            pv.cooldown -= 1
+            return False
+        if self._view_attention is False:
+            self._view_attention = attention_name(self.model)
+            if self._view_attention is None:
+                self.log.warning("specpv_unsupported", attention=self.model.config._attn_implementation,
+                                 action="full verification")
+        if self._view_attention is None:
+            return False
+        broken = pv.check(kv)
+        if broken:
+            self._fall_back(session, pv, broken)
+            return False
+        return True
+
+    def _fall_back(self, session, pv: PartialView, reason: str) -> None:
+        """An invariant failed: log once per session; this round is verified fully, which
+        re-encodes the buffered ids and rebuilds the view."""
+        if not pv.fallbacks:
+            self.log.warning("specpv_fallback", session_id=session.session_id, reason=reason[:500],
+                             action="full verification")
+        pv.fallbacks += 1
+
+    def _partial(self, kv, pv: PartialView, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+        """Verify the tree against the partial view; buffer the accepted path's K/V."""
+        dev, n, m = self.device, layout.num_nodes, len(pv.pending)
+        start = kv.length + m  # the root's position
+        pv.summaries.extend(kv)
+        plan = plan_view(pv.spec, kv, pv.summaries)
+        visible = torch.ones(n, m + n, dtype=torch.bool, device=dev)  # [N, B+N]
+        visible[:, m:] = tree_visibility(layout.parents, dev)
+        pos = positions(layout.depths, start, dev)  # [N]
+        with view_attention_of(self.model, self._view_attention):
+            logits = self.forward(pv.buffer, req.tree.token_ids, pos, visible, keep=n, specpv_view=plan)  # [N, V]
+        verdict = self._decide(req, layout, logits, visible[:, m:])
+        pv.buffer.compact([m + i for i in verdict.path], m)
+        pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
+        pv.rounds_since_full += 1
+        # exact: what the full cache holds and the root after it were confirmed; the rest is provisional
+        return Outcome(verdict, partial=True, confirmed_len=kv.length + 1 if pv.spec.exact else None)
+
+    def _full(self, kv, pv: PartialView | None, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+        """One forward of [buffered ids + sync tokens + tree] against the whole cache. Exact
+        mode (``req.confirmed_len``, greedy): the provisional tokens among them are re-checked
+        first; at the first the target disagrees with, the round rolls back to it."""
+        dev, n, f = self.device, layout.num_nodes, kv.length
+        lin = [*(pv.pending if pv is not None else ()), *req.sync.append_token_ids]
+        s, root = len(lin), req.tree.token_ids[0]
+        start = f + s  # the root's position
+        confirmed = req.confirmed_len
+        if confirmed is None and pv is not None and pv.spec.exact and pv.pending:
+            confirmed = f + 1  # a client that keeps no count: what this worker buffered is provisional
+        check_from = s  # lin rows whose successor (in lin + [root]) is provisional
+        if confirmed is not None and req.sampling.greedy:
+            check_from = min(s, max(confirmed, f + 1) - 1 - f)
+        head = check_from if s > LINEAR_CHUNK else 0
+        if head:
+            self.forward_linear(kv, lin[:head])
+        t = s - head
+        visible = torch.ones(t + n, start + n, dtype=torch.bool, device=dev)  # [T+N, P+T+N]
+        visible[:, f + head:] = linear_then_tree(t, layout.parents, dev)
+        pos = torch.cat([torch.arange(f + head, start, dtype=torch.long, device=dev),
+                         positions(layout.depths, start, dev)])  # [T+N]
+        checked = s - check_from
+        logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], pos, visible, keep=n + checked)  # [C+N, V]
+        if checked:
+            wrong = self._first_disagreement(logits[:checked], [*lin, root][check_from + 1:])
+            if wrong is not None:
+                j, token = wrong
+                cut = f + check_from + j + 1  # committed keeps its first `cut` tokens, then `token`
+                kv.crop_to(cut)
+                if pv is not None:
+                    pv.summaries.crop(cut)
+                    pv.after_refresh(rolled_back=True)
+                    pv.reset_buffer()
+                return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1)
+        verdict = self._decide(req, layout, logits[checked:], visible[t:, start:])
+        kv.compact([start + i for i in verdict.path], start)
+        if pv is not None:
+            pv.after_refresh(rolled_back=False)
+            pv.reset_buffer()  # the view is rebuilt from the refreshed cache
+        exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
+        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None)
+
+    @staticmethod
+    def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:
+        """logits [C, V] of the rows before C provisional tokens ``expected``: (row, the target's
+        token) of the first row whose argmax differs, or None. One host copy."""
+        argmax = logits.argmax(dim=-1)  # [C]
+        wrong = argmax != torch.tensor(expected, dtype=torch.long, device=logits.device)  # [C]
+        first = wrong.to(torch.int8).argmax()  # first True (0 when none)
+        j, token, any_wrong = torch.stack([first, argmax[first], wrong.any().long()]).tolist()
+        return (j, token) if any_wrong else None
+
+    def _decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
+        if req.sampling.greedy:
+            return verify_greedy(req.tree, layout, logits, visible)
+        g = make_generator(req.sampling.seed, req.round, "target", self.device)
+        return verify_sampling(req.tree, layout, logits, req.sampling, g)

@@ -18,12 +18,12 @@ from typing import Callable
 import structlog
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, GrowRequest, Message,
-    SamplingSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest,
+    GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
-from specsplit.orchestrator.state import RoundStats, SessionCursor, accept_new, plan_round, remaining_tree
+from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
@@ -58,6 +58,7 @@ class ActorPolicy:
     grow: bool = False  # greedy sessions: the draft grows its tree while the target verifies
     grow_fraction: float = 0.9  # of the previous round's verify time
     grow_width: int = 4
+    specpv: SpecPVSpec | None = None  # the fleet's default for requests without their own (None: off)
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SessionActor:
         self.sid = req.session_id
         self.tree = req.tree or policy.tree
         self.sampling: SamplingSpec = req.sampling
+        self.specpv: SpecPVSpec | None = req.specpv or policy.specpv
+        self.exact = self.specpv is not None and self.specpv.exact
         self.cur = SessionCursor(list(req.prompt_token_ids))
         self.stats = RoundStats()
         self.out: list[int] = []
@@ -124,31 +127,40 @@ class SessionActor:
             structlog.contextvars.bind_contextvars(round=rnd)
             timing = _Timing()
             t_round = time.perf_counter()
-            spec = remaining_tree(self.tree, self.req.max_new_tokens - len(self.out))
+            prompt_len = len(self.req.prompt_token_ids)
+            confirm = self.exact and self.cur.must_confirm(self.out, prompt_len, self.req.max_new_tokens, stop)
+            spec = remaining_tree(self.tree, self.req.max_new_tokens - self.cur.produced(prompt_len))
             if self.cost is not None and self.sampling.greedy:
                 spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
-            drafted = await self._draft(rnd, spec, timing)
             sync_tokens = len(self.cur.target_sync().append_token_ids)
-            plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
-                              lookup_max_tokens=self.policy.lookup_max_tokens,
-                              lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens)
+            if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
+                plan = Plan(root_only(self.cur.committed[-1]), frozenset())
+            else:
+                drafted = await self._draft(rnd, spec, timing)
+                plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
+                                  lookup_max_tokens=self.policy.lookup_max_tokens,
+                                  lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens)
+                self._grow(rnd)
             tree = plan.tree
-            self._grow(rnd)
-            reply = await self._verify(rnd, tree, timing)
-            clean = self._attempts == 1 and sync_tokens <= SMALL_SYNC  # not a resend, not a prefill
+            reply = await self._verify(rnd, tree, timing, confirm)
+            # not a resend, not a prefill, not a partial round (the cost model learns full verify times)
+            clean = self._attempts == 1 and sync_tokens <= SMALL_SYNC and not reply.partial
             self._last_verify_ms = reply.verify_ms
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
-            self.stats.add(tree, reply)
-            done = accept_new(self.out, new, self.req.max_new_tokens, stop)
-            self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
-                                 accepted=len(reply.accepted_token_ids)))
+            self.stats.add(tree, reply, self.cur.rolled_back)
+            done = self.cur.take_confirmed(self.out, prompt_len, self.req.max_new_tokens, stop)
+            if len(self.out) > n_before or not self.exact:
+                self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
+                                     accepted=len(reply.accepted_token_ids)))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
-                          draft_reused=timing.reused, min_path_prob=spec.min_path_prob)
+                          draft_reused=timing.reused, min_path_prob=spec.min_path_prob,
+                          **({"partial": reply.partial, "rolled_back": self.cur.rolled_back,
+                              "provisional": self.cur.provisional} if self.specpv else {}))
             if done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
@@ -207,10 +219,11 @@ class SessionActor:
             self._grow_task.cancel()
         self._grow_task = None
 
-    async def _verify(self, rnd: int, tree: FlatTree, timing: _Timing) -> VerifyReply:
+    async def _verify(self, rnd: int, tree: FlatTree, timing: _Timing, confirm: bool = False) -> VerifyReply:
         def build():
             return VerifyRequest(session_id=self.sid, round=rnd, sync=self.cur.target_sync(), tree=tree,
-                                 sampling=self.sampling)
+                                 sampling=self.sampling, specpv=self.specpv, confirm=confirm,
+                                 confirmed_len=self.cur.confirmed if self.exact else None)
 
         reply: VerifyReply = await self._call(self.target_rpc, build, self._reset_target)
         timing.verify_ms += reply.verify_ms

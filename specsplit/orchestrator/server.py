@@ -36,6 +36,7 @@ class Orchestrator:
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
+            specpv=settings.specpv_spec(),
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.admission = Admission(active=settings.orchestrator_active_sessions,
@@ -62,7 +63,8 @@ class Orchestrator:
         await self.draft_rpc.start()
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
-                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump())
+                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump(),
+                      specpv=self.policy.specpv.model_dump() if self.policy.specpv else None)
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
         try:

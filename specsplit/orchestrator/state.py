@@ -22,6 +22,19 @@ class SessionCursor:
     committed: list[int]
     draft_len: int = 0  # tokens of committed the draft worker is known to hold
     target_len: int = 0
+    # tokens of committed that full verification confirmed (exact SpecPV: the rest are
+    # provisional, never streamed, and may be rolled back); -1: all of the initial ones
+    confirmed: int = -1
+    rolled_back: int = 0  # provisional tokens the last reply dropped
+
+    def __post_init__(self) -> None:
+        if self.confirmed < 0:
+            self.confirmed = len(self.committed)
+
+    @property
+    def provisional(self) -> int:
+        """Committed tokens accepted under a partial view and not yet confirmed."""
+        return len(self.committed) - self.confirmed
 
     def draft_sync(self) -> CacheSync:
         base = min(self.draft_len, len(self.committed) - 1)
@@ -36,16 +49,44 @@ class SessionCursor:
         self.draft_len = len(self.committed)
 
     def apply_verify(self, reply: VerifyReply) -> list[int]:
-        """Commit a verify reply; returns the new tokens (accepted + bonus)."""
+        """Commit a verify reply; returns the new tokens (accepted + bonus). A rollback (exact
+        SpecPV) first drops the provisional tokens from ``rollback_len`` on (never confirmed ones)."""
+        self.rolled_back = 0
+        if reply.rollback_len is not None:
+            cut = max(self.confirmed, min(reply.rollback_len, len(self.committed)))
+            self.rolled_back = len(self.committed) - cut
+            del self.committed[cut:]
+            self.draft_len = min(self.draft_len, cut)
         new = [*reply.accepted_token_ids, reply.bonus_token_id]
         self.committed.extend(new)
         self.target_len = reply.cache_len
+        n = len(self.committed)
+        self.confirmed = n if reply.confirmed_len is None else max(self.confirmed, min(reply.confirmed_len, n))
         return new
+
+    def take_confirmed(self, out: list[int], prompt_len: int, max_new_tokens: int, stop: set[int]) -> bool:
+        """Append the newly confirmed tokens to ``out`` (the stream; always a prefix of what
+        follows the prompt) up to the budget or a stop id; True when finished."""
+        return accept_new(out, self.committed[prompt_len + len(out):self.confirmed], max_new_tokens, stop)
+
+    def must_confirm(self, out: list[int], prompt_len: int, max_new_tokens: int, stop: set[int]) -> bool:
+        """Exact SpecPV: the provisional tokens alone would finish the generation, so the next
+        round only confirms them (a root-only tree, verified against the full cache)."""
+        if not self.provisional:
+            return False
+        tail = self.committed[prompt_len + len(out):]
+        return len(out) + len(tail) >= max_new_tokens or any(t in stop for t in tail)
+
+    def produced(self, prompt_len: int) -> int:
+        """Tokens committed after the prompt, provisional ones included (what drafting budgets on)."""
+        return len(self.committed) - prompt_len
 
 
 @dataclass
 class RoundStats:
     rounds: int = 0
+    partial_rounds: int = 0  # SpecPV: rounds verified against the partial view
+    rolled_back: int = 0  # exact SpecPV: provisional tokens a full verification dropped
     drafted: int = 0
     accepted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -55,9 +96,11 @@ class RoundStats:
     drafted_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
 
-    def add(self, tree: FlatTree, reply: VerifyReply) -> None:
+    def add(self, tree: FlatTree, reply: VerifyReply, rolled_back: int = 0) -> None:
         n_accepted = len(reply.accepted_token_ids)
         self.rounds += 1
+        self.partial_rounds += reply.partial
+        self.rolled_back += rolled_back
         self.drafted += tree.num_nodes - 1
         self.accepted += n_accepted
         self.accepted_per_round.append(n_accepted)
@@ -91,6 +134,11 @@ def remaining_tree(tree: TreeSpec, remaining: int) -> TreeSpec:
     """Never draft deeper than the tokens still wanted (a round yields at most depth + 1)."""
     depth = max(0, min(tree.max_depth, remaining - 1))
     return tree.model_copy(update={"max_depth": depth})
+
+
+def root_only(root: int) -> FlatTree:
+    """The tree of a round that drafts nothing (a confirmation round)."""
+    return FlatTree(token_ids=[root], parents=[-1], draft_logprobs=[0.0])
 
 
 def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[int]) -> bool:

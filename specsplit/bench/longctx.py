@@ -1,0 +1,224 @@
+"""``specsplit bench longctx``: long contexts, full verification vs SpecPV approximate vs exact.
+
+Each context is real text: Python standard-library source files from this machine, concatenated
+in a fixed order, then a function to complete; its last N tokens (the target's tokenizer) are
+the prompt. The draft/target pair runs in this process through the same engines the workers use
+(``specsplit.local.generate``), greedy, one mode after another on the same prompt. Per context
+and mode: verify ms per round (prefill round excluded; partial and full rounds apart), tokens
+per round, end-to-end and decode tok/s; for approximate mode, the share of its tokens equal to
+full verification's (position by position) and the first divergence. Prints a markdown table,
+writes ``--json FILE``.
+
+    specsplit bench longctx --contexts 2048,8192,16384 --json runs/longctx.json
+    specsplit bench longctx --preset tiny --contexts 1024,2048 --threshold 512 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+MODES = ("full", "approx", "exact")
+TASK = '''
+
+def merge_sorted(left: list[int], right: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list, in linear time."""
+'''
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="specsplit bench longctx", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="2048,8192,16384", help="comma list of prompt lengths in tokens")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--tree", default="16,6,2", help="max_nodes,max_depth,branch[,min_path_prob]")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sink-blocks", type=int, default=2)
+    p.add_argument("--retrieval-blocks", type=int, default=256)
+    p.add_argument("--window-blocks", type=int, default=8)
+    p.add_argument("--buffer-tokens", type=int, default=128)
+    p.add_argument("--threshold", type=int, default=4096)
+    p.add_argument("--refresh-every", type=int, default=32)
+    p.add_argument("--json", dest="json_path")
+    return p.parse_args(argv)
+
+
+def stdlib_text(min_chars: int) -> str:
+    """Standard-library .py files of this interpreter, sorted by path, concatenated until at
+    least ``min_chars`` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(f"# file: {path.relative_to(root)}\n{text}\n")
+        total += len(parts[-1])
+        if total >= min_chars:
+            break
+    if total < min_chars:
+        raise SystemExit(f"specsplit bench longctx: the standard library at {root} has under {min_chars} characters")
+    return "".join(parts)
+
+
+def long_prompts(tokenizer, contexts: list[int]) -> dict[int, list[int]]:
+    """{N: the last N - len(task) tokens of the stdlib text + the task's tokens}."""
+    task = tokenizer.encode(TASK, add_special_tokens=False)
+    need = max(contexts)
+    text = stdlib_text(need * 8)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < need:  # a tokenizer denser than 8 characters a token
+        text = stdlib_text(len(text) * 2)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return {n: ids[len(ids) - (n - len(task)):] + task for n in contexts}
+
+
+def _recording_engine(log: list):
+    from specsplit.engine.target import TargetEngine
+
+    class Recording(TargetEngine):
+        """The real target engine, noting each round's reply."""
+
+        def verify(self, req):
+            reply = super().verify(req)
+            log.append((reply.partial, reply.verify_ms, req.sync.append_token_ids != [] or req.round == 0))
+            return reply
+
+    return Recording
+
+
+def run_mode(draft, target, prompt: list[int], mode: str, args, spec) -> dict:
+    from schemas import SamplingSpec
+    from specsplit.local import generate
+    from specsplit.orchestrator.state import RoundStats
+
+    rounds: list = []
+    stats = RoundStats()
+    specpv = None if mode == "full" else spec.model_copy(update={"exact": mode == "exact"})
+    t0 = time.perf_counter()
+    out = generate(draft, target, prompt, max_new_tokens=args.max_new_tokens, tree=args.tree_spec,
+                   sampling=SamplingSpec(), stats=stats, specpv=specpv,
+                   make_target_engine=_recording_engine(rounds))
+    wall = time.perf_counter() - t0
+    prefill_ms = sum(ms for _, ms, prefill in rounds if prefill)
+    steady = [(p, ms) for p, ms, prefill in rounds if not prefill]
+    part = [ms for p, ms in steady if p]
+    full = [ms for p, ms in steady if not p]
+    decode_s = max(1e-9, wall - prefill_ms / 1e3)
+    return {
+        "tokens": out, "new_tokens": len(out), "rounds": stats.rounds, "partial_rounds": stats.partial_rounds,
+        "rolled_back": stats.rolled_back, "tokens_per_round": len(out) / max(1, stats.rounds),
+        "verify_ms_per_round": _mean([ms for _, ms in steady]), "verify_ms_partial": _mean(part),
+        "verify_ms_full": _mean(full), "prefill_ms": prefill_ms, "wall_s": wall,
+        "tok_s": len(out) / wall, "decode_tok_s": len(out) / decode_s,
+    }
+
+
+def _mean(xs) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def agreement(approx: list[int], full: list[int]) -> tuple[float, int | None]:
+    same = sum(a == b for a, b in zip(approx, full))
+    first = next((i for i, (a, b) in enumerate(zip(approx, full)) if a != b), None)
+    if first is None and len(approx) != len(full):
+        first = min(len(approx), len(full))
+    return same / max(1, len(full)), first
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| context | mode | verify ms/round | partial / full ms | tokens/round | tok/s | decode tok/s "
+            "| rounds (partial) | rolled back | same as full | first divergence |")
+    lines = [head, "|" + "---|" * 11]
+    def f(x, d=1) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for r in rows:
+        same = "-" if r.get("same_as_full") is None else f"{100 * r['same_as_full']:.0f}%"
+        first = "-" if r.get("first_divergence") is None else str(r["first_divergence"])
+        lines.append(
+            f"| {r['context']} | {r['mode']} | {f(r['verify_ms_per_round'])} | {f(r['verify_ms_partial'])} / "
+            f"{f(r['verify_ms_full'])} | {r['tokens_per_round']:.2f} | {r['tok_s']:.1f} | {r['decode_tok_s']:.1f} "
+            f"| {r['rounds']} ({r['partial_rounds']}) | {r['rolled_back']} | {same} | {first} |")
+    return "\n".join(lines)
+
+
+def summarize(rows: list[dict], contexts: list[int], threshold: int) -> dict:
+    by = {(r["context"], r["mode"]): r for r in rows}
+    big = max(contexts)
+    past = [c for c in contexts if c > threshold] or [big]
+    out = {}
+    for mode in MODES:
+        lo, hi = by.get((min(past), mode)), by.get((big, mode))
+        if lo and hi and lo["verify_ms_per_round"] and hi["verify_ms_per_round"]:
+            out[f"{mode}_verify_growth"] = hi["verify_ms_per_round"] / lo["verify_ms_per_round"]
+        if mode != "full" and hi and by.get((big, "full")):
+            out[f"{mode}_speedup_at_{big}"] = hi["tok_s"] / by[(big, "full")]["tok_s"]
+            out[f"{mode}_decode_speedup_at_{big}"] = hi["decode_tok_s"] / by[(big, "full")]["decode_tok_s"]
+    out["growth_from_context"] = min(past)
+    return out
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    args = parse(argv)
+    contexts = sorted({int(c) for c in args.contexts.split(",") if c})
+    modes = [m for m in args.modes.split(",") if m]
+    if not contexts or any(c < 16 for c in contexts) or set(modes) - set(MODES) or not modes:
+        raise SystemExit(f"specsplit bench longctx: --contexts takes token counts >= 16, --modes a comma list of "
+                         f"{', '.join(MODES)}")
+    import torch
+
+    from schemas import SpecPVSpec, TreeSpec
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+    from specsplit.workers import model_dtype
+
+    configure_logging("WARNING")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n, d, b, *rest = args.tree.split(",")
+    args.tree_spec = TreeSpec(max_nodes=int(n), max_depth=int(d), branch=int(b),
+                              min_path_prob=float(rest[0]) if rest else 0.0)
+    spec = SpecPVSpec(block_size=args.block_size, sink_blocks=args.sink_blocks, retrieval_blocks=args.retrieval_blocks,
+                      window_blocks=args.window_blocks, buffer_tokens=args.buffer_tokens, threshold=args.threshold,
+                      refresh_every=args.refresh_every)
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
+    paths = resolve_model_paths(ms)
+    target, tok = load_model(paths.target, dtype=model_dtype("target", ms))
+    draft = load_model(paths.draft, dtype=model_dtype("draft", ms))[0]
+    prompts = long_prompts(tok, contexts)
+    rows = []
+    for c in contexts:
+        outs = {}
+        for mode in modes:
+            print(f"context {c}: {mode} ...", file=sys.stderr, flush=True)
+            r = run_mode(draft, target, prompts[c], mode, args, spec)
+            outs[mode] = r["tokens"]
+            rows.append({"context": c, "mode": mode, **{k: v for k, v in r.items() if k != "tokens"}})
+        for row in rows[-len(modes):]:
+            if "full" in outs and row["mode"] != "full":
+                row["same_as_full"], row["first_divergence"] = agreement(outs[row["mode"]], outs["full"])
+                row["identical_to_full"] = outs[row["mode"]] == outs["full"]
+    summary = summarize(rows, contexts, spec.threshold)
+    print(table(rows))
+    print(json.dumps(summary, indent=2))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in vars(args).items() if k != "tree_spec"} | {
+            "spec": spec.model_dump(), "draft": str(paths.draft), "target": str(paths.target),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+        Path(args.json_path).write_text(json.dumps({"config": config, "rows": rows, "summary": summary}, indent=2))
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    return 0
