@@ -31,6 +31,19 @@ def merge_sorted(left: list[int], right: list[int]) -> list[int]:
 '''
 
 
+def _load_as_fleet(service: str, path, model_settings):
+    """(model, tokenizer) with the kernels the fleet's worker would run (the role's backend:
+    int8 and float64 attention for a CPU target by default), so the figures are the fleet's."""
+    from specsplit.backends import build_backend
+    from specsplit.models import load_model
+    from specsplit.workers import WorkerSettings, model_dtype
+
+    backend = build_backend(service, getattr(model_settings, f"{service}_device"), WorkerSettings())
+    model, tok = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)),
+                            device=getattr(model_settings, f"{service}_device"))
+    return backend.prepare(model), tok
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="specsplit bench longctx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +60,8 @@ def parse(argv):
     p.add_argument("--buffer-tokens", type=int, default=128)
     p.add_argument("--threshold", type=int, default=4096)
     p.add_argument("--refresh-every", type=int, default=32)
+    p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8", help="as the fleet's .env")
+    p.add_argument("--target-quantize", choices=["none", "int8"], default="int8", help="as the fleet's .env")
     p.add_argument("--json", dest="json_path")
     return p.parse_args(argv)
 
@@ -182,8 +197,7 @@ def main(argv=None) -> int:
 
     from schemas import SpecPVSpec, TreeSpec
     from specsplit.logs import configure_logging
-    from specsplit.models import ModelSettings, load_model, resolve_model_paths
-    from specsplit.workers import model_dtype
+    from specsplit.models import ModelSettings, resolve_model_paths
 
     configure_logging("WARNING")
     if args.threads:
@@ -196,8 +210,10 @@ def main(argv=None) -> int:
                       refresh_every=args.refresh_every)
     ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
     paths = resolve_model_paths(ms)
-    target, tok = load_model(paths.target, dtype=model_dtype("target", ms))
-    draft = load_model(paths.draft, dtype=model_dtype("draft", ms))[0]
+    os.environ["SPECSPLIT_DRAFT_QUANTIZE"], os.environ["SPECSPLIT_TARGET_QUANTIZE"] = args.draft_quantize, args.target_quantize
+    target, tok = _load_as_fleet("target", paths.target, ms)
+    draft = _load_as_fleet("draft", paths.draft, ms)[0]
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prompts = long_prompts(tok, contexts)
     rows = []
     for c in contexts:
