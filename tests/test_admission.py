@@ -26,7 +26,8 @@ def test_runs_up_to_active_then_queues_then_refuses():
     assert [a.offer(b"A", f"s{i}", i) for i in range(4)] == ["run", "run", "wait", "wait"]
     assert a.offer(b"B", "x", 0).startswith("4 sessions admitted")
     assert [w.session_id for w in a.finish("s0")] == ["s2"]
-    assert a.withdraw("s3").session_id == "s3" and a.withdraw("s3") is None
+    assert a.withdraw("s3", b"B") is None and a.waiting == 1  # only the producer that queued it
+    assert a.withdraw("s3", b"A").session_id == "s3" and a.withdraw("s3") is None
     assert a.admitted == 2 and a.waiting == 0
     a.offer(b"A", "w1", 0), a.offer(b"B", "w2", 0)
     assert [w.session_id for w in a.clear_waiting()] == ["w1", "w2"] and a.waiting == 0 and a.admitted == 2

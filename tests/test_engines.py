@@ -85,6 +85,13 @@ def test_stale_round_and_idempotent_retry(engines):
     stale = tgt.handle(VerifyRequest(session_id="s2", round=2, sync=CacheSync(base_len=a.cache_len), tree=FlatTree(token_ids=[1], parents=[-1])))
     assert isinstance(stale, ErrorReply) and stale.code == ErrorCode.STALE_ROUND and not stale.retryable
     assert_same(before, snapshot(tgt, "s2"))
+    # refusals disclose nothing of the session: not its round, not how many tokens it holds
+    assert "3" not in stale.message.replace("round 2", ""), stale.message
+    miss = tgt.handle(VerifyRequest(session_id="s2", round=4, sync=CacheSync(base_len=a.cache_len + 57),
+                                    tree=FlatTree(token_ids=[1], parents=[-1])))
+    assert isinstance(miss, ErrorReply) and miss.code == ErrorCode.CACHE_MISS
+    assert str(a.cache_len) not in miss.message.replace(str(a.cache_len + 57), ""), miss.message
+    assert_same(before, snapshot(tgt, "s2"))
 
 
 def test_draft_errors_and_end_session(engines):

@@ -150,10 +150,13 @@ class Engine:
     def check_locked(self, session: Session, round: int, sync: CacheSync) -> None:
         """Checks made under the session lock, before anything changes."""
         if round < session.last_round:
-            raise SpecError(ErrorCode.STALE_ROUND, f"round {round} is older than {session.last_round}")
+            # the texts name nothing about the session (its round, its length): only its owner
+            # knows those, and a request from anyone else must learn nothing from a refusal
+            raise SpecError(ErrorCode.STALE_ROUND, f"round {round} is older than the session's current round")
         held = self.committed_len(session)
         if held < sync.base_len:
-            raise SpecError(ErrorCode.CACHE_MISS, f"session holds {held} tokens, request assumes {sync.base_len}")
+            raise SpecError(ErrorCode.CACHE_MISS, f"the session's cache does not hold the {sync.base_len} tokens this "
+                                                  "request assumes; resend with base_len 0")
 
     # ---- compute ---------------------------------------------------------------------
     @torch.no_grad()

@@ -70,11 +70,14 @@ class Admission:
             self._release(client)
         return self._fill()
 
-    def withdraw(self, session_id: str) -> Waiting | None:
-        """Drop a waiting session (cancelled before it started); None when it is not waiting."""
-        w = self._waiting.pop(session_id, None)
-        if w is None:
+    def withdraw(self, session_id: str, client: bytes | None = None) -> Waiting | None:
+        """Drop a waiting session (cancelled before it started); None when it is not waiting, or
+        when ``client`` is given and is not the one that queued it (sessions belong to their
+        producer)."""
+        w = self._waiting.get(session_id)
+        if w is None or (client is not None and w.client != client):
             return None
+        del self._waiting[session_id]
         q = self._queues.get(w.client)
         if q is not None:
             q.remove(w)

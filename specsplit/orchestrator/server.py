@@ -39,6 +39,7 @@ class Orchestrator:
             specpv=settings.specpv_spec(),
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
+        self.owners: dict[str, bytes] = {}  # running session -> the producer connection that started it (bounded with sessions)
         self.admission = Admission(active=settings.orchestrator_active_sessions,
                                    max_sessions=settings.orchestrator_max_sessions,
                                    client_share=settings.orchestrator_client_share)
@@ -110,10 +111,14 @@ class Orchestrator:
         if isinstance(msg, GenerateRequest):
             self._start(client, env.request_id, msg)
         elif isinstance(msg, Cancel):
+            # a session belongs to the producer connection that started it: anyone else's Cancel
+            # is dropped exactly like one for an unknown session (no reply, nothing disclosed)
             task = self.sessions.get(msg.session_id)
-            if task:
+            if task and self.owners.get(msg.session_id) == client:
                 task.cancel()
-            elif (w := self.admission.withdraw(msg.session_id)) is not None:
+            elif task:
+                self.log.info("cancel_refused", session_id=msg.session_id, reason="not the session's producer")
+            elif (w := self.admission.withdraw(msg.session_id, client)) is not None:
                 rid, _ = w.item
                 self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
                            w.session_id, rid)
@@ -150,10 +155,12 @@ class Orchestrator:
         actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
+        self.owners[sid] = client
         task.add_done_callback(lambda t, sid=sid: self._finished(sid, t))
 
     def _finished(self, sid: str, task: asyncio.Task) -> None:
         self.sessions.pop(sid, None)
+        self.owners.pop(sid, None)
         if not task.cancelled() and task.exception() is not None:
             self.log.error("session_crashed", session_id=sid, error=repr(task.exception()))
         if self._stopping:
