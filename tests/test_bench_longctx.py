@@ -41,3 +41,16 @@ def test_bench_longctx_smoke(tmp_path, capsys):
     assert rows[(1280, "approx")]["partial_rounds"] > 0
     assert "full_verify_growth" in data["summary"] and "exact_speedup_at_1280" in data["summary"]
     assert "| context | mode |" in capsys.readouterr().out
+
+
+def test_bench_longctx_leaves_the_environment_alone(tmp_path):
+    """It runs inside pytest: settings it applies must not leak into fleets started later."""
+    import os
+
+    def ours():
+        return {k: v for k, v in os.environ.items() if k.startswith("SPECSPLIT_")}
+
+    before = ours()
+    assert longctx.main(["--preset", "tiny", "--contexts", "640", "--threshold", "512", "--max-new-tokens", "4",
+                         "--modes", "full", "--json", str(tmp_path / "x.json")]) == 0
+    assert ours() == before

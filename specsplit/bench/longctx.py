@@ -31,14 +31,14 @@ def merge_sorted(left: list[int], right: list[int]) -> list[int]:
 '''
 
 
-def _load_as_fleet(service: str, path, model_settings):
+def _load_as_fleet(service: str, path, model_settings, overrides: dict):
     """(model, tokenizer) with the kernels the fleet's worker would run (the role's backend:
     int8 and float64 attention for a CPU target by default), so the figures are the fleet's."""
     from specsplit.backends import build_backend
     from specsplit.models import load_model
     from specsplit.workers import WorkerSettings, model_dtype
 
-    backend = build_backend(service, getattr(model_settings, f"{service}_device"), WorkerSettings())
+    backend = build_backend(service, getattr(model_settings, f"{service}_device"), WorkerSettings(**overrides))
     model, tok = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)),
                             device=getattr(model_settings, f"{service}_device"))
     return backend.prepare(model), tok
@@ -210,9 +210,9 @@ def main(argv=None) -> int:
                       refresh_every=args.refresh_every)
     ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
     paths = resolve_model_paths(ms)
-    os.environ["SPECSPLIT_DRAFT_QUANTIZE"], os.environ["SPECSPLIT_TARGET_QUANTIZE"] = args.draft_quantize, args.target_quantize
-    target, tok = _load_as_fleet("target", paths.target, ms)
-    draft = _load_as_fleet("draft", paths.draft, ms)[0]
+    quantize = {"draft_quantize": args.draft_quantize, "target_quantize": args.target_quantize}
+    target, tok = _load_as_fleet("target", paths.target, ms, quantize)
+    draft = _load_as_fleet("draft", paths.draft, ms, quantize)[0]
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prompts = long_prompts(tok, contexts)
     rows = []
