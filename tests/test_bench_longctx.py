@@ -43,13 +43,15 @@ def test_bench_longctx_smoke(tmp_path, capsys):
     assert "| context | mode |" in capsys.readouterr().out
 
 
-def test_bench_longctx_leaves_the_environment_alone(tmp_path):
+def test_bench_longctx_leaves_the_environment_alone(tmp_path, monkeypatch):
     """It runs inside pytest: settings it applies must not leak into fleets started later."""
     import os
 
     def ours():
         return {k: v for k, v in os.environ.items() if k.startswith("SPECSPLIT_")}
 
+    for name in ("SPECSPLIT_DRAFT_QUANTIZE", "SPECSPLIT_TARGET_QUANTIZE"):  # whatever ran before
+        monkeypatch.delenv(name, raising=False)
     before = ours()
     assert longctx.main(["--preset", "tiny", "--contexts", "640", "--threshold", "512", "--max-new-tokens", "4",
                          "--modes", "full", "--json", str(tmp_path / "x.json")]) == 0
