@@ -48,9 +48,10 @@ RETRYABLE_BY_DEFAULT: dict[ErrorCode, bool] = {
 
 
 class Message(BaseModel):
-    """Base of every wire message: immutable, unknown fields rejected."""
+    """Base of every wire message: immutable, unknown fields rejected, types strict (an int field
+    takes an int only: no strings, bools or floats coerced; PROTOCOL.md, "Errors")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class SamplingSpec(Message):
@@ -262,7 +263,7 @@ class Ack(Message):
 
 
 class ErrorReply(Message):
-    code: ErrorCode
+    code: ErrorCode = Field(strict=False)  # an enum travels as its string value
     message: str = Field(default="", max_length=4096)
     retryable: bool = False
     session_id: str | None = None

@@ -69,6 +69,25 @@ def test_structural_schema_errors():
         unpack_frames([PROTO, b"\x05", b"other", b"r", encode(EndSession(session_id="s"))])
 
 
+def test_wire_types_are_strict():
+    """Integers are integers, as PROTOCOL.md says: a string, a bool or a float where an integer
+    belongs is refused (a typed CodecError), never coerced."""
+    good = {"session_id": "s", "round": 1, "sync": {"base_len": 0}, "tree": {"token_ids": [1], "parents": [-1]}}
+    assert decode(MsgKind.VERIFY_REQUEST, msgpack.packb(good)).round == 1
+    for path, bad in ((("round",), "1"), (("round",), True), (("round",), 1.0), (("sync", "base_len"), "0"),
+                      (("tree", "token_ids"), ["1"]), (("tree", "parents"), [-1.0])):
+        body = {**good, "sync": dict(good["sync"]), "tree": dict(good["tree"])}
+        holder = body
+        for key in path[:-1]:
+            holder = holder[key]
+        holder[path[-1]] = bad
+        with pytest.raises(CodecError):
+            decode(MsgKind.VERIFY_REQUEST, msgpack.packb(body))
+    # an error code still travels as its string value
+    err = decode(MsgKind.ERROR, encode(ErrorReply.of(ErrorCode.CACHE_MISS, "x", session_id="s")))
+    assert err.code is ErrorCode.CACHE_MISS
+
+
 @settings(max_examples=400, deadline=None)
 @given(kind=st.integers(0, 255), body=st.binary(max_size=64))
 def test_garbage_bodies_raise_only_codec_error(kind, body):
