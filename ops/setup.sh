@@ -10,4 +10,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+# llama-cpp-python ships as an sdist: build only the library, for this machine's CPU (the GGUF
+# engines' kernels); skipped when it is installed already
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "setup: building llama-cpp-python for this CPU (once, ~8 min on 2 cores)" >&2
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    .venv/bin/python -m pip install -q --disable-pip-version-check "llama-cpp-python==0.3.36"
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"

@@ -104,6 +104,27 @@ class MpsBackend(CudaBackend):
         torch.mps.synchronize()
 
 
+class LlamaCppBackend(Backend):
+    """Threads of a llama.cpp engine's forwards on CPU: the same split as the torch CPU backend
+    (tree-sized forwards on the role's share of the cores, prompts on every core)."""
+
+    name = "llamacpp"
+
+    def __init__(self, threads: int, prefill_threads: int):
+        self.threads, self.prefill_threads = threads, prefill_threads
+
+    @classmethod
+    def for_role(cls, service: str, settings) -> "LlamaCppBackend":
+        return cls(settings.threads_for(service) or default_threads(service),
+                   settings.prefill_threads or default_prefill_threads())
+
+    def threads_for(self, new_tokens: int) -> int:
+        return self.prefill_threads if new_tokens > PREFILL_TOKENS else self.threads
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads}
+
+
 def build_backend(service: str, device: str, settings) -> Backend:
     """The policy for ``service`` on ``device`` from WorkerSettings-like ``settings``."""
     kind = torch.device(device).type

@@ -90,6 +90,15 @@ class WorkerSettings(SessionLimitSettings):
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch);
     # these are on the round's critical path, growth deepens the tree during the next verify anyway
     draft_steps_after_reuse: int | None = Field(default=None, ge=0, le=64)
+    # which kernels run a role's model: "torch" (transformers on the role's device, with the
+    # backend's int8/packing/threads) or "llamacpp" (the role's GGUF on llama.cpp's CPU kernels
+    # through llama-cpp-python; specsplit.engine.llamacpp)
+    draft_engine: Literal["torch", "llamacpp"] = "torch"
+    target_engine: Literal["torch", "llamacpp"] = "torch"
+    llamacpp_ctx: int = Field(default=32768, ge=256, le=1_048_576)  # cells of a llama.cpp worker's shared KV cache
+
+    def engine_for(self, service: str) -> str:
+        return self.draft_engine if service == "draft" else self.target_engine
 
     def quantize_for(self, service: str) -> str:
         return self.draft_quantize if service == "draft" else self.target_quantize

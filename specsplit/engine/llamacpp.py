@@ -1,0 +1,538 @@
+"""Engines on llama.cpp's kernels (GGUF weights through llama-cpp-python's C API).
+
+On a CPU, llama.cpp's quantized kernels (Q4_K_M as the preset's GGUFs ship) run the 1.5B target
+~2-4x faster than torch's int8 (fbgemm) here, so the draft and the target verify with the same
+kernels a user of llama.cpp already runs. The request handling, tree search and verification rules
+are the torch engines' (``DraftEngine`` / ``TargetEngine``): only the cache and the forward differ.
+
+One llama context per worker holds every session's KV in one *unified* cache; a cell is shared by
+sequences (a bitset). Visibility in a llama.cpp batch is "same sequence and not a later position"
+(the token's first sequence id decides), which gives tree attention:
+
+- each session owns a *main* sequence: its committed tokens;
+- target: every root->leaf path of the tree gets a scratch sequence (a copy of the main one's
+  cells); a node is tagged with the sequences of every leaf below it, so it sees the prefix, its
+  ancestors and itself. After the verdict, the main sequence takes the accepted path's cells and
+  the scratch sequences are removed (the rejected nodes' cells become free);
+- draft: every forwarded tree node owns a sequence = its parent's cells + its own, so a node
+  forwarded later sees exactly its ancestors; a re-rooted tree hands the path to the main sequence.
+
+Positions are ``cache_len + depth`` as in the torch engines. Exactness: llama.cpp's kernels are not
+batch-invariant (a multi-token forward may round differently from one-token decodes: the weight
+GEMMs, and the flash-attention kernel's tiled / split-KV paths), so a llama.cpp target's output
+equals its own plain greedy decoding except where the two top logits are within that rounding. Sequence ids come from a bounded pool
+(LLAMA_MAX_SEQ = 256 per context); a draft that finds the pool empty stops growing.
+Engines contain no transport and no device policy: threads per forward size come from the
+worker's backend (``threads_for``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from schemas import ErrorCode
+from specsplit.engine.base import LINEAR_CHUNK, EngineLimits
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.store import Session, SessionStore
+from specsplit.engine.target import Outcome, TargetEngine
+from specsplit.engine.verify import Verdict
+from specsplit.errors import SpecError
+from specsplit.tree import DraftTree, TreeLayout, path_to, subtree_nodes
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("the llamacpp engine needs llama-cpp-python (pip install 'specsplit[llamacpp]'; "
+                           "ops/setup.sh installs it)") from exc
+    return llama_cpp
+
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend(quiet: bool) -> None:
+    global _backend_ready
+    lib = _lib()
+    with _backend_lock:
+        if not _backend_ready:
+            if quiet:  # llama.cpp logs every load at INFO on stderr; the worker logs what matters
+                _silence(lib)
+            lib.llama_backend_init()
+            _backend_ready = True
+
+
+_LOG_CB = None
+_LOG_ERROR, _LOG_CONT = 3, 5  # GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT
+
+
+def _silence(lib) -> None:
+    """llama.cpp logs every load and context at INFO on stderr: keep its errors only."""
+    global _LOG_CB
+    last = [0]
+
+    def cb(level, text, _user_data):
+        level = last[0] if level == _LOG_CONT else level
+        last[0] = level
+        if level == _LOG_ERROR:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    _LOG_CB = lib.llama_log_callback(cb)  # kept referenced: llama.cpp holds the pointer
+    lib.llama_log_set(_LOG_CB, ctypes.c_void_p())
+
+
+class LlamaOutOfCells(Exception):
+    """The unified cache has no room for a forward's tokens."""
+
+
+class LlamaCppModel:
+    """A GGUF model with one context: a unified KV cache of ``n_ctx`` cells shared by up to
+    ``n_seq`` sequences. Not thread-safe by itself: callers hold ``lock``."""
+
+    def __init__(self, path: str | Path, *, n_ctx: int = 32768, n_seq: int = MAX_SEQ, n_batch: int = 512,
+                 threads: int = 1, prefill_threads: int = 1, quiet: bool = True):
+        lib = self.lib = _lib()
+        _init_backend(quiet)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        cp = lib.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
+        cp.n_seq_max = min(n_seq, MAX_SEQ)
+        cp.n_threads, cp.n_threads_batch = threads, prefill_threads
+        cp.kv_unified = True
+        # flash attention (llama.cpp's default on CPU): its kernel accumulates V in f16 in cell
+        # order, so a target never frees cells one by one (LlamaTargetEngine's trash sequence):
+        # cells stay in position order and a token's logits do not depend on where freed cells
+        # were refilled (measured 0.3 logit apart otherwise on SmolLM2)
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO
+        cp.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={n_ctx})")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_ctx = lib.llama_n_ctx(self.ctx)
+        self.n_seq = cp.n_seq_max
+        self.n_batch = n_batch
+        self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch = lib.llama_batch_init(n_batch, 0, self.n_seq)
+        self.lock = threading.RLock()
+        self.threads_for: Callable[[int], int] = lambda n: threads if n <= 64 else prefill_threads
+        self._threads = (threads, prefill_threads)
+        self.cells_used = 0  # cells held by sequences (bookkeeping of this wrapper, for metrics)
+
+    def close(self) -> None:
+        lib = self.lib
+        if getattr(self, "ctx", None):
+            lib.llama_batch_free(self.batch)
+            lib.llama_free(self.ctx)
+            lib.llama_model_free(self.model)
+            self.ctx = None
+
+    # ---- memory -----------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return self.lib.llama_memory_seq_pos_max(self.mem, seq)
+
+    # ---- forward ----------------------------------------------------------------------
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]], outputs: list[int]) -> np.ndarray:
+        """One llama_decode of T tokens (T <= n_batch): token i at ``positions[i]`` in the
+        sequences ``seqs[i]`` (the first decides what it sees). Returns float32 logits of the
+        tokens listed in ``outputs`` (ascending batch indices) [len(outputs), V], a copy.
+        Raises LlamaOutOfCells when the cache has no room (nothing changed)."""
+        t = len(tokens)
+        assert 0 < t <= self.n_batch and len(positions) == t and len(seqs) == t
+        b = self.batch
+        out = set(outputs)
+        for i in range(t):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            row = seqs[i]
+            b.n_seq_id[i] = len(row)
+            sid = b.seq_id[i]
+            for j, s in enumerate(row):
+                sid[j] = s
+            b.logits[i] = 1 if i in out else 0
+        b.n_tokens = t
+        threads = self.threads_for(t)
+        self.lib.llama_set_n_threads(self.ctx, threads, threads)
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc == 1:
+            raise LlamaOutOfCells(f"no room for {t} tokens in the {self.n_ctx}-cell cache")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with {rc}")
+        if not outputs:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        ptr = self.lib.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(len(outputs), self.vocab_size)).copy()
+
+
+class SeqPool:
+    """Sequence ids of one context: a bounded free list."""
+
+    def __init__(self, n_seq: int):
+        self.n_seq = n_seq
+        self.reset()
+
+    def reset(self) -> None:
+        self._free = list(range(self.n_seq - 1, -1, -1))
+
+    def take(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def give(self, seq: int) -> None:
+        self._free.append(seq)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
+class LlamaKV:
+    """A session's part of the unified cache, with SessionKV's vocabulary: ``length`` counts
+    slots (the committed prefix in the main sequence, then forwarded tree nodes, each with its
+    own sequence id and position), ``crop_to`` drops slots from the end."""
+
+    def __init__(self, lm: LlamaCppModel, pool: SeqPool, max_len: int, tree_seqs: Callable[[], int],
+                 trash: int | None = None):
+        self.lm, self.pool, self.max_len, self.trash = lm, pool, max_len, trash
+        self.tree_seqs = tree_seqs  # sequences all tree slots may hold (the pool less main sequences)
+        seq = pool.take()
+        if seq is None:
+            raise SpecError(ErrorCode.OVERLOADED, "worker has no free sequence for a new session", retryable=True)
+        self.seq = seq
+        self.prefix = 0  # committed cells in the main sequence (positions 0..prefix-1)
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (sequence, position), slots >= prefix
+        self.length = 0
+        self.closed = False
+
+    @property
+    def layers(self):  # SessionKV compatibility for code that counts layers (SpecPV: not supported here)
+        return ()
+
+    def room(self) -> int:
+        """Slots this session may still add: its length limit, and the sequences not held by main
+        sequences or by its own tree (other sessions' kept trees are given up for it)."""
+        return min(self.max_len - self.length, self.tree_seqs() - len(self.slots))
+
+    def crop_to(self, length: int) -> None:
+        """Keep the first ``length`` slots (committed cells, then tree slots)."""
+        length = max(0, length)
+        for slot in [s for s in self.slots if s >= length]:
+            seq, _ = self.slots.pop(slot)
+            self.drop(seq)
+            self.pool.give(seq)
+        if length < self.prefix:
+            self.drop(self.seq, length, -1)
+            self.prefix = length
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        """Free every cell and sequence of the session (it was evicted or ended)."""
+        if self.closed:
+            return
+        self.crop_to(0)
+        self.drop(self.seq)
+        self.pool.give(self.seq)
+        self.closed = True
+
+    def drop(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove ``seq`` from the cells in [p0, p1). With a trash sequence the cells are not
+        freed but handed to it (see LlamaTargetEngine: no cell is ever reused before the whole
+        cache is collected, so every session's cells stay in position order)."""
+        if self.trash is not None:
+            self.lm.seq_cp(seq, self.trash, p0, p1)
+        self.lm.seq_rm(seq, p0, p1)
+
+    def append_linear(self, tokens: list[int], chunk: int) -> np.ndarray:
+        """Committed tokens appended to the main sequence, ``chunk`` per decode; the last
+        token's logits [V]. Only with no tree slots."""
+        assert not self.slots and self.length == self.prefix
+        logits = None
+        for a in range(0, len(tokens), chunk):
+            part = tokens[a:a + chunk]
+            p = self.prefix
+            logits = self.lm.decode(part, list(range(p, p + len(part))), [[self.seq]] * len(part), [len(part) - 1])
+            self.prefix += len(part)
+            self.length = self.prefix
+        return logits[0]
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # cells live in the shared context; see LlamaCppModel
+
+
+class _LlamaEngineMixin:
+    """What both llama engines share: the context, the sequence pool, sessions that free their
+    cells when evicted, and room-making when the shared cache is full."""
+
+    lm: LlamaCppModel
+
+    trash: int | None = None  # a sequence id that keeps dropped cells (LlamaTargetEngine)
+
+    def _setup(self, lm: LlamaCppModel, limits: EngineLimits, vocab_size: int | None, backend) -> None:
+        from specsplit.engine.base import Backend
+
+        self.model = None
+        self.collections = 0
+        self.lm = lm
+        with lm.lock:  # the context serves this engine alone: no cells of an earlier one remain
+            lm.lib.llama_memory_clear(lm.mem, True)
+        self.limits = limits
+        self.vocab_size = vocab_size or lm.vocab_size
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.backend = backend or Backend()
+        # sessions need a main sequence each; the rest is the trees' (target leaves / draft nodes)
+        n_seq = lm.n_seq - (1 if self.trash is not None else 0)
+        if self.trash is not None:
+            self.trash = lm.n_seq - 1
+        self.pool = SeqPool(n_seq)
+        max_sessions = max(1, min(limits.max_sessions, n_seq // 2))
+        self.limits = EngineLimits(**{**limits.__dict__, "max_sessions": max_sessions})
+        self.store = SessionStore(lambda: LlamaKV(lm, self.pool, limits.max_session_tokens,
+                                                  lambda: n_seq - len(self.store), self.trash),
+                                  max_sessions=max_sessions, ttl_s=limits.session_ttl_s,
+                                  on_evict=lambda s: s.kv.release())
+
+    def handle(self, msg):
+        """Every request (and an eviction it causes) runs under the context's lock: one llama
+        context is never used by two threads at once (the worker may serve small requests inline)."""
+        with self.lm.lock:
+            return super().handle(msg)
+
+    def _retry_out_of_cells(self, kv: LlamaKV, fn):
+        """fn(), evicting the least recently used other sessions while the shared cache is full.
+        With a trash sequence nothing frees cells but a collection: every session is dropped,
+        the cache cleared, and this request answered CACHE_MISS (its client resends the context)."""
+        while True:
+            try:
+                return fn()
+            except LlamaOutOfCells:
+                if self.trash is not None:
+                    self._collect()
+                    raise SpecError(ErrorCode.CACHE_MISS, "the worker's cache was collected; resend with base_len 0")
+                if self.store.evict_oldest(keep=lambda s: s.kv is kv) is None:
+                    raise SpecError(ErrorCode.OVERLOADED, "the worker's KV cache is full", retryable=True)
+
+    def _collect(self) -> None:
+        for session in self.store.clear():
+            session.kv.closed = True
+        self.lm.lib.llama_memory_clear(self.lm.mem, True)
+        self.pool.reset()
+        self.collections += 1
+
+    def _take_seqs(self, kv: LlamaKV, count: int) -> list[int]:
+        """``count`` free sequence ids; other sessions' kept draft trees are dropped (oldest first)
+        to make them, and OVERLOADED when that is not enough (nothing taken)."""
+        while len(self.pool) < count:
+            victim = self.store.oldest(keep=lambda s: s.kv is kv or not s.kv.slots)
+            if victim is None:
+                raise SpecError(ErrorCode.OVERLOADED, "worker has no free sequence for this tree", retryable=True)
+            victim.kv.crop_to(victim.kv.prefix)
+            victim.draft_tree = None
+        return [self.pool.take() for _ in range(count)]
+
+    def forward_linear(self, kv: LlamaKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
+        """Committed tokens appended to the session's main sequence; the last one's logits [V]."""
+        size = min(chunk, self.lm.n_batch)
+        return torch.from_numpy(self._retry_out_of_cells(kv, lambda: kv.append_linear(token_ids, size)))
+
+
+def _leaf_sets(layout: TreeLayout) -> tuple[list[int], list[list[int]]]:
+    """(leaves, below): the tree's leaves, and for every node the indices (into ``leaves``) of the
+    leaves in its subtree, the first one on its first child's side."""
+    n = layout.num_nodes
+    leaves = [i for i in range(n) if not layout.children[i]]
+    index = {leaf: k for k, leaf in enumerate(leaves)}
+    below: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n - 1, -1, -1):
+        if i in index:
+            below[i] = [index[i]]
+        else:
+            below[i] = [k for c in layout.children[i] for k in below[c]]
+    return leaves, below
+
+
+class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
+    """TargetEngine's requests and verification rules on a llama.cpp context (full verification;
+    SpecPV views are a torch-engine feature: a request's ``specpv`` is verified fully here)."""
+
+    role = "target"
+    trash = -1  # set to the last sequence id by _setup
+
+    def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
+                 backend=None):
+        from specsplit.logs import get_logger
+
+        self._setup(lm, limits, vocab_size, backend)
+        self._view_attention = None
+        self.log = get_logger("specsplit.target")
+
+    @staticmethod
+    def committed_len(session) -> int:
+        return session.kv.prefix
+
+    def _round(self, session: Session, req, layout: TreeLayout) -> Outcome:
+        kv: LlamaKV = session.kv
+        kv.crop_to(req.sync.base_len)
+        lin = list(req.sync.append_token_ids)
+        n = layout.num_nodes
+        leaves, below = _leaf_sets(layout)
+        room = self.lm.n_batch - n
+        if len(lin) > room:  # a long sync (a prompt): committed first, in chunks
+            head, lin = lin[:len(lin) - room], lin[len(lin) - room:]
+            self.forward_linear(kv, head)
+        scratch = self._take_seqs(kv, len(leaves))
+        try:
+            start = kv.prefix + len(lin)  # the root's position
+            for s in scratch:
+                self.lm.seq_cp(kv.seq, s)
+            tokens = [*lin, *req.tree.token_ids]
+            pos = [*range(kv.prefix, start), *(start + d for d in layout.depths)]
+            seqs = [[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)]
+            outputs = list(range(len(lin), len(lin) + n))
+            logits = torch.from_numpy(self._retry_out_of_cells(
+                kv, lambda: self.lm.decode(tokens, pos, seqs, outputs)))  # [N, V]
+            kv.prefix = kv.length = start
+            visible = torch.from_numpy(_ancestor_matrix(layout))  # [N, N]
+            verdict: Verdict = self._decide(req, layout, logits, visible)
+            deepest = verdict.path[-1]
+            path_seq = scratch[below[deepest][0]]
+            self.lm.seq_cp(path_seq, kv.seq, start, start + len(verdict.path))  # root + accepted nodes
+            kv.prefix = kv.length = start + len(verdict.path)
+        finally:
+            if not kv.closed:  # (a collection cleared everything)
+                for s in scratch:
+                    kv.drop(s)
+                    self.pool.give(s)
+        return Outcome(verdict)
+
+
+def _ancestor_matrix(layout: TreeLayout) -> np.ndarray:
+    n = layout.num_nodes
+    m = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        for a in path_to(i, layout.parents):
+            m[i, a] = True
+    return m
+
+
+class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
+    """DraftEngine's tree search (best-first, kept and re-rooted between requests, grown while
+    the target verifies; sampled level by level) on a llama.cpp context."""
+
+    role = "draft"
+
+    def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
+                 max_support: int = 64, steps_after_reuse: int | None = None, backend=None):
+        self._setup(lm, limits, vocab_size, backend)
+        self.max_support = max_support
+        self.steps_after_reuse = steps_after_reuse
+        self.max_kept_nodes = 4 * limits.max_tree_nodes
+        self.others_waiting = lambda: False
+
+    def _root_forward(self, kv: LlamaKV, sync, root: int) -> torch.Tensor:
+        """Crop to the synced prefix (freeing any kept tree) and append [sync tokens + root]."""
+        kv.crop_to(sync.base_len)
+        return self.forward_linear(kv, [*sync.append_token_ids, root])
+
+    def _forward_nodes(self, kv: LlamaKV, g: DraftTree, nodes: list[int], pos: list[int]) -> torch.Tensor:
+        """One decode of tree ``nodes`` (parents forwarded): node n gets a sequence holding its
+        parent's cells, so it sees the prefix, its ancestors and itself. [F, V] logits."""
+        f, base = len(nodes), kv.length
+        seqs = self._take_seqs(kv, f)
+        try:
+            for node, s in zip(nodes, seqs):
+                parent = g.slot[g.parents[node]]
+                self.lm.seq_cp(kv.seq if parent < kv.prefix else kv.slots[parent][0], s)
+            tokens = [g.tokens[n] for n in nodes]
+            logits = self._retry_out_of_cells(kv, lambda: self.lm.decode(tokens, pos, [[s] for s in seqs],
+                                                                          list(range(f))))  # [F, V]
+        except BaseException:
+            for s in seqs:
+                self.lm.seq_rm(s)
+                self.pool.give(s)
+            raise
+        for j, s in enumerate(seqs):
+            kv.slots[base + j] = (s, pos[j])
+        kv.length = base + f
+        return torch.from_numpy(logits)
+
+    def _reroot(self, kv: LlamaKV, g: DraftTree, sync, root: int) -> DraftTree | None:
+        """The kept tree re-rooted at the new root when [append tokens + root] is one of its
+        paths and the new root was forwarded: the main sequence takes the path's cells, the new
+        root's expanded subtree keeps its sequences, the rest are freed."""
+        if g.prefix_len != sync.base_len or kv.prefix != g.prefix_len:
+            return None
+        path = g.child_path([*sync.append_token_ids, root])
+        if not path or g.slot[path[-1]] < 0:
+            return None
+        b = path[-1]
+        b_seq, b_pos = kv.slots[g.slot[b]]
+        expanded = sorted((n for n in subtree_nodes(g.parents, b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
+        self.lm.seq_cp(b_seq, kv.seq, g.prefix_len, b_pos + 1)  # the path joins the committed prefix
+        new_prefix = g.prefix_len + len(path)
+        keep = {g.slot[n] for n in expanded}
+        kept = {}
+        for slot, (seq, p) in kv.slots.items():
+            if slot in keep:
+                kept[slot] = (seq, p)
+            else:
+                self.lm.seq_rm(seq)
+                self.pool.give(seq)
+        where = {g.slot[n]: new_prefix + k for k, n in enumerate(expanded)}
+        kv.slots = {where[slot]: v for slot, v in kept.items()}
+        kv.prefix = new_prefix
+        kv.length = new_prefix + len(expanded)
+        return g.rerooted(b, new_prefix, where)
+
+
+def greedy_decode(lm: LlamaCppModel, prompt_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain greedy decoding on ``lm`` (the prompt, then one token per decode): the reference a
+    llama.cpp target's speculative output is compared with, and the bench's target-alone row.
+    Takes the whole context: it is cleared first (an engine on it loses its sessions)."""
+    stop = set(int(s) for s in stop_token_ids)
+    out: list[int] = []
+    seq = 0
+    with lm.lock:
+        lm.lib.llama_memory_clear(lm.mem, True)
+        try:
+            logits = None
+            for a in range(0, len(prompt_ids), lm.n_batch):
+                part = prompt_ids[a:a + lm.n_batch]
+                logits = lm.decode(part, list(range(a, a + len(part))), [[seq]] * len(part), [len(part) - 1])
+            pos = len(prompt_ids)
+            while len(out) < max_new_tokens:
+                token = int(np.argmax(logits[0]))
+                out.append(token)
+                if token in stop or len(out) == max_new_tokens:
+                    break
+                logits = lm.decode([token], [pos], [[seq]], [0])
+                pos += 1
+        finally:
+            lm.seq_rm(seq)
+    return out

@@ -1,0 +1,248 @@
+"""The llama.cpp engines (``specsplit.engine.llamacpp``) on a real GGUF: SmolLM2-135M-Instruct
+(Q4_1, ~98 MB, provisioned like the smollm2 preset and kept).
+
+Oracles: a tree forward's logits at every node equal a forward of that node's path alone (llama.cpp's
+kernels round differently for different batch shapes, measured up to ~0.7 logit on this Q4_1 model
+for some inputs, so logits are compared within that and argmaxes where the top two are further
+apart); greedy speculative generation through both engines equals the same model's plain greedy
+decoding up to its first near-tie (a divergence anywhere else fails);
+bad requests get typed errors and change nothing; sessions free their cells and sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas import CacheSync, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, SamplingSpec, TreeSpec
+from schemas import VerifyReply, VerifyRequest
+from specsplit import local
+from specsplit.engine.base import EngineLimits
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a dependency; ops/setup.sh installs it")
+
+from specsplit.engine.llamacpp import (  # noqa: E402
+    LlamaCppModel, LlamaDraftEngine, LlamaTargetEngine, greedy_decode,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    from specsplit.models import ModelSettings
+    from specsplit.models.loading import resolve_gguf
+
+    return resolve_gguf("target", ModelSettings(preset="smollm2"))
+
+
+@pytest.fixture(scope="module")
+def lm(gguf):
+    m = LlamaCppModel(gguf, n_ctx=4096, n_seq=64, threads=1, prefill_threads=2)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def lm_draft(gguf):
+    m = LlamaCppModel(gguf, n_ctx=4096, n_seq=64, threads=1, prefill_threads=2)
+    yield m
+    m.close()
+
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 216, 30, 1146, 314, 216, 31, 28, 3705, 253, 1790]  # arbitrary ids < vocab
+
+
+TOLERANCE = 1.0  # logits: llama.cpp's shape-dependent rounding on this model (measured up to ~0.7)
+
+
+def _path_logits(lm, tokens):
+    """Logits after ``tokens`` (one forward, a fresh context): [V]."""
+    with lm.lock:
+        lm.lib.llama_memory_clear(lm.mem, True)
+        return lm.decode(tokens, list(range(len(tokens))), [[0]] * len(tokens), [len(tokens) - 1])[0]
+
+
+def _greedy_margins(lm, prompt, n):
+    """Plain greedy decoding with, at each step, the gap between the two best logits."""
+    out, margins = greedy_decode(lm, prompt, n), []
+    for i in range(len(out)):
+        top2 = np.sort(_path_logits(lm, prompt + out[:i]))[-2:]
+        margins.append(float(top2[1] - top2[0]))
+    return out, margins
+
+
+def test_tree_forward_matches_sequential_paths(lm, lm_draft):
+    """One verify decode over a branching tree: every node's logits equal a sequential decode of
+    its root->node path (tolerance for llama.cpp's shape-dependent rounding)."""
+    ref = lm_draft  # the same GGUF in another context: the sequential reference
+    eng = LlamaTargetEngine(lm, EngineLimits(max_sessions=4, max_session_tokens=1024))
+    # root = PROMPT[-1]; two children, one with a chain below, one with two children
+    tree = FlatTree(token_ids=[PROMPT[-1], 100, 200, 101, 102, 201, 202], parents=[-1, 0, 0, 1, 3, 2, 2])
+    from specsplit.tree import validate_tree
+
+    layout = validate_tree(tree, vocab_size=lm.vocab_size, max_nodes=64, max_depth=16)
+    session = eng.store.get_or_create("s")
+    captured = {}
+    real_decide = eng._decide
+
+    def capture(req, layout, logits, visible):
+        captured["logits"] = logits.clone()
+        return real_decide(req, layout, logits, visible)
+
+    eng._decide = capture
+    req = VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]), tree=tree,
+                        sampling=SamplingSpec())
+    with lm.lock:
+        eng._round(session, req, layout)
+    tree_logits = captured["logits"].numpy()  # [N, V]
+    from specsplit.tree import path_to
+
+    for node in range(1, len(tree.token_ids)):
+        path = path_to(node, layout.parents)  # root first
+        want = _path_logits(ref, PROMPT[:-1] + [tree.token_ids[i] for i in path])
+        got = tree_logits[node]
+        assert np.abs(got - want).max() < TOLERANCE, node
+        top2 = np.sort(want)[-2:]
+        if top2[1] - top2[0] > TOLERANCE:
+            assert int(np.argmax(got)) == int(np.argmax(want)), node
+    eng.handle(EndSession(session_id="s"))
+
+
+@pytest.mark.parametrize("tree", [
+    TreeSpec(max_nodes=5, max_depth=4, branch=1),
+    TreeSpec(max_nodes=12, max_depth=6, branch=2, min_path_prob=0.05),
+], ids=["chain", "tree"])
+def test_greedy_equals_plain_greedy(lm, lm_draft, tree):
+    """Speculative greedy through both llama engines (growth, re-rooting and prompt lookup on)
+    returns exactly the model's plain greedy decoding, for several prompts."""
+    prompts = [PROMPT, PROMPT[:7] + PROMPT[:7] + [9, 10, 11], list(range(300, 340))]
+    identical = 0
+    for prompt in prompts:
+        want, margins = _greedy_margins(lm, prompt, 40)
+        got = local.generate(lm_draft, lm, prompt, max_new_tokens=40, tree=tree, sampling=SamplingSpec(),
+                             make_target_engine=LlamaTargetEngine, make_draft_engine=LlamaDraftEngine,
+                             lookup_max_tokens=4, grow_budget_ms=30.0)
+        assert len(got) == len(want)
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            identical += 1
+        else:  # only where rounding can decide: the reference's two best logits nearly tie
+            assert margins[first] < TOLERANCE, (first, margins[first])
+    assert identical >= 1
+
+
+def test_sampled_generation_is_seeded(lm, lm_draft):
+    """Sampled rounds (rejection sampling, the torch engines' rule) through llama engines: the same
+    seed gives the same tokens, another seed other tokens."""
+    spec = TreeSpec(max_nodes=6, max_depth=3, branch=2)
+
+    def run(seed):
+        return local.generate(lm_draft, lm, PROMPT, max_new_tokens=24, tree=spec,
+                              sampling=SamplingSpec(temperature=1.0, seed=seed),
+                              make_target_engine=LlamaTargetEngine, make_draft_engine=LlamaDraftEngine)
+
+    a, b, c = run(1), run(1), run(2)
+    assert a == b and len(a) == 24
+    assert a != c
+
+
+def test_bad_requests_change_nothing_and_sessions_free_their_cells(lm):
+    limits = EngineLimits(max_sessions=3, max_session_tokens=256)
+    eng = LlamaTargetEngine(lm, limits)
+    free0 = len(eng.pool)
+    tree = FlatTree(token_ids=[PROMPT[-1], 5, 6], parents=[-1, 0, 1])
+    ok = eng.handle(VerifyRequest(session_id="a", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                                  tree=tree, sampling=SamplingSpec()))
+    assert isinstance(ok, VerifyReply)
+    held = ok.cache_len
+    # an out-of-range token, a cyclic tree: typed errors, the session's cache unchanged
+    bad_tok = FlatTree(token_ids=[PROMPT[-1], lm.vocab_size + 5], parents=[-1, 0])
+    r = eng.handle(VerifyRequest(session_id="a", round=1, sync=CacheSync(base_len=held, append_token_ids=[]),
+                                 tree=bad_tok, sampling=SamplingSpec()))
+    assert isinstance(r, ErrorReply) and r.code is ErrorCode.BAD_REQUEST
+    cyclic = FlatTree(token_ids=[PROMPT[-1], 5, 6], parents=[-1, 2, 1])
+    r = eng.handle(VerifyRequest(session_id="a", round=1, sync=CacheSync(base_len=held, append_token_ids=[]),
+                                 tree=cyclic, sampling=SamplingSpec()))
+    assert isinstance(r, ErrorReply) and r.code is ErrorCode.BAD_REQUEST
+    assert eng.committed_len(eng.store.get("a")) == held
+    assert lm.seq_pos_max(eng.store.get("a").kv.seq) == held - 1
+    # an unknown session with base_len > 0: CACHE_MISS
+    r = eng.handle(VerifyRequest(session_id="nobody", round=0, sync=CacheSync(base_len=3, append_token_ids=[]),
+                                 tree=tree, sampling=SamplingSpec()))
+    assert isinstance(r, ErrorReply) and r.code is ErrorCode.CACHE_MISS
+    # more sessions than the limit: the oldest are evicted and their sequences come back
+    for sid in ("b", "c", "d", "e"):
+        eng.handle(VerifyRequest(session_id=sid, round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                                 tree=tree, sampling=SamplingSpec()))
+    assert len(eng.store) == 3 and "a" not in eng.store
+    for sid in ("c", "d", "e"):
+        eng.handle(EndSession(session_id=sid))
+    assert len(eng.pool) == free0
+    with lm.lock:  # every session's sequence is empty; their cells went to the trash sequence
+        assert all(lm.seq_pos_max(s) == -1 for s in range(lm.n_seq) if s != eng.trash)
+        assert lm.seq_pos_max(eng.trash) >= 0
+
+
+def test_full_cache_is_collected_and_the_client_resends(gguf):
+    """A target never frees cells one by one; when the cache is full it drops every session,
+    clears the cache and answers CACHE_MISS, and the resent context is verified as before."""
+    small = LlamaCppModel(gguf, n_ctx=256, n_seq=16, threads=1, prefill_threads=1)
+    try:
+        eng = LlamaTargetEngine(small, EngineLimits(max_sessions=4, max_session_tokens=200))
+        tree = FlatTree(token_ids=[PROMPT[-1], 5, 6], parents=[-1, 0, 1])
+        sync = CacheSync(base_len=0, append_token_ids=PROMPT[:-1])
+        first = eng.handle(VerifyRequest(session_id="a", round=0, sync=sync, tree=tree, sampling=SamplingSpec()))
+        assert isinstance(first, VerifyReply)
+        replies = []
+        for r in range(1, 200):  # each round leaves rejected cells in the trash
+            replies.append(eng.handle(VerifyRequest(session_id=f"s{r % 3}", round=r, sync=sync, tree=tree,
+                                                    sampling=SamplingSpec())))
+            if eng.collections:
+                break
+        assert eng.collections == 1
+        miss = replies[-1]
+        assert isinstance(miss, ErrorReply) and miss.code is ErrorCode.CACHE_MISS
+        assert len(eng.store) == 0
+        again = eng.handle(VerifyRequest(session_id="a", round=1, sync=sync, tree=tree, sampling=SamplingSpec()))
+        assert isinstance(again, VerifyReply)
+        assert (again.accepted_token_ids, again.bonus_token_id) == (first.accepted_token_ids, first.bonus_token_id)
+    finally:
+        small.close()
+
+
+def test_draft_kept_tree_survives_and_frees(lm_draft):
+    """A greedy draft keeps its tree (sequences per forwarded node) and re-roots it; ending the
+    session frees every sequence."""
+    eng = LlamaDraftEngine(lm_draft, EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=16))
+    free0 = len(eng.pool)
+    spec = TreeSpec(max_nodes=8, max_depth=4, branch=2)
+    r0 = eng.handle(DraftRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                                 root=PROMPT[-1], tree=spec, sampling=SamplingSpec()))
+    assert not isinstance(r0, ErrorReply) and len(r0.tree.token_ids) > 1
+    assert len(eng.pool) < free0 - 1  # the main sequence and the forwarded nodes'
+    # the first child's path accepted: the next request re-roots the kept tree
+    child = r0.tree.parents.index(0)
+    first = r0.tree.token_ids[child]
+    nxt = next((i for i, p in enumerate(r0.tree.parents) if p == child), None)
+    root = r0.tree.token_ids[nxt] if nxt is not None else 7
+    r1 = eng.handle(DraftRequest(session_id="s", round=1,
+                                 sync=CacheSync(base_len=len(PROMPT), append_token_ids=[first]),
+                                 root=root, tree=spec, sampling=SamplingSpec()))
+    assert not isinstance(r1, ErrorReply)
+    if nxt is not None:
+        assert r1.reused_nodes > 0
+    eng.handle(EndSession(session_id="s"))
+    assert len(eng.pool) == free0
+    with lm_draft.lock:
+        assert all(lm_draft.seq_pos_max(s) == -1 for s in range(lm_draft.n_seq))
+
+
+def test_logits_are_float32_on_cpu(lm):
+    with lm.lock:
+        lm.seq_rm(5)
+        out = lm.decode(PROMPT, list(range(len(PROMPT))), [[5]] * len(PROMPT), [len(PROMPT) - 1])
+        lm.seq_rm(5)
+    assert out.dtype == np.float32 and out.shape == (1, lm.vocab_size)
+    assert torch.from_numpy(out).isfinite().all()
