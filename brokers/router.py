@@ -173,7 +173,8 @@ class Router:
             now = time.monotonic()
             self._next_hb = self._next_check = now
             self.ready.set()
-            self.log.info("router_started", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+            self.log.info("router_started", frontend=self.frontend_endpoint, backend=self.backend_endpoint,
+                          curve=self.curve is not None)
             while not (stop_event.is_set() or self._closing.is_set()):
                 events = dict(poller.poll(self._poll_ms()))
                 if self._be in events:

@@ -67,7 +67,8 @@ class Orchestrator:
                                          heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
+        self.log.info("orchestrator_started", frontend=self.frontend, curve=self.curve is not None, grow=s.grow,
+                      tree_budget=s.tree_budget,
                       lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump(),
                       specpv=self.policy.specpv.model_dump() if self.policy.specpv else None)
         self.ready.set()
