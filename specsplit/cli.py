@@ -5,7 +5,7 @@
     specsplit orchestrator            the asyncio orchestrator
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
-    specsplit bench transport|longctx|...  benchmarks
+    specsplit bench transport|longctx|netem|...  benchmarks
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
     specsplit keys new [--dir D] [--name N]  a CURVE keypair (N.key public, N.key_secret mode 0600)
 """
@@ -109,6 +109,10 @@ def _orchestrator(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     if argv and argv[0] == "transport":
         from specsplit.bench.transport import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "netem":
+        from specsplit.bench.netem import main
 
         return main(argv[1:])
     if argv and argv[0] == "longctx":
