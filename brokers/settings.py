@@ -108,6 +108,17 @@ class FleetAddresses(CurveSettings):
     target_backend: str = _DEFAULT_ADDRESSES["target"][1]
     orchestrator: str = DEFAULT_ORCHESTRATOR
 
+    @model_validator(mode="after")
+    def _check_fleet_curve(self) -> FleetAddresses:
+        """Every role binds or dials these: beyond loopback they need CURVE, refused at startup."""
+        if not self.curve_on:
+            for name in ("draft_router", "draft_backend", "target_router", "target_backend", "orchestrator"):
+                addr = getattr(self, name)
+                if not is_loopback_address(addr):
+                    raise ValueError(f"SPECSPLIT_{name.upper()}={addr}: beyond loopback requires CURVE keys: "
+                                     f"{SETTINGS_HINT}")
+        return self
+
 
 class HeartbeatSettings(FleetAddresses):
     """Router <-> worker liveness, read by both sides with one meaning (Paranoid Pirate)."""

@@ -116,6 +116,11 @@ def test_settings_refuse_public_binds_without_keys_at_startup(tmp_path, monkeypa
         RouterSettings(service="draft", curve_server_key="x")
     with pytest.raises(ValueError, match="binding beyond loopback"):
         OrchestratorSettings(orchestrator_bind="tcp://0.0.0.0:5570")
+    from specsplit.config import ProducerSettings, WorkerSettings
+
+    for cls in (WorkerSettings, ProducerSettings):  # clients dialling a remote fleet: refused at startup too
+        with pytest.raises(ValueError, match="SPECSPLIT_TARGET_BACKEND=tcp://10.213.0.1:5561: beyond loopback"):
+            cls(target_backend="tcp://10.213.0.1:5561")
     cli_main(["keys", "new", "--dir", str(tmp_path), "--name", "server"])
     secret, public = tmp_path / "server.key_secret", tmp_path / "server.key"
     with pytest.raises(ValueError, match="SPECSPLIT_CURVE_AUTHORIZED_KEYS"):
