@@ -249,8 +249,30 @@ class SpecSplitClient:
         rid = (next(self._rids) & (2**64 - 1)).to_bytes(8, "big")
         q: asyncio.Queue = asyncio.Queue(maxsize=0)
         self._streams[rid] = q
-        await self._sock.send_multipart(pack_frames(msg, sid, rid))
+        try:
+            await self._send(pack_frames(msg, sid, rid))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         return rid, q
+
+    async def _send(self, frames: list[bytes]) -> None:
+        """Send, bounded: a DEALER whose handshake failed has no pipe and would block forever, so
+        the wait ends on a CURVE refusal (OrchestratorRefused) or after ``timeout_s``."""
+        send = asyncio.ensure_future(self._sock.send_multipart(frames))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({send}, timeout=0.1)
+                if done:
+                    return send.result()
+                if self.refused:
+                    raise OrchestratorRefused(self.refused)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not send to orchestrator {self.addr} in {self.timeout_s:.0f}s")
+        finally:
+            if not send.done():
+                send.cancel()
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         """Readiness by handshake: True when the orchestrator answers a heartbeat in time."""
