@@ -65,7 +65,8 @@ def check_greedy(fleet, target_model, seed: int, n: int, max_new_tokens: int) ->
 
 def test_a_curve_fleet_across_namespaces_equals_greedy(fleet, lab, target_model):
     for name, host in (("router_draft", "routers"), ("router_target", "routers"), ("orchestrator", "orch")):
-        started = next(l for l in fleet.fleet.log(name).splitlines() if "_started" in l)
+        event = "orchestrator_started" if name == "orchestrator" else "router_started"
+        started = next(line for line in fleet.fleet.log(name).splitlines() if event in line)
         assert lab.addr[host] in started and "curve=True" in started  # bound on the veth address, with CURVE
     check_greedy(fleet, target_model, seed=3, n=4, max_new_tokens=24)
 
