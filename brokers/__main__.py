@@ -10,6 +10,7 @@ import threading
 import zmq
 from pydantic import ValidationError
 
+from brokers.curve import CurveError
 from brokers.router import Router
 from brokers.settings import SERVICES, RouterSettings
 from brokers.logs import configure_logging, get_logger
@@ -39,7 +40,7 @@ def build_router(settings: RouterSettings) -> Router:
         request_ttl_s=settings.request_ttl_s,
         sndhwm=settings.sndhwm,
         rcvhwm=settings.rcvhwm,
-        allow_public_bind=settings.allow_public_bind,
+        curve=settings.curve_keys(server=True),
     )
 
 
@@ -60,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    router = build_router(settings)
+    try:
+        router = build_router(settings)
+    except CurveError as exc:
+        log.error("router_curve_refused", error=str(exc))
+        print(f"invalid router settings: {exc}", file=sys.stderr)
+        return 2
     try:
         router.run(stop)
     except zmq.ZMQError as exc:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
+from brokers.curve import CurveKeys, CurveRequired, release_zap
 from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
@@ -123,13 +124,14 @@ class Router:
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         ctx: zmq.Context | None = None,
-        allow_public_bind: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
         for addr in (frontend_addr, backend_addr):
-            if not allow_public_bind and not is_loopback_address(addr):
-                raise ValueError(f"{addr}: binding beyond loopback requires CURVE keys (not supported yet)")
+            if curve is None and not is_loopback_address(addr):
+                raise CurveRequired(f"{addr}: binding beyond loopback requires CURVE keys (router curve=None)")
+        self.curve = curve  # both sockets are CURVE servers admitting curve.authorized
         self.service = service
         self.frontend_addr, self.backend_addr = frontend_addr, backend_addr
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
@@ -171,7 +173,8 @@ class Router:
             now = time.monotonic()
             self._next_hb = self._next_check = now
             self.ready.set()
-            self.log.info("router_started", frontend=self.frontend_endpoint, backend=self.backend_endpoint)
+            self.log.info("router_started", frontend=self.frontend_endpoint, backend=self.backend_endpoint,
+                          curve=self.curve is not None)
             while not (stop_event.is_set() or self._closing.is_set()):
                 events = dict(poller.poll(self._poll_ms()))
                 if self._be in events:
@@ -198,9 +201,11 @@ class Router:
 
     def _open_sockets(self) -> None:
         snd, rcv = self._hwm
-        self._fe = make_socket(self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, bind=self.frontend_addr)
+        self._fe = make_socket(self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, bind=self.frontend_addr,
+                               curve=self.curve)
         self._be = make_socket(
-            self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=True, bind=self.backend_addr
+            self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=True, bind=self.backend_addr,
+            curve=self.curve,
         )
         self.frontend_endpoint, self.backend_endpoint = endpoint(self._fe), endpoint(self._be)
         monitor_addr = f"inproc://specsplit-router-monitor-{id(self):x}-{time.monotonic_ns()}"
@@ -213,6 +218,8 @@ class Router:
         for sock in (self._mon, self._fe, self._be):
             if sock is not None:
                 sock.close(linger=0)
+                if self.curve is not None and sock is not self._mon:
+                    release_zap(self._ctx)  # the last one stops the ZAP thread, before ctx.term()
         self._fe = self._be = self._mon = None
 
     def _poll_ms(self) -> int:

@@ -5,16 +5,19 @@ Addresses: ``frontend_addr`` / ``backend_addr`` (SPECSPLIT_FRONTEND_ADDR / _BACK
 variables that orchestrators and workers read too (SPECSPLIT_DRAFT_ROUTER, SPECSPLIT_DRAFT_BACKEND,
 SPECSPLIT_TARGET_ROUTER, SPECSPLIT_TARGET_BACKEND), whose defaults are ``default_addresses``. So
 one environment configures a whole fleet. Also: SPECSPLIT_SERVICE, _HEARTBEAT_S, _LIVENESS,
-_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON.
+_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON, and the
+CURVE keys every process reads (``CurveSettings``): a bind beyond loopback is refused without them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from brokers.curve import SETTINGS_HINT, CurveError, CurveKeys, load_authorized_keys, load_keypair, load_public_key
 from brokers.sockets import DEFAULT_HWM, is_loopback_address
 
 SERVICES: tuple[str, ...] = ("draft", "target")
@@ -44,7 +47,57 @@ class CommonSettings(BaseSettings):
     log_json: bool = False
 
 
-class FleetAddresses(CommonSettings):
+class CurveSettings(CommonSettings):
+    """CURVE keys, one meaning in every process (PROTOCOL.md, "CURVE (off-box fleets)"). Unset:
+    CURVE is off and only loopback addresses work. SPECSPLIT_CURVE_SECRET_KEY_FILE (this
+    process's keypair, a 0600 ``*.key_secret`` from ``specsplit keys new``) turns it on;
+    SPECSPLIT_CURVE_SERVER_KEY (Z85 text or a ``*.key`` file) is the public key of the servers a
+    client connects to; SPECSPLIT_CURVE_AUTHORIZED_KEYS (a directory of ``*.key`` files, or a file
+    of Z85 keys, one a line) are the client keys a server admits."""
+
+    curve_secret_key_file: Path | None = None
+    curve_server_key: str | None = None
+    curve_authorized_keys: Path | None = None
+
+    @property
+    def curve_on(self) -> bool:
+        return self.curve_secret_key_file is not None
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> CurveSettings:
+        if not self.curve_on and (self.curve_server_key or self.curve_authorized_keys):
+            raise ValueError("SPECSPLIT_CURVE_SERVER_KEY / _AUTHORIZED_KEYS need SPECSPLIT_CURVE_SECRET_KEY_FILE "
+                             "(this process's own keypair) too")
+        return self
+
+    def curve_keys(self, *, server: bool = False, client: bool = False) -> CurveKeys | None:
+        """The loaded keys (None: CURVE off); ``server`` / ``client``: what this process needs,
+        refused with a CurveError naming the missing setting."""
+        if not self.curve_on:
+            return None
+        if server and self.curve_authorized_keys is None:
+            raise CurveError("a CURVE server needs SPECSPLIT_CURVE_AUTHORIZED_KEYS (the client keys it admits)")
+        if client and not self.curve_server_key:
+            raise CurveError("a CURVE client needs SPECSPLIT_CURVE_SERVER_KEY (the public key of its servers)")
+        public, secret = load_keypair(self.curve_secret_key_file)
+        return CurveKeys(
+            public_key=public, secret_key=secret,
+            server_key=load_public_key(self.curve_server_key) if self.curve_server_key else None,
+            authorized=load_authorized_keys(self.curve_authorized_keys) if self.curve_authorized_keys else None,
+        )
+
+
+def check_binds(addrs, curve_on: bool, has_authorized: bool) -> None:
+    """Refuse, at startup, binds beyond loopback without CURVE, and CURVE servers without keys."""
+    for addr in addrs:
+        if not curve_on and not is_loopback_address(addr):
+            raise ValueError(f"{addr}: binding beyond loopback requires CURVE keys: {SETTINGS_HINT}")
+    if curve_on and not has_authorized:
+        raise ValueError("CURVE is on (SPECSPLIT_CURVE_SECRET_KEY_FILE) but a server needs "
+                         "SPECSPLIT_CURVE_AUTHORIZED_KEYS (the client keys it admits)")
+
+
+class FleetAddresses(CurveSettings):
     """The fleet's addresses, one meaning in every process: routers bind ``*_router`` (their
     frontend, where orchestrators connect) and ``*_backend`` (where workers connect); the
     orchestrator binds ``orchestrator`` and producers connect to it."""
@@ -54,6 +107,17 @@ class FleetAddresses(CommonSettings):
     target_router: str = _DEFAULT_ADDRESSES["target"][0]
     target_backend: str = _DEFAULT_ADDRESSES["target"][1]
     orchestrator: str = DEFAULT_ORCHESTRATOR
+
+    @model_validator(mode="after")
+    def _check_fleet_curve(self) -> FleetAddresses:
+        """Every role binds or dials these: beyond loopback they need CURVE, refused at startup."""
+        if not self.curve_on:
+            for name in ("draft_router", "draft_backend", "target_router", "target_backend", "orchestrator"):
+                addr = getattr(self, name)
+                if not is_loopback_address(addr):
+                    raise ValueError(f"SPECSPLIT_{name.upper()}={addr}: beyond loopback requires CURVE keys: "
+                                     f"{SETTINGS_HINT}")
+        return self
 
 
 class HeartbeatSettings(FleetAddresses):
@@ -74,7 +138,6 @@ class RouterSettings(HeartbeatSettings):
     request_ttl_s: float = Field(default=300.0, gt=0.0)
     sndhwm: int = Field(default=DEFAULT_HWM, ge=0)
     rcvhwm: int = Field(default=DEFAULT_HWM, ge=0)
-    allow_public_bind: bool = False
 
     @model_validator(mode="after")
     def _fill_addresses(self) -> RouterSettings:
@@ -86,7 +149,5 @@ class RouterSettings(HeartbeatSettings):
         self.backend_addr = self.backend_addr or backend
         if self.frontend_addr == self.backend_addr:
             raise ValueError("frontend_addr and backend_addr must differ")
-        for addr in (self.frontend_addr, self.backend_addr):
-            if not self.allow_public_bind and not is_loopback_address(addr):
-                raise ValueError(f"{addr}: binding beyond loopback requires CURVE keys (not supported yet)")
+        check_binds((self.frontend_addr, self.backend_addr), self.curve_on, self.curve_authorized_keys is not None)
         return self

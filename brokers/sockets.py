@@ -2,8 +2,10 @@
 
 It sets what the project relies on, explicitly, for every socket: linger (0: closing never
 blocks), send/receive high-water marks, the identity, and ROUTER_MANDATORY / ROUTER_HANDOVER on
-ROUTER sockets. It works for ``zmq.Context`` and ``zmq.asyncio.Context`` alike (the context's
-``socket()`` picks the socket class). Imports zmq only.
+ROUTER sockets, and CURVE (brokers.curve): a socket beyond loopback is refused without CURVE
+keys; with them, a binding socket is a CURVE server behind the context's ZAP handler and a
+connecting one a CURVE client. It works for ``zmq.Context`` and ``zmq.asyncio.Context`` alike
+(the context's ``socket()`` picks the socket class). Imports zmq only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import ipaddress
 from urllib.parse import urlsplit
 
 import zmq
+
+from brokers.curve import SETTINGS_HINT, CurveError, CurveKeys, CurveRequired, acquire_zap, release_zap
 
 DEFAULT_HWM = 10_000
 MAX_IDENTITY_BYTES = 255
@@ -56,6 +60,7 @@ def make_socket(
     router_handover: bool = False,
     bind: str | None = None,
     connect: str | None = None,
+    curve: CurveKeys | None = None,
 ) -> zmq.Socket:
     """Create a socket of ``zmq_type`` on ``ctx`` with every option set explicitly.
 
@@ -64,13 +69,26 @@ def make_socket(
     types; router_handover (a reconnecting peer with the same identity takes the identity over)
     is for ROUTER sockets only. ``bind`` / ``connect`` are applied last; on any failure the
     socket is closed before the error propagates.
+
+    ``curve`` (None: no CURVE, loopback addresses only, else ``CurveRequired``): with ``bind`` the
+    socket is a CURVE server admitting ``curve.authorized`` (the caller calls
+    ``brokers.curve.release_zap(ctx)`` after closing it); with ``connect`` a CURVE client of the
+    server whose public key is ``curve.server_key``.
     """
     is_router = zmq_type == zmq.ROUTER
     if not is_router and (router_mandatory or router_handover):
         raise ValueError("router_mandatory / router_handover apply to ROUTER sockets only")
     if identity is not None:
         _check_identity(identity)
-    sock = ctx.socket(zmq_type)
+    server = _check_curve(curve, bind, connect)
+    if server:
+        acquire_zap(ctx, curve.authorized)  # before the socket exists: never a CURVE server without ZAP
+    try:
+        sock = ctx.socket(zmq_type)
+    except BaseException:
+        if server:
+            release_zap(ctx)
+        raise
     try:
         sock.setsockopt(zmq.LINGER, int(linger))
         sock.setsockopt(zmq.SNDHWM, int(sndhwm))
@@ -80,14 +98,43 @@ def make_socket(
         if is_router:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0 if router_mandatory is False else 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover else 0)
+        if curve is not None:
+            _set_curve(sock, curve, server)
         if bind is not None:
             sock.bind(bind)
         if connect is not None:
             sock.connect(connect)
     except BaseException:
         sock.close(linger=0)
+        if server:
+            release_zap(ctx)
         raise
     return sock
+
+
+def _check_curve(curve: CurveKeys | None, bind: str | None, connect: str | None) -> bool:
+    """Refuse what CURVE policy forbids; True when the socket will be a CURVE server."""
+    if curve is None:
+        for verb, addr in (("binding", bind), ("connecting", connect)):
+            if addr is not None and not is_loopback_address(addr):
+                raise CurveRequired(f"{addr}: {verb} beyond loopback requires CURVE keys: {SETTINGS_HINT}")
+        return False
+    if (bind is None) == (connect is None):
+        raise ValueError("a CURVE socket needs exactly one of bind / connect (server or client)")
+    if bind is not None and not curve.authorized:
+        raise CurveError(f"{bind}: a CURVE server needs admitted public keys: set SPECSPLIT_CURVE_AUTHORIZED_KEYS")
+    if connect is not None and curve.server_key is None:
+        raise CurveError(f"{connect}: a CURVE client needs the server's public key: set SPECSPLIT_CURVE_SERVER_KEY")
+    return bind is not None
+
+
+def _set_curve(sock: zmq.Socket, curve: CurveKeys, server: bool) -> None:
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    else:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
 
 
 def _check_identity(identity: bytes) -> None:

@@ -5,8 +5,9 @@
     specsplit orchestrator            the asyncio orchestrator
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
-    specsplit bench transport|longctx|...  benchmarks
+    specsplit bench transport|longctx|netem|...  benchmarks
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
+    specsplit keys new [--dir D] [--name N]  a CURVE keypair (N.key public, N.key_secret mode 0600)
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ def _orchestrator(argv: list[str]) -> int:
     from specsplit.logs import configure_logging
     from specsplit.orchestrator.server import Orchestrator
 
-    settings = OrchestratorSettings()
+    from pydantic import ValidationError
+
+    from brokers.curve import CurveError
+
+    try:
+        settings = OrchestratorSettings()
+        settings.curve_keys(server=True, client=True)  # unreadable or unsafe key files: refused now
+    except (ValidationError, CurveError) as exc:
+        print(f"invalid orchestrator settings:\n{exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, settings.log_json)
 
     async def main() -> None:
@@ -101,6 +111,10 @@ def _bench(argv: list[str]) -> int:
         from specsplit.bench.transport import main
 
         return main(argv[1:])
+    if argv and argv[0] == "netem":
+        from specsplit.bench.netem import main
+
+        return main(argv[1:])
     if argv and argv[0] == "longctx":
         from specsplit.bench.longctx import main
 
@@ -124,6 +138,27 @@ def _config(argv: list[str]) -> int:
         return 2
     out = effective_settings(roles[0]) if len(roles) == 1 else {r: effective_settings(r) for r in roles}
     print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
+def _keys(argv: list[str]) -> int:
+    import argparse
+
+    from brokers.curve import CurveError, write_keypair
+
+    p = argparse.ArgumentParser(prog="specsplit keys", description="CURVE keys for off-box fleets.")
+    sub = p.add_subparsers(dest="action", required=True)
+    new = sub.add_parser("new", help="write NAME.key (public) and NAME.key_secret (mode 0600) in DIR")
+    new.add_argument("--dir", default=".", help="directory (created 0700 if missing; default: .)")
+    new.add_argument("--name", default="specsplit", help="file name stem (default: specsplit)")
+    args = p.parse_args(argv)
+    try:
+        public, secret = write_keypair(args.dir, args.name)
+    except (CurveError, OSError) as exc:
+        print(f"specsplit keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key: {public}\nsecret key: {secret} (mode 0600; give it to this process only: "
+          f"SPECSPLIT_CURVE_SECRET_KEY_FILE={secret})")
     return 0
 
 
@@ -159,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(rest)
     if cmd == "config":
         return _config(rest)
+    if cmd == "keys":
+        return _keys(rest)
     print(f"specsplit: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -11,6 +11,10 @@ resume the request elsewhere. ``alive`` is True while the orchestrator answers.
 
     async with SpecSplitClient("tcp://127.0.0.1:5570") as client:
         result = await client.generate([1, 2, 3], max_new_tokens=64)
+
+CURVE (``curve``, brokers.curve): the client watches its handshakes; an orchestrator that refuses
+this process's key fails every open and later generation at once with ``OrchestratorRefused``
+(logged ``curve_refused``) instead of letting it wait for its timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from schemas import (
     CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
     TreeSpec, pack_frames, unpack_frames,
 )
+from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from specsplit.logs import get_logger
 from specsplit.transport.sockets import make_socket
 
@@ -47,6 +52,18 @@ class OrchestratorLost(RuntimeError):
     def __init__(self, addr: str, reason: str, token_ids: list[int] | None = None):
         super().__init__(f"orchestrator {addr} lost ({reason})")
         self.addr, self.reason, self.token_ids = addr, reason, list(token_ids or [])
+
+
+class OrchestratorRefused(RuntimeError):
+    """The orchestrator refused this process's CURVE key: nothing can succeed until the key is
+    admitted (not retryable)."""
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Put on every open stream when the orchestrator refuses our CURVE key."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -87,7 +104,11 @@ class GenerationResult:
 
 class SpecSplitClient:
     def __init__(self, addr: str, *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
-                 chunk_timeout_s: float = 300.0, heartbeat_s: float | None = None, liveness: int = 3):
+                 chunk_timeout_s: float = 300.0, heartbeat_s: float | None = None, liveness: int = 3,
+                 curve: CurveKeys | None = None):
+        self.curve = curve
+        self.refused: str | None = None  # why the orchestrator refused our CURVE key
+        self._handshake_logged = 0.0
         self.addr, self.timeout_s, self.chunk_timeout_s = addr, timeout_s, chunk_timeout_s
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self._ctx = ctx or zmq.asyncio.Context.instance()
@@ -115,13 +136,15 @@ class SpecSplitClient:
 
     def start(self) -> None:
         if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.addr)
+            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.addr, curve=self.curve)
             loop = asyncio.get_running_loop()
             self._reader = loop.create_task(self._read_loop())
             self._last_heard = time.monotonic()
+            if self.heartbeat_s or self.curve is not None:
+                events = zmq.EVENT_DISCONNECTED | (HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED if self.curve else 0)
+                self._tasks.append(loop.create_task(self._monitor(self._sock.get_monitor_socket(events))))
             if self.heartbeat_s:
-                mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._tasks = [loop.create_task(self._watch()), loop.create_task(self._monitor(mon))]
+                self._tasks.append(loop.create_task(self._watch()))
 
     async def close(self) -> None:
         self._closing = True  # the watchdog stops even if a cancellation is swallowed (wait_for race)
@@ -134,7 +157,7 @@ class SpecSplitClient:
                 self.log.warning("client_tasks_stuck", count=len(stuck))
         self._tasks, self._reader = [], None
         if self._sock is not None:
-            if self.heartbeat_s:
+            if self.heartbeat_s or self.curve is not None:
                 self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
@@ -146,6 +169,10 @@ class SpecSplitClient:
         hb = self.heartbeat_s
         while not self._closing:
             t0 = time.monotonic()
+            if self.refused:  # no ping can pass; a later successful handshake clears it
+                self._lose("refused")
+                await asyncio.sleep(hb)
+                continue
             rid, q = await self._request(Heartbeat(sent_at=time.time()), "-")
             try:
                 async with asyncio.timeout(hb):  # (asyncio.wait_for can swallow a cancellation)
@@ -166,11 +193,29 @@ class SpecSplitClient:
 
         try:
             while True:
-                event = parse_monitor_message(await mon.recv_multipart())["event"]
+                msg = parse_monitor_message(await mon.recv_multipart())
+                event = msg["event"]
                 if event == zmq.EVENT_DISCONNECTED:
-                    self._lose("disconnected")
+                    if self.heartbeat_s:
+                        self._lose("disconnected")
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.refused = None
+                elif (why := handshake_failure(event, msg["value"], self.addr)) is not None:
+                    self._on_handshake_failed(event, why)
         finally:
             mon.close(linger=0)
+
+    def _on_handshake_failed(self, event: int, why: str) -> None:
+        if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if time.monotonic() - self._handshake_logged >= 1.0:  # zmq retries every ~100 ms
+                self._handshake_logged = time.monotonic()
+                self.log.error("curve_handshake_failed", reason=why)
+            return
+        if not self.refused:
+            self.log.error("curve_refused", reason=why)
+        self.refused = why
+        for q in self._streams.values():
+            q.put_nowait(_Refused(why))
 
     def _lose(self, reason: str) -> None:
         """Fail every open generation now: its orchestrator is gone (or hung)."""
@@ -199,11 +244,35 @@ class SpecSplitClient:
 
     async def _request(self, msg: Message, sid: str) -> tuple[bytes, asyncio.Queue]:
         self.start()
+        if self.refused:
+            raise OrchestratorRefused(self.refused)
         rid = (next(self._rids) & (2**64 - 1)).to_bytes(8, "big")
         q: asyncio.Queue = asyncio.Queue(maxsize=0)
         self._streams[rid] = q
-        await self._sock.send_multipart(pack_frames(msg, sid, rid))
+        try:
+            await self._send(pack_frames(msg, sid, rid))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         return rid, q
+
+    async def _send(self, frames: list[bytes]) -> None:
+        """Send, bounded: a DEALER whose handshake failed has no pipe and would block forever, so
+        the wait ends on a CURVE refusal (OrchestratorRefused) or after ``timeout_s``."""
+        send = asyncio.ensure_future(self._sock.send_multipart(frames))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({send}, timeout=0.1)
+                if done:
+                    return send.result()
+                if self.refused:
+                    raise OrchestratorRefused(self.refused)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not send to orchestrator {self.addr} in {self.timeout_s:.0f}s")
+        finally:
+            if not send.done():
+                send.cancel()
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         """Readiness by handshake: True when the orchestrator answers a heartbeat in time."""
@@ -250,6 +319,8 @@ class SpecSplitClient:
                         raise GenerationError(msg)
                     elif isinstance(msg, _Lost):
                         raise OrchestratorLost(self.addr, msg.reason, res.token_ids)
+                    elif isinstance(msg, _Refused):
+                        raise OrchestratorRefused(msg.reason)
         finally:
             self._streams.pop(rid, None)
         res.elapsed_s = time.perf_counter() - t0

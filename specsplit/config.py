@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings
+from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings, check_binds
 from schemas import SamplingSpec, SpecPVSpec, TreeSpec
 
 # Variables that no longer exist, and what replaced them: setting one is an error at startup
@@ -25,6 +25,8 @@ REMOVED_SETTINGS = {
                                    "SPECSPLIT_PRODUCE_TIMEOUT_S (a producer's whole generation)",
     "SPECSPLIT_CHUNK_TIMEOUT_S": "renamed SPECSPLIT_PRODUCE_CHUNK_TIMEOUT_S",
     "SPECSPLIT_FRONTEND": "renamed SPECSPLIT_ORCHESTRATOR (the orchestrator binds it, producers connect to it)",
+    "SPECSPLIT_ALLOW_PUBLIC_BIND": "removed: a bind beyond loopback needs CURVE keys (SPECSPLIT_CURVE_SECRET_KEY_FILE, "
+                                   "SPECSPLIT_CURVE_AUTHORIZED_KEYS; see `specsplit keys new`)",
 }
 
 
@@ -181,6 +183,14 @@ class OrchestratorSettings(SessionLimitSettings):
             self.specpv_spec()  # a bad SPECSPLIT_SPECPV_* value is refused at startup, not per request
         except ValidationError as exc:
             raise ValueError(f"SPECSPLIT_SPECPV_*: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_bind(self) -> OrchestratorSettings:
+        check_binds([self.bind_address()], self.curve_on, self.curve_authorized_keys is not None)
+        if self.curve_on and not self.curve_server_key:
+            raise ValueError("CURVE is on (SPECSPLIT_CURVE_SECRET_KEY_FILE) but the orchestrator, a client of the "
+                             "routers, needs SPECSPLIT_CURVE_SERVER_KEY (their public key)")
         return self
 
     def bind_address(self, environ=None) -> str:

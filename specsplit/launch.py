@@ -106,9 +106,11 @@ class Fleet:
     def addr(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"
 
-    def spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start ``python -m specsplit ARGS`` (after ``prefix``, e.g. ``ip netns exec NS``, which
+        execs it: the pid stays the role's)."""
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "specsplit", *args], env={**self.env, **(env or {})},
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "specsplit", *args], env={**self.env, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log.close()

@@ -30,7 +30,8 @@ from typing import Callable
 import zmq.asyncio
 
 from schemas import ErrorCode, ErrorReply, SamplingSpec, TreeSpec
-from specsplit.client import GenerationError, GenerationResult, OrchestratorLost, SpecSplitClient
+from brokers.curve import CurveKeys
+from specsplit.client import GenerationError, GenerationResult, OrchestratorLost, OrchestratorRefused, SpecSplitClient
 from specsplit.logs import get_logger
 
 RESUME_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL, ErrorCode.OVERLOADED}
@@ -44,13 +45,14 @@ class NoOrchestrator(TimeoutError):
 class OrchestratorPool:
     def __init__(self, addrs: list[str], *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
                  chunk_timeout_s: float = 300.0, heartbeat_s: float = 1.0, liveness: int = 3,
-                 max_resumes: int = 16, backoff_s: float = 0.2, backoff_max_s: float = 2.0):
+                 max_resumes: int = 16, backoff_s: float = 0.2, backoff_max_s: float = 2.0,
+                 curve: CurveKeys | None = None):
         if not addrs:
             raise ValueError("an orchestrator pool needs at least one address")
         self.timeout_s, self.max_resumes = timeout_s, max_resumes
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.clients = [SpecSplitClient(a, ctx=ctx, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s,
-                                        heartbeat_s=heartbeat_s, liveness=liveness) for a in addrs]
+                                        heartbeat_s=heartbeat_s, liveness=liveness, curve=curve) for a in addrs]
         self.resumes = 0  # over all requests
         self.log = get_logger("specsplit.pool")
 
@@ -82,6 +84,8 @@ class OrchestratorPool:
             live = [c for c in self.live if c is not avoid] or self.live
             if live:
                 return min(live, key=lambda c: c.open_streams)
+            if all(c.refused for c in self.clients):  # waiting cannot help
+                raise OrchestratorRefused("; ".join(c.refused for c in self.clients))
             if time.monotonic() >= deadline:
                 raise NoOrchestrator(f"no orchestrator of {[c.addr for c in self.clients]} answered")
             await asyncio.sleep(0.05)

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: float, chunk_timeout_s: float = 300.0,
-                  *, heartbeat_s: float = 1.0, liveness: int = 3, max_resumes: int = 16) -> int:
-    from specsplit.client import GenerationError
+                  *, heartbeat_s: float = 1.0, liveness: int = 3, max_resumes: int = 16, curve=None) -> int:
+    from specsplit.client import GenerationError, OrchestratorRefused
     from specsplit.pool import FINISHED, OrchestratorPool
 
     addrs = [addrs] if isinstance(addrs, str) else list(addrs)
@@ -107,8 +107,13 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
     async with OrchestratorPool(addrs, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s, heartbeat_s=heartbeat_s,
-                                liveness=liveness, max_resumes=max_resumes) as pool:
-        if not await wait_until_serving(pool, codec.encode(prompts[0])[:8], args.wait_s):
+                                liveness=liveness, max_resumes=max_resumes, curve=curve) as pool:
+        try:
+            serving = await wait_until_serving(pool, codec.encode(prompts[0])[:8], args.wait_s)
+        except OrchestratorRefused as exc:
+            print(f"specsplit produce: refused: {exc}", file=sys.stderr)
+            return 2
+        if not serving:
             print(f"specsplit produce: no orchestrator of {addrs} served within {args.wait_s:.0f}s", file=sys.stderr)
             return 3
         t0 = time.perf_counter()
@@ -144,10 +149,12 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
 async def wait_until_serving(pool, probe_ids: list[int], wait_s: float) -> bool:
     """Readiness by handshake: an orchestrator answers a ping, then a one-token generation
     succeeds end to end (workers may still be loading their models when the fleet starts)."""
-    from specsplit.client import GenerationError
+    from specsplit.client import GenerationError, OrchestratorRefused
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
+        if pool.clients and all(c.refused for c in pool.clients):  # every orchestrator refused our CURVE key
+            raise OrchestratorRefused("; ".join(c.refused for c in pool.clients))
         if await pool.ping(timeout_s=2.0):
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
@@ -198,9 +205,17 @@ def produce_main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     settings = ProducerSettings()
     configure_logging(settings.log_level if settings.log_level != "INFO" else "WARNING", settings.log_json)
+    from brokers.curve import CurveError
+
+    try:
+        curve = settings.curve_keys(client=True)
+    except CurveError as exc:
+        print(f"specsplit produce: {exc}", file=sys.stderr)
+        return 2
     paths = resolve_model_paths(ModelSettings())
     codec = PromptCodec(paths.target, chat=args.chat)
     addrs = args.orchestrator.split(",") if args.orchestrator else settings.orchestrator_addresses()
     return asyncio.run(produce(args, codec, [a.strip() for a in addrs if a.strip()], settings.produce_timeout_s,
                                settings.produce_chunk_timeout_s, heartbeat_s=settings.produce_heartbeat_s,
-                               liveness=settings.produce_liveness, max_resumes=settings.produce_max_resumes))
+                               liveness=settings.produce_liveness, max_resumes=settings.produce_max_resumes,
+                               curve=curve))

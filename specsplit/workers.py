@@ -103,6 +103,7 @@ DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     from functools import partial
 
+    from brokers.curve import CurveError
     from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.transport.worker_loop import WorkerLoop, small_request
 
@@ -110,6 +111,11 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        curve = settings.curve_keys(client=True)  # before the model loads: a bad key fails in a second
+    except CurveError as exc:
+        log.error("worker_curve_refused", error=str(exc))
+        return 2
     engine, hello = build_engine(service, settings, model_settings)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
@@ -128,7 +134,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
-                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None)
+                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
+                      curve=curve)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

@@ -14,6 +14,7 @@ import asyncio
 import zmq
 import zmq.asyncio
 
+from brokers.curve import release_zap
 from schemas import (
     PROTO, Cancel, CodecError, ErrorCode, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, pack_frames,
     unpack_frames,
@@ -47,6 +48,7 @@ class Orchestrator:
         self.cost = CostModel() if settings.tree_budget == "cost" else None
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
+        self.curve = None
         self.draft_rpc = self.target_rpc = None
         self.ready = asyncio.Event()
         self._stopping = False
@@ -54,16 +56,19 @@ class Orchestrator:
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
         self.frontend = s.bind_address()
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend)
+        # CURVE (off unless keys are set): a server to producers, a client of the routers
+        self.curve = s.curve_keys(server=True, client=True)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend, curve=self.curve)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness)
+                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
                                          default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness)
+                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve)
         await self.draft_rpc.start()
         await self.target_rpc.start()
-        self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
+        self.log.info("orchestrator_started", frontend=self.frontend, curve=self.curve is not None, grow=s.grow,
+                      tree_budget=s.tree_budget,
                       lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump(),
                       specpv=self.policy.specpv.model_dump() if self.policy.specpv else None)
         self.ready.set()
@@ -93,6 +98,8 @@ class Orchestrator:
         await self.draft_rpc.close()
         await self.target_rpc.close()
         self.sock.close(linger=0)
+        if self.curve is not None:
+            release_zap(self.ctx)
         self.log.info("orchestrator_stopped")
 
     # ---- frontend ---------------------------------------------------------------------

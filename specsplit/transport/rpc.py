@@ -16,6 +16,10 @@ lost (``router_lost``); requests in flight on a lost connection can never be ans
 pending call fails with ``RpcRouterLost`` (retryable: resend) as soon as the connection drops
 and again when the router answers after being lost (``router_back``), so that nothing waits for
 its timeout. A resent request may reach a worker twice; ``round`` makes that harmless.
+
+CURVE (``curve``): the client watches its handshakes too. A router whose ZAP handler refuses this
+process's key makes every pending and later call fail at once with ``RpcRefused`` (logged
+``curve_refused``) until a handshake succeeds; other failed handshakes are logged.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from schemas.codec import CodecError, check_envelope, decode, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message
 from specsplit.logs import get_logger
@@ -56,6 +61,11 @@ class RpcRouterLost(RpcError):
     unknown, so with the full context)."""
 
 
+class RpcRefused(RpcError):
+    """The router refused this process's CURVE key (ZAP): no call can succeed until the key is
+    admitted. Not retryable."""
+
+
 class AsyncRpcClient:
     """Request/reply client of one router frontend.
 
@@ -78,8 +88,12 @@ class AsyncRpcClient:
         name: str = "rpc",
         heartbeat_s: float | None = None,
         liveness: int = 3,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.addr = addr
+        self.curve = curve
+        self.refused: str | None = None  # why the router refused our CURVE key (None: not refused)
+        self._handshake_logged = 0.0
         self.max_pending = max_pending
         self.default_timeout_s = default_timeout_s
         # plain sockets on the same underlying context (an asyncio context is shadowed)
@@ -120,20 +134,25 @@ class AsyncRpcClient:
         if self._sock is None:
             snd, rcv = self._hwm
             self._sock = make_socket(
-                self._ctx, zmq.DEALER, identity=self._identity, sndhwm=snd, rcvhwm=rcv, connect=self.addr
+                self._ctx, zmq.DEALER, identity=self._identity, sndhwm=snd, rcvhwm=rcv, connect=self.addr,
+                curve=self.curve,
             )
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._sock.FD, self._drain)
-            if self.heartbeat_s:
-                self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            if self.heartbeat_s or self.curve is not None:
+                events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES
+                self._mon = self._sock.get_monitor_socket(events)
                 self._loop.add_reader(self._mon.FD, self._on_monitor)
                 self._loop.call_soon(self._on_monitor)  # edge-triggered: drain what came before
+            if self.heartbeat_s:
                 self._last_heard = time.monotonic()
                 self._watchdog = self._loop.create_task(self._watch())
 
     async def call(self, msg: Message, *, session_id: str, timeout_s: float | None = None) -> Message:
         """Send ``msg`` for ``session_id`` and wait for the reply with the same request id."""
         self._ensure_started()
+        if self.refused is not None:
+            raise RpcRefused(self.refused)
         if len(self._pending) >= self.max_pending:
             why = f"client has max_pending={self.max_pending} calls waiting"
             return ErrorReply.of(ErrorCode.OVERLOADED, why, session_id=session_id)
@@ -232,16 +251,37 @@ class AsyncRpcClient:
 
         while self._mon is not None:
             try:
-                event = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
+                msg = recv_monitor_message(self._mon, zmq.NOBLOCK)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
                 self.log.warning("rpc_monitor_failed", error=str(exc))
                 return
+            event = msg["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                self._lose_router("disconnected")
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.router_lost:
-                self._router_back("reconnected")
+                if self.heartbeat_s:
+                    self._lose_router("disconnected")
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self.refused is not None:
+                    self.log.info("curve_admitted")
+                    self.refused = None
+                if self.router_lost:
+                    self._router_back("reconnected")
+            elif (why := handshake_failure(event, msg["value"], self.addr)) is not None:
+                self._on_handshake_failed(event, why)
+
+    def _on_handshake_failed(self, event: int, why: str) -> None:
+        if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if time.monotonic() - self._handshake_logged >= 1.0:  # zmq retries every ~100 ms
+                self._handshake_logged = time.monotonic()
+                self.log.error("curve_handshake_failed", reason=why)
+            return
+        if self.refused is None:
+            self.log.error("curve_refused", reason=why)
+        self.refused = why
+        for rid, fut in [(r, f) for r, f in self._pending.items() if not f.done()]:
+            self._pending.pop(rid, None)
+            fut.set_exception(RpcRefused(why))
 
     def _lose_router(self, why: str) -> None:
         if not self.router_lost:

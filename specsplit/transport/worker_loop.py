@@ -22,6 +22,8 @@ Frames on the DEALER (the router adds/strips the worker identity):
     out  [b"", PROTO, WORKER_HELLO|HEARTBEAT, "-", request_id, body]
 A HEARTBEAT whose request_id echoes the hello's means "admitted" (``ready`` is set); a retryable
 ERROR means "send WORKER_HELLO again"; a non-retryable one means "refused" (``run`` returns 2).
+With CURVE (``curve``), a router whose ZAP handler refuses the worker's key is "refused" too
+(logged ``curve_refused``); other failed handshakes are logged and retried like a silent router.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
+from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from schemas.codec import CodecError, Envelope, MsgKind, check_envelope, decode, pack_frames, unpack_frames
 from schemas.messages import (
     DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello,
@@ -116,6 +119,7 @@ class WorkerLoop:
         ctx: zmq.Context | None = None,
         may_inline: InlinePolicy | None = None,
         inline_max_s: float | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
             raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
@@ -133,6 +137,9 @@ class WorkerLoop:
         self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
         self.reconnect_max_s, self.drain_timeout_s = reconnect_max_s, drain_timeout_s
         self._hwm = (sndhwm, rcvhwm)
+        self.curve = curve
+        self._mon: zmq.Socket | None = None  # CURVE handshake failures of the DEALER (curve only)
+        self._handshake_logged = 0.0
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context()
         # only the socket thread puts, so qsize() is a safe bound (it can only shrink meanwhile)
@@ -185,11 +192,15 @@ class WorkerLoop:
         """One connection's lifetime: connect, hello, poll until stopped/silent/refused."""
         snd, rcv = self._hwm
         self._sock = make_socket(
-            self._ctx, zmq.DEALER, identity=self.identity, sndhwm=snd, rcvhwm=rcv, connect=self.backend_addr
+            self._ctx, zmq.DEALER, identity=self.identity, sndhwm=snd, rcvhwm=rcv, connect=self.backend_addr,
+            curve=self.curve,
         )
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._pair, zmq.POLLIN)
+        if self.curve is not None:
+            self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILURES)
+            poller.register(self._mon, zmq.POLLIN)
         self.ready.clear()
         self._send_hello()
         silent_after = self.liveness * self.heartbeat_s
@@ -204,6 +215,8 @@ class WorkerLoop:
                 events = dict(poller.poll(wait_ms if deadline is None else min(wait_ms, 20)))
                 if self._pair in events:
                     self._forward_replies()
+                if self._mon is not None and self._mon in events and self._on_handshake_failed():
+                    return _Outcome.REFUSED, heard
                 if self._sock in events:
                     outcome = self._read_router()
                     last_heard, heard = time.monotonic(), True
@@ -219,6 +232,10 @@ class WorkerLoop:
                     return _Outcome.SILENT, heard
         finally:
             self.ready.clear()
+            if self._mon is not None:
+                self._sock.disable_monitor()
+                self._mon.close(linger=0)
+                self._mon = None
             # after a drain the last replies may still sit in the socket: give them time to leave
             self._sock.close(linger=_FLUSH_LINGER_MS if self._draining else 0)
             self._sock = None
@@ -337,6 +354,27 @@ class WorkerLoop:
             self.log.info("worker_rehello", reason=err.message)
             self._send_hello()
         return None
+
+    def _on_handshake_failed(self) -> bool:
+        """Log failed CURVE handshakes; True when the router refused our key (stop: retrying
+        with the same key cannot succeed)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        refused = False
+        while True:
+            try:
+                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return refused
+            why = handshake_failure(ev["event"], ev["value"], self.backend_addr)
+            if why is None:
+                continue
+            if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                refused = True
+                self.log.error("curve_refused", reason=why, public_key=self.curve.public_key.decode())
+            elif time.monotonic() - self._handshake_logged >= self.heartbeat_s:  # at most once a heartbeat
+                self._handshake_logged = time.monotonic()
+                self.log.error("curve_handshake_failed", reason=why)
 
     def _forward_replies(self) -> None:
         while True:
