@@ -10,8 +10,9 @@ import threading
 import zmq
 from pydantic import ValidationError
 
+from brokers.metrics import router_registry, serve_metrics
 from brokers.router import Router
-from brokers.settings import SERVICES, RouterSettings
+from brokers.settings import SERVICES, MetricsSettings, RouterSettings
 from brokers.logs import configure_logging, get_logger
 
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = RouterSettings(**overrides)
+        metrics = MetricsSettings()
     except ValidationError as exc:
         print(f"invalid router settings:\n{exc}", file=sys.stderr)
         return 2
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
     router = build_router(settings)
+    serve_metrics(router_registry(router, metrics), metrics, f"router_{settings.service}", log)
     try:
         router.run(stop)
     except zmq.ZMQError as exc:

@@ -54,6 +54,7 @@ def _role(cmd: str, rest: list[str]) -> int:
 
 
 def _worker(service: str, argv: list[str]) -> int:
+    from brokers.settings import MetricsSettings
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
@@ -61,18 +62,20 @@ def _worker(service: str, argv: list[str]) -> int:
 
     settings = WorkerSettings()
     configure_logging(settings.log_level, settings.log_json)
-    return run_worker(service, settings, ModelSettings())
+    return run_worker(service, settings, ModelSettings(), MetricsSettings())
 
 
 def _orchestrator(argv: list[str]) -> int:
     import asyncio
     import signal
 
+    from brokers.settings import MetricsSettings
     from specsplit.config import OrchestratorSettings
-    from specsplit.logs import configure_logging
+    from specsplit.logs import configure_logging, get_logger
+    from specsplit.metrics import count_restarts, serve_metrics
     from specsplit.orchestrator.server import Orchestrator
 
-    settings = OrchestratorSettings()
+    settings, metrics = OrchestratorSettings(), MetricsSettings()
     configure_logging(settings.log_level, settings.log_json)
 
     async def main() -> None:
@@ -83,11 +86,14 @@ def _orchestrator(argv: list[str]) -> int:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stop.set)
 
+        orchestrator = Orchestrator(settings)
+        count_restarts(orchestrator.metrics.registry, metrics)
+        serve_metrics(orchestrator.metrics.registry, metrics, "orchestrator", get_logger("specsplit.orchestrator"))
         # process-level handlers, restored afterwards (asyncio's add_signal_handler would leave
         # SIG_DFL behind, and a second SIGTERM, e.g. honcho's and the supervisor's, would kill us)
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            await Orchestrator(settings).run(stop)
+            await orchestrator.run(stop)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
