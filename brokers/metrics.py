@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -68,6 +68,7 @@ def serve_metrics(registry: CollectorRegistry, settings: MetricsSettings, role: 
     if port == 0:
         log.info("metrics_off")
         return None
+    disable_created_metrics()  # no *_created series beside every counter (process-wide; main path only)
     try:
         start_http_server(port, addr=settings.metrics_host, registry=registry)
     except OSError as exc:  # in use, or not ours to bind: metrics are not worth the process
