@@ -18,8 +18,8 @@ from typing import Callable
 import structlog
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest,
-    GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+    MAX_TREE_DEPTH, CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone,
+    GenerateRequest, GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
@@ -116,7 +116,8 @@ class SessionActor:
                 drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
                 elapsed_ms=(time.perf_counter() - t0) * 1e3,
                 predicted_tok_s=(1e3 * self.predicted_tokens / self.predicted_ms) if self.predicted_ms else 0.0,
-                first_token_ms=self.first_token_ms, accepted_per_pos=list(self.stats.accepted_per_depth),
+                first_token_ms=self.first_token_ms,
+                accepted_per_pos=self.stats.accepted_per_depth[:MAX_TREE_DEPTH],  # a tree is never deeper
             )
             if self.metrics is not None:
                 self.metrics.session_done(done)
