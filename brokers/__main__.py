@@ -11,8 +11,9 @@ import zmq
 from pydantic import ValidationError
 
 from brokers.curve import CurveError
+from brokers.metrics import router_registry, serve_metrics
 from brokers.router import Router
-from brokers.settings import SERVICES, RouterSettings
+from brokers.settings import SERVICES, MetricsSettings, RouterSettings
 from brokers.logs import configure_logging, get_logger
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = RouterSettings(**overrides)
+        metrics = MetricsSettings()
     except ValidationError as exc:
         print(f"invalid router settings:\n{exc}", file=sys.stderr)
         return 2
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("router_curve_refused", error=str(exc))
         print(f"invalid router settings: {exc}", file=sys.stderr)
         return 2
+    serve_metrics(router_registry(router, metrics), metrics, f"router_{settings.service}", log)
     try:
         router.run(stop)
     except zmq.ZMQError as exc:

@@ -151,3 +151,16 @@ class RouterSettings(HeartbeatSettings):
             raise ValueError("frontend_addr and backend_addr must differ")
         check_binds((self.frontend_addr, self.backend_addr), self.curve_on, self.curve_authorized_keys is not None)
         return self
+
+
+class MetricsSettings(CommonSettings):
+    """Prometheus metrics of every role (brokers.metrics has the port scheme). Env:
+    SPECSPLIT_METRICS_PORT (the fleet's base port; a process serves on base + its role's offset +
+    its honcho instance - 1; 0: off), SPECSPLIT_METRICS_BIND_PORT (this process's port outright;
+    0: off), SPECSPLIT_METRICS_HOST (loopback unless set). SPECSPLIT_SUPERVISED_RESTARTS is set
+    by the supervisor for the child it starts (how many times it restarted the role)."""
+
+    metrics_port: int = Field(default=9500, ge=0, le=65535)
+    metrics_bind_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    supervised_restarts: int = Field(default=0, ge=0)

@@ -326,6 +326,11 @@ class GenerateDone(Message):
     elapsed_ms: float = 0.0
     # tokens per second the orchestrator's cost model expected of the trees it chose (0: no model)
     predicted_tok_s: float = Field(default=0.0, ge=0.0)
+    # from the request's arrival at the orchestrator (admission queueing included) to its first
+    # streamed token; None: no token was streamed
+    first_token_ms: float | None = Field(default=None, ge=0.0)
+    # accepted tokens by position (index i: depth i + 1 of the tree; sums to accepted_tokens)
+    accepted_per_pos: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TREE_DEPTH)
 
 
 class Cancel(Message):

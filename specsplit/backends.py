@@ -119,6 +119,8 @@ class LlamaCppBackend(Backend):
                    settings.prefill_threads or default_prefill_threads())
 
     def threads_for(self, new_tokens: int) -> int:
+        """Called by the engine's context before each decode of ``new_tokens`` tokens."""
+        self.before_forward(new_tokens)  # (metrics count tokens per forward here)
         return self.prefill_threads if new_tokens > PREFILL_TOKENS else self.threads
 
     def describe(self) -> dict:

@@ -55,6 +55,7 @@ def _role(cmd: str, rest: list[str]) -> int:
 
 
 def _worker(service: str, argv: list[str]) -> int:
+    from brokers.settings import MetricsSettings
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
@@ -62,15 +63,17 @@ def _worker(service: str, argv: list[str]) -> int:
 
     settings = WorkerSettings()
     configure_logging(settings.log_level, settings.log_json)
-    return run_worker(service, settings, ModelSettings())
+    return run_worker(service, settings, ModelSettings(), MetricsSettings())
 
 
 def _orchestrator(argv: list[str]) -> int:
     import asyncio
     import signal
 
+    from brokers.settings import MetricsSettings
     from specsplit.config import OrchestratorSettings
-    from specsplit.logs import configure_logging
+    from specsplit.logs import configure_logging, get_logger
+    from specsplit.metrics import count_restarts, serve_metrics
     from specsplit.orchestrator.server import Orchestrator
 
     from pydantic import ValidationError
@@ -78,7 +81,7 @@ def _orchestrator(argv: list[str]) -> int:
     from brokers.curve import CurveError
 
     try:
-        settings = OrchestratorSettings()
+        settings, metrics = OrchestratorSettings(), MetricsSettings()
         settings.curve_keys(server=True, client=True)  # unreadable or unsafe key files: refused now
     except (ValidationError, CurveError) as exc:
         print(f"invalid orchestrator settings:\n{exc}", file=sys.stderr)
@@ -93,11 +96,14 @@ def _orchestrator(argv: list[str]) -> int:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stop.set)
 
+        orchestrator = Orchestrator(settings)
+        count_restarts(orchestrator.metrics.registry, metrics)
+        serve_metrics(orchestrator.metrics.registry, metrics, "orchestrator", get_logger("specsplit.orchestrator"))
         # process-level handlers, restored afterwards (asyncio's add_signal_handler would leave
         # SIG_DFL behind, and a second SIGTERM, e.g. honcho's and the supervisor's, would kill us)
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            await Orchestrator(settings).run(stop)
+            await orchestrator.run(stop)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -86,6 +86,10 @@ class GenerationResult:
     elapsed_s: float = 0.0
     first_token_s: float = 0.0
     predicted_tok_s: float = 0.0  # what the orchestrator's cost model expected (0: no model)
+    # the orchestrator's view (GenerateDone): from the request's arrival to its first streamed token
+    # (None: none streamed), and accepted tokens by position (index i: depth i + 1)
+    orchestrator_first_token_ms: float | None = None
+    accepted_per_pos: list[int] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)  # tokens per streamed chunk
 
     @property
@@ -314,6 +318,8 @@ class SpecSplitClient:
                         res.finish_reason, res.rounds = msg.finish_reason, msg.rounds
                         res.drafted_tokens, res.accepted_tokens = msg.drafted_tokens, msg.accepted_tokens
                         res.predicted_tok_s = msg.predicted_tok_s
+                        res.orchestrator_first_token_ms = msg.first_token_ms
+                        res.accepted_per_pos = list(msg.accepted_per_pos)
                         break
                     elif isinstance(msg, ErrorReply):
                         raise GenerationError(msg)

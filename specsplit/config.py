@@ -252,7 +252,8 @@ def effective_settings(role: str) -> dict:
     if role == "router":
         from brokers.settings import SERVICES, RouterSettings
 
-        return {service: RouterSettings(service=service).model_dump(mode="json") for service in SERVICES}
+        return {service: {**RouterSettings(service=service).model_dump(mode="json"),
+                          **metrics_effective(f"router_{service}")} for service in SERVICES}
     if role in ("draft", "target"):
         from specsplit.backends import build_backend
         from specsplit.models import ModelSettings
@@ -268,7 +269,7 @@ def effective_settings(role: str) -> dict:
                 "identity": worker.identity(role), "router_backend": worker.backend(role),
                 "model": getattr(models, f"{role}_model") or f"preset {models.preset}",
                 "dtype": backend.load_dtype(model_dtype(role, models)), "device": device,
-                **backend.describe(),
+                **backend.describe(), **metrics_effective(role),
             },
         }
     if role == "orchestrator":
@@ -276,7 +277,23 @@ def effective_settings(role: str) -> dict:
         spec = s.specpv_spec()
         return {"orchestrator": s.model_dump(mode="json"),
                 "effective": {"tree": s.tree().model_dump(mode="json"),
-                              "specpv": spec.model_dump(mode="json") if spec else None}}
+                              "specpv": spec.model_dump(mode="json") if spec else None,
+                              **metrics_effective(role)}}
     if role == "produce":
         return {"produce": ProducerSettings().model_dump(mode="json")}
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def metrics_effective(role: str) -> dict:
+    """The metrics settings a process of ``role`` (this honcho instance) reads, and the URL it
+    serves (None: off)."""
+    from brokers.metrics import instance_slot, metrics_port
+    from brokers.settings import MetricsSettings
+
+    s = MetricsSettings()
+    try:
+        port = metrics_port(s, role, instance_slot())
+    except ValueError as exc:  # the process would log it and serve no metrics
+        return {"metrics": s.model_dump(mode="json"), "metrics_url": None, "metrics_error": str(exc)}
+    return {"metrics": s.model_dump(mode="json"),
+            "metrics_url": f"http://{s.metrics_host}:{port}/metrics" if port else None}

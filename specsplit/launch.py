@@ -72,9 +72,11 @@ class Fleet:
     env: dict = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    metrics: bool = False  # each process serves Prometheus text on its own free port (metrics_ports)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, tmp: Path, preset: str = "tiny", threads: int = 1, **extra_env) -> Fleet:
+    def create(cls, tmp: Path, preset: str = "tiny", threads: int = 1, metrics: bool = False, **extra_env) -> Fleet:
         names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch"]
         ports = dict(zip(names, free_ports(len(names))))
         addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
@@ -95,9 +97,11 @@ class Fleet:
             "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
             "SPECSPLIT_MAX_ATTEMPTS": "30",
             "SPECSPLIT_RPC_TIMEOUT_S": "300",
+            # metrics off unless asked: test fleets must not take the fleet-wide scheme's ports
+            "SPECSPLIT_METRICS_PORT": "0",
             **{k: str(v) for k, v in extra_env.items()},
         }
-        return cls(tmp=tmp, env=env, ports=ports)
+        return cls(tmp=tmp, env=env, ports=ports, metrics=metrics)
 
     @property
     def orchestrator(self) -> str:
@@ -109,8 +113,12 @@ class Fleet:
     def spawn(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
         """Start ``python -m specsplit ARGS`` (after ``prefix``, e.g. ``ip netns exec NS``, which
         execs it: the pid stays the role's)."""
+        env = dict(env or {})
+        if self.metrics:  # a respawned name keeps its port
+            port = self.metrics_ports.setdefault(name, free_ports(1)[0])
+            env.setdefault("SPECSPLIT_METRICS_BIND_PORT", str(port))
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "specsplit", *args], env={**self.env, **(env or {})},
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "specsplit", *args], env={**self.env, **env},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log.close()
@@ -126,6 +134,10 @@ class Fleet:
             self.spawn(f"target{i}", "target", env={"SPECSPLIT_WORKER_ID": f"target-{i}"})
         self.spawn("orchestrator", "orchestrator")
         return self
+
+    def scrape(self, name: str, timeout_s: float = 10.0) -> dict[str, float]:
+        """Process ``name``'s metrics (``metrics=True``): {'name{label="v",...}': value}."""
+        return scrape(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout_s)
 
     def log(self, name: str) -> str:
         p = self.tmp / f"{name}.log"
@@ -172,3 +184,20 @@ async def generate_all(addr: str, prompts, max_new_tokens: int, **kw):
 
     async with SpecSplitClient(addr, timeout_s=180) as client:
         return await asyncio.gather(*(client.generate(p, max_new_tokens=max_new_tokens, **kw) for p in prompts))
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """GET a Prometheus text page: {'name{label="v",...}': value} (labels sorted; no braces
+    without labels)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode("utf-8")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

@@ -100,13 +100,20 @@ class OrchestratorPool:
         received: list[int] = []
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
         resumes, delay, client = 0, self.backoff_s, None
+
+        def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
+            if tokens and not total.first_token_s:
+                total.first_token_s = time.perf_counter() - t0
+            if on_tokens is not None:
+                on_tokens(tokens)
+
         while True:
             client = await self._pick(deadline, avoid=client)
             wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
             try:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                     res = await client.generate(prompt + received, max_new_tokens=max_new_tokens - len(received),
-                                                sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=on_tokens)
+                                                sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"
@@ -121,6 +128,9 @@ class OrchestratorPool:
                 received.extend(res.token_ids)
                 for k in ("rounds", "drafted_tokens", "accepted_tokens"):
                     setattr(total, k, getattr(total, k) + getattr(res, k))
+                total.accepted_per_pos = _add_lists(total.accepted_per_pos, res.accepted_per_pos)
+                if total.orchestrator_first_token_ms is None:  # the first attempt that streamed a token
+                    total.orchestrator_first_token_ms = res.orchestrator_first_token_ms
                 if res.finish_reason in FINISHED:
                     total.finish_reason, total.session_id = res.finish_reason, res.session_id
                     total.predicted_tok_s = res.predicted_tok_s  # the last attempt's orchestrator
@@ -151,3 +161,9 @@ class OrchestratorPool:
         if len(received) >= max_new_tokens:
             return "length"
         return None
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists of any lengths."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

@@ -176,7 +176,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
             "index": i, "prompt": prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids, "text": text,
             "finish_reason": res.finish_reason, "new_tokens": len(res.token_ids), "tok_per_s": res.tokens_per_s,
             "rounds": res.rounds, "resumes": res.resumes, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
-            "elapsed_s": res.elapsed_s,
+            "elapsed_s": res.elapsed_s, **request_figures(res),
         }), flush=True)
     elif not streamed:
         print(f"\n=== prompt {i}: {prompt[:80]!r}\n{text}", flush=True)
@@ -185,6 +185,18 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
     print(f"[{i}] {len(res.token_ids)} new tokens in {res.elapsed_s:.2f}s = {res.tokens_per_s:.2f} tok/s, "
           f"{res.rounds} rounds, mean accepted {res.mean_accepted:.2f}/round, acceptance {res.acceptance_rate:.1%}, "
           f"finish={res.finish_reason}", file=sys.stderr, flush=True)
+
+
+def request_figures(res) -> dict:
+    """Per-request speculation figures (README, "Metrics": the counting rules): drafted tokens
+    (tree nodes proposed, roots excluded), accepted tokens (bonus excluded) and by position,
+    mean accepted length (tokens committed per round: (accepted + rounds) / rounds), time to
+    first token as this producer saw it and as the orchestrator measured it (from arrival)."""
+    return {
+        "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
+        "accepted_per_pos": res.accepted_per_pos, "mean_accepted_length": res.mean_accepted,
+        "time_to_first_token_s": res.first_token_s, "orchestrator_first_token_ms": res.orchestrator_first_token_ms,
+    }
 
 
 def summary(results, wall: float) -> None:

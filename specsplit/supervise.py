@@ -33,6 +33,7 @@ import threading
 import time
 
 CHILD_MARKER = "SPECSPLIT_SUPERVISED_CHILD"
+RESTARTS_VAR = "SPECSPLIT_SUPERVISED_RESTARTS"  # brokers.settings.MetricsSettings.supervised_restarts
 NO_RESTART_CODES = (0, 2)  # done, or bad settings / refused: restarting cannot help
 _PR_SET_PDEATHSIG = 1
 
@@ -81,7 +82,8 @@ class Supervisor:
                 pass
 
     def _spawn(self) -> subprocess.Popen:
-        env = {**os.environ, CHILD_MARKER: "1"}
+        # the restart count travels to the child, which exports it (specsplit:process_restarts_total)
+        env = {**os.environ, CHILD_MARKER: "1", RESTARTS_VAR: str(self.restarts)}
         return subprocess.Popen([sys.executable, "-m", "specsplit", *self.argv], env=env,
                                 preexec_fn=_die_with_parent)
 

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 
 from schemas import WorkerHello
@@ -100,12 +101,16 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
 DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
-def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
+def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_settings=None) -> int:
     from functools import partial
 
     from brokers.curve import CurveError
+    from brokers.settings import MetricsSettings
     from specsplit.engine.base import PREFILL_TOKENS
+    from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
     from specsplit.transport.worker_loop import WorkerLoop, small_request
+
+    metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)  # None: metrics off
 
     log = get_logger("specsplit.worker", service=service)
     stop = threading.Event()
@@ -116,7 +121,10 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     except CurveError as exc:
         log.error("worker_curve_refused", error=str(exc))
         return 2
+    metrics = WorkerMetrics(service)
+    count_restarts(metrics.registry, metrics_settings)
     engine, hello = build_engine(service, settings, model_settings)
+    metrics.watch_forwards(engine.backend)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
              device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
@@ -124,8 +132,11 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
 
     def handle(msg):
         served[type(msg).__name__] += 1
+        t0 = time.perf_counter()
         try:
-            return engine.handle(msg)
+            reply = engine.handle(msg)
+            metrics.observe(msg, reply, time.perf_counter() - t0)
+            return reply
         except DeviceFailure as exc:  # never a reply: end, so the router fails the sessions over
             log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
             sys.stderr.flush()
@@ -138,6 +149,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
                       curve=curve)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
+    metrics.watch(engine.store, loop.queue_depth)
+    serve_metrics(metrics.registry, metrics_settings, service, log)
     rc = loop.run(stop)
     log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
              kv_bytes=engine.store.bytes_held())

@@ -18,8 +18,8 @@ from typing import Callable
 import structlog
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest,
-    GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+    MAX_TREE_DEPTH, CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone,
+    GenerateRequest, GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
@@ -74,7 +74,8 @@ class SessionActor:
     """Runs one GenerateRequest to completion; ``emit`` streams TokenChunk/GenerateDone."""
 
     def __init__(self, req: GenerateRequest, draft_rpc, target_rpc, policy: ActorPolicy,
-                 emit: Callable[[Message], None], cost: CostModel | None = None):
+                 emit: Callable[[Message], None], cost: CostModel | None = None, *, metrics=None,
+                 queued_s: float = 0.0):
         self.req, self.draft_rpc, self.target_rpc = req, draft_rpc, target_rpc
         self.policy, self.emit = policy, emit
         self.sid = req.session_id
@@ -90,10 +91,15 @@ class SessionActor:
         self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
         self.predicted_tokens = self.predicted_ms = 0.0  # what the cost model expected of its choices
         self._attempts = 0
+        # specsplit.metrics.OrchestratorMetrics (the orchestrator's, shared by its sessions) or None
+        self.metrics = metrics
+        self.queued_s = queued_s  # time the session waited for admission before this actor ran
+        self.first_token_ms: float | None = None  # from the request's arrival (queueing included)
+        self._t0 = time.perf_counter()
         self.log = get_logger("specsplit.orchestrator")
 
     async def run(self) -> GenerateDone:
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         finish, failure = "error", None
         structlog.contextvars.bind_contextvars(session_id=self.sid)
         try:
@@ -110,7 +116,11 @@ class SessionActor:
                 drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
                 elapsed_ms=(time.perf_counter() - t0) * 1e3,
                 predicted_tok_s=(1e3 * self.predicted_tokens / self.predicted_ms) if self.predicted_ms else 0.0,
+                first_token_ms=self.first_token_ms,
+                accepted_per_pos=self.stats.accepted_per_depth[:MAX_TREE_DEPTH],  # a tree is never deeper
             )
+            if self.metrics is not None:
+                self.metrics.session_done(done)
             if failure is not None:  # the producer gets the typed error instead of a done
                 self.emit(ErrorReply.of(failure.code, str(failure), session_id=self.sid, retryable=False))
             else:
@@ -148,12 +158,15 @@ class SessionActor:
             self._last_verify_ms = reply.verify_ms
             n_before = len(self.out)
             new = self.cur.apply_verify(reply)
-            self.stats.add(tree, reply, self.cur.rolled_back)
+            count = self.stats.add(tree, reply, self.cur.rolled_back)
             done = self.cur.take_confirmed(self.out, prompt_len, self.req.max_new_tokens, stop)
             if len(self.out) > n_before or not self.exact:
+                self._first_token(len(self.out) - n_before)
                 self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=self.out[n_before:],
                                      accepted=len(reply.accepted_token_ids)))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
+            if self.metrics is not None:
+                self.metrics.observe_round(count, self.cur.rolled_back, timing.wall_ms / 1e3)
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
@@ -164,6 +177,17 @@ class SessionActor:
             if done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
+
+    def _first_token(self, new_tokens: int) -> None:
+        """Count streamed tokens; the first ones fix the time to first token."""
+        if new_tokens <= 0:
+            return
+        if self.first_token_ms is None:
+            self.first_token_ms = self.queued_s * 1e3 + (time.perf_counter() - self._t0) * 1e3
+            if self.metrics is not None:
+                self.metrics.first_token(self.first_token_ms / 1e3)
+        if self.metrics is not None:
+            self.metrics.generated.inc(new_tokens)
 
     def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool, new_tokens: int) -> None:
         """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction.
@@ -242,24 +266,31 @@ class SessionActor:
         p = self.policy
         delay, last = p.backoff_s, "no attempt"
         attempts = misses = losses = 0
+        service = "draft" if rpc is self.draft_rpc else "target"
         while True:
             self._attempts = attempts + misses + losses + 1  # 1: the first send (a clean cost sample)
+            t_call = time.perf_counter()
             try:
                 reply = await rpc.call(build(), session_id=self.sid, timeout_s=p.rpc_timeout_s)
             except RpcTimeout:
                 last = "timeout"
                 reset()
+                self._rpc_failed(service, "timeout")
             except RpcRouterLost as exc:  # its worker may still hold the session: CACHE_MISS otherwise
                 last, losses = f"router lost: {exc}", losses + 1
                 reset()
+                self._rpc_failed(service, "router_lost")
                 if losses <= FREE_RESENDS:
                     self.log.info("request_resent", reason="router_lost", resends=losses)
                     continue
             except RpcError as exc:
                 raise SessionFailed(f"transport closed: {exc}", ErrorCode.INTERNAL) from exc
             else:
+                if self.metrics is not None:
+                    self.metrics.observe_rpc(service, time.perf_counter() - t_call)
                 if not isinstance(reply, ErrorReply):
                     return reply
+                self._rpc_failed(service, reply.code.value)
                 last = f"{reply.code.value}: {reply.message}"
                 if reply.code == ErrorCode.CACHE_MISS:
                     reset()
@@ -276,6 +307,10 @@ class SessionActor:
             self.log.info("request_retry", attempt=attempts, reason=last, delay_s=round(delay, 3))
             await asyncio.sleep(delay)
             delay = min(delay * 2, p.backoff_max_s)
+
+    def _rpc_failed(self, service: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rpc_failed(service, reason)
 
     async def _end_sessions(self) -> None:
         msg = EndSession(session_id=self.sid)

@@ -14,8 +14,9 @@ behind it, and refusal at once beyond that. Plain state (no sockets, no asyncio)
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -24,6 +25,7 @@ class Waiting:
     client: bytes
     session_id: str
     item: Any  # what the server needs to start it (request id, request)
+    since: float = field(default_factory=time.monotonic)  # when it started waiting
 
 
 class Admission:

@@ -10,6 +10,7 @@ malformed, gets a typed ErrorReply and changes nothing.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 import zmq.asyncio
@@ -21,6 +22,7 @@ from schemas import (
 )
 from specsplit.config import OrchestratorSettings
 from specsplit.logs import get_logger
+from specsplit.metrics import OrchestratorMetrics
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.orchestrator.admission import Admission
 from specsplit.orchestrator.costmodel import CostModel
@@ -46,6 +48,9 @@ class Orchestrator:
                                    client_share=settings.orchestrator_client_share)
         # one cost model for all sessions: same models, same machine
         self.cost = CostModel() if settings.tree_budget == "cost" else None
+        # served over HTTP by the process's main path (specsplit.cli), never from here
+        self.metrics = OrchestratorMetrics(positions=settings.tree_max_depth)
+        self.metrics.watch(lambda: len(self.sessions), lambda: self.admission.waiting)
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.curve = None
@@ -153,13 +158,15 @@ class Orchestrator:
         elif verdict != "wait":
             self._send(client, ErrorReply.of(ErrorCode.OVERLOADED, verdict, session_id=sid), sid, rid)
 
-    def _launch(self, client: bytes, rid: bytes, req: GenerateRequest) -> None:
+    def _launch(self, client: bytes, rid: bytes, req: GenerateRequest, queued_s: float = 0.0) -> None:
         sid = req.session_id
 
         def emit(m: Message) -> None:
             self._send(client, m, sid, rid)
 
-        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost)
+        self.metrics.queue_wait.observe(queued_s)
+        actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost,
+                             metrics=self.metrics, queued_s=queued_s)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         self.owners[sid] = client
@@ -174,7 +181,7 @@ class Orchestrator:
             return
         for w in self.admission.finish(sid):
             rid, req = w.item
-            self._launch(w.client, rid, req)
+            self._launch(w.client, rid, req, time.monotonic() - w.since)
 
     def _send(self, client: bytes, msg: Message, sid: str, rid: bytes) -> None:
         try:

@@ -82,6 +82,33 @@ class SessionCursor:
         return len(self.committed) - prompt_len
 
 
+@dataclass(frozen=True)
+class RoundCount:
+    """What one verified round counts: the one rule behind RoundStats (so GenerateDone and
+    ``specsplit produce --json``) and the Prometheus spec-decode counters (specsplit.metrics).
+
+    drafted: tree nodes proposed to the target, the root excluded (draft and prompt-lookup nodes
+    alike; 0 for a root-only round). accepted: accepted tokens, the bonus excluded (the round
+    commits accepted + 1). The accepted path holds one node per depth, so accepted position i
+    (0-based, vLLM's ``position`` label) is the accepted node at depth i + 1."""
+
+    drafted: int
+    accepted: int
+
+    @classmethod
+    def of(cls, tree: FlatTree, reply: VerifyReply) -> RoundCount:
+        return cls(drafted=tree.num_nodes - 1, accepted=len(reply.accepted_token_ids))
+
+    @property
+    def positions(self) -> range:
+        return range(self.accepted)
+
+    @property
+    def committed(self) -> int:
+        """Tokens the round commits: accepted + the bonus."""
+        return self.accepted + 1
+
+
 @dataclass
 class RoundStats:
     rounds: int = 0
@@ -96,18 +123,19 @@ class RoundStats:
     drafted_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
 
-    def add(self, tree: FlatTree, reply: VerifyReply, rolled_back: int = 0) -> None:
-        n_accepted = len(reply.accepted_token_ids)
+    def add(self, tree: FlatTree, reply: VerifyReply, rolled_back: int = 0) -> RoundCount:
+        count = RoundCount.of(tree, reply)
         self.rounds += 1
         self.partial_rounds += reply.partial
         self.rolled_back += rolled_back
-        self.drafted += tree.num_nodes - 1
-        self.accepted += n_accepted
-        self.accepted_per_round.append(n_accepted)
+        self.drafted += count.drafted
+        self.accepted += count.accepted
+        self.accepted_per_round.append(count.accepted)
         for d in depths_of(tree.parents)[1:]:
             _bump(self.drafted_per_depth, d - 1)
-        for d in range(n_accepted):  # the accepted path holds one node per depth 1..n_accepted
-            _bump(self.accepted_per_depth, d)
+        for pos in count.positions:
+            _bump(self.accepted_per_depth, pos)
+        return count
 
     def acceptance_by_depth(self) -> list[float]:
         """Share of drafted nodes at each depth that were accepted."""

@@ -160,6 +160,10 @@ class WorkerLoop:
         """True when requests are queued for the engine behind the one in hand."""
         return not self._queue.empty()
 
+    def queue_depth(self) -> int:
+        """Requests queued for the engine thread behind the one in hand (a metrics gauge)."""
+        return self._queue.qsize()
+
     # ------------------------------------------------------------ lifecycle
     def run(self, stop_event: threading.Event) -> int:
         """Serve until ``stop_event`` is set; see the class docstring for the return code."""
