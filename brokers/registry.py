@@ -155,6 +155,9 @@ class InflightTable:
         self._by_worker.setdefault(entry.worker_id, set()).add(key)
         return True
 
+    def get(self, client_id: bytes, request_id: bytes) -> Inflight | None:
+        return self._entries.get((client_id, request_id))
+
     def pop(self, client_id: bytes, request_id: bytes) -> Inflight | None:
         entry = self._entries.pop((client_id, request_id), None)
         if entry is not None:

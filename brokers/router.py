@@ -7,7 +7,8 @@ frontend (ROUTER, binds; orchestrators and clients connect DEALERs)
     out  [client_id, *env]                        worker replies, router errors, ping replies
 backend (ROUTER, binds, ROUTER_HANDOVER; workers connect DEALERs)
     out  [worker_id, client_id, *env]             a client request for the worker
-    in   [worker_id, client_id, *env]             the worker's reply for client_id
+    in   [worker_id, client_id, *env]             the worker's reply for client_id (dropped unless it
+                                                  answers a request in flight on that worker)
     in   [worker_id, b"", *env]                   addressed to the router: WORKER_HELLO, HEARTBEAT
     out  [worker_id, b"", *env]                   router to worker: HEARTBEAT (hello accepted when
                                                   its request_id echoes the hello's), ERROR
@@ -61,6 +62,7 @@ class RouterStats:
     workers_expired: int = 0  # silent for liveness x heartbeat_s
     workers_lost: int = 0  # a send to them failed (disconnected, killed)
     inflight_failed: int = 0
+    unsolicited_replies: int = 0  # a worker's reply matching no request in flight on it: dropped
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -331,15 +333,20 @@ class Router:
             return
         if not known:
             self._ask_hello(worker_id)
-        entry = self.inflight.pop(client_id, _readable_rid(env))
+        rid = _readable_rid(env)
+        entry = self.inflight.get(client_id, rid)
+        if entry is None or entry.worker_id != worker_id:  # never sent to it, or already answered
+            self.stats.unsolicited_replies += 1
+            self._warn.warning("unsolicited_reply_dropped", worker=worker_id.hex(), known=known)
+            return
+        self.inflight.pop(client_id, rid)
         try:
             check_envelope(env)
         except CodecError as exc:
             self.stats.bad_frames += 1
             self._warn.warning("bad_worker_reply", worker=worker_id.hex(), error=str(exc))
-            if entry is not None:
-                msg = f"malformed reply from worker: {exc}"
-                self._send_error(client_id, entry.session_id, entry.request_id, ErrorCode.INTERNAL, msg)
+            msg = f"malformed reply from worker: {exc}"
+            self._send_error(client_id, entry.session_id, entry.request_id, ErrorCode.INTERNAL, msg)
             return
         self.stats.replies += 1
         self._send_client(client_id, env)

@@ -21,7 +21,8 @@ Frames on the DEALER (the router adds/strips the worker identity):
     out  [client_id, PROTO, kind, session_id, request_id, body]   a reply
     out  [b"", PROTO, WORKER_HELLO|HEARTBEAT, "-", request_id, body]
 A HEARTBEAT whose request_id echoes the hello's means "admitted" (``ready`` is set); a retryable
-ERROR means "send WORKER_HELLO again"; a non-retryable one means "refused" (``run`` returns 2).
+ERROR means "send WORKER_HELLO again"; a non-retryable one echoing the hello's request_id means
+"refused" (``run`` returns 2); any other non-retryable one is ignored (logged).
 With CURVE (``curve``), a router whose ZAP handler refuses the worker's key is "refused" too
 (logged ``curve_refused``); other failed handshakes are logged and retried like a silent router.
 """
@@ -351,6 +352,9 @@ class WorkerLoop:
             self.log.warning("bad_control_frame", error=str(exc))
             return None
         if not err.retryable:
+            if rid != self._hello_rid:  # the refusal of another process's hello under our identity
+                self.log.warning("foreign_refusal_ignored", code=err.code.value, reason=err.message)
+                return None
             self.log.error("worker_refused", code=err.code.value, reason=err.message)
             return _Outcome.REFUSED
         self.ready.clear()  # the router does not know us (restarted, or it expired us)
@@ -392,7 +396,8 @@ class WorkerLoop:
                 self._send(frames)
 
     def _send_hello(self) -> None:
-        self._hello_rid = b"hello-%d" % next(self._rids)
+        # unguessable: only the router's answer to this very hello may admit or refuse us
+        self._hello_rid = b"hello-%d-%s" % (next(self._rids), uuid.uuid4().hex[:12].encode())
         self._last_hello = time.monotonic()
         self._send_control(self.hello, self._hello_rid)
 
