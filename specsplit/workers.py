@@ -79,22 +79,37 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
              device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
     served: Counter[str] = Counter()
 
+    def device_failed(exc: DeviceFailure):  # never a reply: end, so the router fails the sessions over
+        log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
+        sys.stderr.flush()
+        os._exit(DEVICE_FAILURE_EXIT)
+
     def handle(msg):
         served[type(msg).__name__] += 1
         try:
             return engine.handle(msg)
-        except DeviceFailure as exc:  # never a reply: end, so the router fails the sessions over
-            log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
-            sys.stderr.flush()
-            os._exit(DEVICE_FAILURE_EXIT)
+        except DeviceFailure as exc:
+            device_failed(exc)
+
+    def handle_batch(msgs):
+        served.update(type(m).__name__ for m in msgs)
+        try:
+            return engine.verify_batch(msgs)
+        except DeviceFailure as exc:
+            device_failed(exc)
+
+    batching = service == "target" and settings.target_max_batch_tokens > 0
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
-                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None)
+                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
+                      # the requests queued when a forward starts are verified in one forward
+                      batch_handler=handle_batch if batching else None,
+                      max_batch_tokens=settings.target_max_batch_tokens if batching else 0)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)
     log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
-             kv_bytes=engine.store.bytes_held())
+             kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests)
     return rc
