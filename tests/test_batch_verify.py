@@ -175,6 +175,8 @@ def _mixed_batch(held: dict[str, int]) -> list:
                       specpv=SpecPVSpec(threshold=16, block_size=4)),  # SpecPV: alone
         VerifyRequest(session_id="g", round=1, sync=CacheSync(base_len=held["g"] - 2,
                                                               append_token_ids=[1, 2]), tree=tree),
+        # f's next request must still follow its SpecPV one (verified alone), not jump ahead in the forward
+        VerifyRequest(session_id="f", round=2, sync=CacheSync(base_len=held["f"]), tree=tree),
     ]
 
 

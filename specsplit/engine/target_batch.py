@@ -46,15 +46,17 @@ def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
     """Replies to ``requests`` (any messages the engine serves), in order. ``engine`` is a
     TargetEngine. Raises DeviceFailure only, as ``handle`` does."""
     t0 = time.perf_counter()
-    first: dict[str, int] = {}
+    fused, seen = [], set()  # a session's first request, when batchable, shares the forward
     for i, req in enumerate(requests):
-        if batchable(req):
-            first.setdefault(req.session_id, i)
-    if len(first) < 2 or not engine.batched_forward_supported():
+        sid = getattr(req, "session_id", None)
+        if sid not in seen and batchable(req):
+            fused.append(i)
+        seen.add(sid)
+    if len(fused) < 2 or not engine.batched_forward_supported():
         return [engine.handle(req) for req in requests]
     replies: list[Message | None] = [None] * len(requests)
-    later = [i for i in range(len(requests)) if i not in first.values()]
-    members = _lock_members(engine, requests, list(first.values()), replies, later)
+    later = sorted(set(range(len(requests))) - set(fused))
+    members = _lock_members(engine, requests, fused, replies, later)
     try:
         if len(members) == 1:
             _alone(engine, members[0], replies, t0)
