@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from schemas import CacheSync, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, TreeSpec, VerifyReply
-from schemas.codec import PROTO, MsgKind
+from schemas.codec import PROTO, MsgKind, unpack_frames
 from schemas.messages import Message, VerifyRequest
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
@@ -49,8 +52,6 @@ class _GatedBatcher:
     def __init__(self, fail_batches: bool = False) -> None:
         self.calls: list[list[int]] = []  # rounds per handler call
         self.fail = fail_batches
-        import threading
-
         self.entered, self.release = threading.Event(), threading.Event()
 
     def handle(self, msg: Message) -> Message:
@@ -95,9 +96,6 @@ async def test_requests_queued_behind_a_forward_are_handed_over_together(fail):
 
 
 async def test_a_garbage_body_in_a_batch_gets_its_own_error():
-    import zmq
-    import zmq.asyncio
-
     eng = _GatedBatcher()
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
@@ -113,8 +111,6 @@ async def test_a_garbage_body_in_a_batch_gets_its_own_error():
             await asyncio.sleep(0.3)
             eng.release.set()
             assert (await first).round == 0 and (await ok).round == 1
-            from schemas.codec import unpack_frames
-
             bad = unpack_frames(await asyncio.wait_for(raw.recv_multipart(), 10))
             assert bad.request_id == b"r9" and bad.msg.code is ErrorCode.BAD_REQUEST
             raw.close(0)
