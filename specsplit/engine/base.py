@@ -26,6 +26,7 @@ from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.masks import additive_mask, causal
 from specsplit.engine.store import Session, SessionStore
 from specsplit.errors import DeviceFailure, SpecError
+from specsplit.logs import get_logger
 from specsplit.tree import check_token_ids
 
 
@@ -108,6 +109,7 @@ class Engine:
         self.dtype = model_dtype(model)
         self.backend = backend or Backend()
         self._segment_attention: str | None | bool = False  # False: not looked up yet
+        self.log = get_logger(f"specsplit.{self.role}")
         layers = model_num_layers(model)
         self.store = SessionStore(
             lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk),
@@ -212,6 +214,10 @@ class Engine:
             )
         logits = out.logits[0].float()  # [K, V]
         return list(logits.split([s.keep for s in segments]))
+
+    def forward_one(self, seg: Segment) -> torch.Tensor:
+        """``forward`` of one segment alone: its logits [keep, V]."""
+        return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep)
 
     def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
         """Causal forward of a linear segment on top of the cache, ``chunk`` tokens per forward

@@ -23,7 +23,6 @@ from specsplit.engine.specpv import PartialView, attention_name, plan_view, view
 from specsplit.engine.target_batch import verify_batch
 from specsplit.engine.verify import Outcome, Verdict, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
-from specsplit.logs import get_logger
 from specsplit.tree import TreeLayout, validate_tree
 
 
@@ -33,7 +32,6 @@ class TargetEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._view_attention: str | None | bool = False  # False: not looked up yet
-        self.log = get_logger("specsplit.target")
 
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, VerifyRequest):
