@@ -67,6 +67,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     from functools import partial
 
     from specsplit.engine.base import PREFILL_TOKENS
+    from specsplit.transport.batching import draft_tokens, verify_tokens
     from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     log = get_logger("specsplit.worker", service=service)
@@ -91,22 +92,24 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
         except DeviceFailure as exc:
             device_failed(exc)
 
+    batch = engine.verify_batch if service == "target" else engine.draft_batch
+
     def handle_batch(msgs):
         served.update(type(m).__name__ for m in msgs)
         try:
-            return engine.verify_batch(msgs)
+            return batch(msgs)
         except DeviceFailure as exc:
             device_failed(exc)
 
-    batching = service == "target" and settings.target_max_batch_tokens > 0
+    max_batch_tokens = getattr(settings, f"{service}_max_batch_tokens")
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
                       may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
-                      # the requests queued when a forward starts are verified in one forward
-                      batch_handler=handle_batch if batching else None,
-                      max_batch_tokens=settings.target_max_batch_tokens if batching else 0)
+                      # the requests queued when a forward starts share its forwards
+                      batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
+                      batch_cost=verify_tokens if service == "target" else draft_tokens)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

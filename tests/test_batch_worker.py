@@ -13,16 +13,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from schemas import CacheSync, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, TreeSpec, VerifyReply
+from schemas import CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, TreeSpec, VerifyReply
 from schemas.codec import PROTO, MsgKind, unpack_frames
 from schemas.messages import Message, VerifyRequest
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.target import TargetEngine
 from specsplit.orchestrator.state import SessionCursor
-from specsplit.transport.batching import take_batch, verify_tokens
+from specsplit.transport.batching import draft_tokens, take_batch, verify_tokens
 from specsplit.transport.rpc import AsyncRpcClient
-from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread, make_verify
+from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread, make_hello, make_verify
 from tests.conftest import greedy_reference
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,6 +44,9 @@ def test_take_batch_keeps_order_and_budget():
     assert verify_tokens(VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[7, 8]),
                                        tree=tree)) == 5
     assert verify_tokens(EndSession(session_id="s")) is None
+    assert draft_tokens(DraftRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[7, 8]),
+                                     root=1, tree=TreeSpec(max_nodes=6))) == 9
+    assert draft_tokens(make_verify("s")) is None
 
 
 class _GatedBatcher:
@@ -120,12 +123,17 @@ async def test_a_garbage_body_in_a_batch_gets_its_own_error():
 LIMITS = EngineLimits(max_sessions=32, max_session_tokens=256, max_tree_nodes=16, max_tree_depth=8)
 
 
-async def _session(client, draft: DraftEngine, sid: str, prompt: list[int], n: int, spec: TreeSpec) -> list[int]:
-    """One session's draft -> verify loop (the draft in process, the target over the sockets)."""
+async def _session(client, draft, sid: str, prompt: list[int], n: int, spec: TreeSpec) -> list[int]:
+    """One session's draft -> verify loop, the target over the sockets; the draft too when
+    ``draft`` is a client, else in process."""
     cur, rnd = SessionCursor(list(prompt)), 0
     while len(cur.committed) - len(prompt) < n:
-        d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
-                                      tree=spec))
+        req = DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1], tree=spec)
+        if isinstance(draft, DraftEngine):
+            d = draft.handle(req)
+        else:
+            d = await draft.call(req, session_id=sid, timeout_s=60)
+        assert isinstance(d, DraftReply), d
         cur.after_draft()
         reply = await client.call(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree),
                                   session_id=sid, timeout_s=60)
@@ -156,3 +164,33 @@ async def test_concurrent_sessions_through_a_batching_worker_equal_greedy(models
         assert worker.loop.batched_requests > worker.loop.batches
     for p, out in zip(prompts, outs):
         assert out == greedy_reference(target, p, 24)[0]
+
+
+def _slow(handle):
+    def slow_alone(msg: Message) -> Message:  # a big model's forward: other sessions' requests queue behind it
+        time.sleep(0.05)
+        return handle(msg)
+
+    return slow_alone
+
+
+async def test_batching_draft_and_target_workers_equal_greedy(models):
+    """Both roles behind their own router, both batching: drafts in lockstep, verifies in one
+    forward; six concurrent sessions still equal plain greedy decoding."""
+    target, close_draft, _ = models["llama"]
+    t_eng, d_eng = TargetEngine(target, LIMITS), DraftEngine(close_draft, LIMITS)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(128) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    specs = [TreeSpec(max_nodes=8, max_depth=4, branch=1 + i % 3) for i in range(6)]
+    with RouterThread("target", **HB) as t_router, RouterThread("draft", **HB) as d_router, \
+            WorkerThread(t_router.backend, b"t", _slow(t_eng.handle), batch_handler=t_eng.verify_batch,
+                         max_batch_tokens=256, **HB) as t_worker, \
+            WorkerThread(d_router.backend, b"d", _slow(d_eng.handle), hello=make_hello("draft", vocab_size=128),
+                         batch_handler=d_eng.draft_batch, max_batch_tokens=256, batch_cost=draft_tokens,
+                         **HB) as d_worker:
+        async with AsyncRpcClient(t_router.frontend) as t_client, AsyncRpcClient(d_router.frontend) as d_client:
+            outs = await asyncio.gather(*[_session(t_client, d_client, f"s{i}", p, 20, specs[i])
+                                          for i, p in enumerate(prompts)])
+        assert d_worker.loop.batches > 0 and t_worker.loop.batches > 0
+    for p, out in zip(prompts, outs):
+        assert out == greedy_reference(target, p, 20)[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from schemas.messages import Message, VerifyRequest
+from schemas.messages import DraftRequest, Message, VerifyRequest
 
 J = TypeVar("J")
 _END = object()
@@ -18,6 +18,14 @@ def verify_tokens(msg: Message) -> int | None:
     tokens + tree nodes); anything else is handled alone (None)."""
     if isinstance(msg, VerifyRequest):
         return len(msg.sync.append_token_ids) + msg.tree.num_nodes
+    return None
+
+
+def draft_tokens(msg: Message) -> int | None:
+    """A draft's batch policy: a DraftRequest costs the new tokens its forwards may carry (sync
+    tokens + root + its tree budget); anything else (growth) is handled alone (None)."""
+    if isinstance(msg, DraftRequest):
+        return len(msg.sync.append_token_ids) + 1 + msg.tree.max_nodes
     return None
 
 
