@@ -15,10 +15,10 @@ costs tens to hundreds of microseconds on a busy box). Long requests (model forw
 model, prefills, growth) keep going to the engine thread, so heartbeats never stall for long.
 The first request of each kind always goes to the engine thread (it measures the kind).
 
-Batching (``batch_handler``, a target's ``verify_batch``): when the engine thread takes a
-request, it also takes the batchable requests already waiting behind it (``take_batch``: up to
-``max_batch_tokens`` new tokens) and hands them to ``batch_handler`` together, which answers
-each one (errors per request). The fast path then stays closed while more requests are readable
+Batching (``batch_handler``: a target's ``verify_batch``, a draft's ``draft_batch``): when the
+engine thread takes a request, it also takes the batchable requests already waiting behind it
+(``take_batch``: up to ``max_batch_tokens`` new tokens) and hands them to ``batch_handler``
+together, which answers each one (errors per request). The fast path then stays closed while more requests are readable
 on the socket, so a burst is queued and batched instead of served inline one by one.
 
 Frames on the DEALER (the router adds/strips the worker identity):
