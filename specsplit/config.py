@@ -78,6 +78,14 @@ class WorkerSettings(SessionLimitSettings):
     max_tree_nodes: int = Field(default=64, ge=1, le=256)
     max_tree_depth: int = Field(default=16, ge=1, le=64)
     max_queue: int = Field(default=1024, ge=1)
+    # a target worker verifies the requests queued when a forward starts in ONE forward, up to
+    # this many new tokens (sync tokens + tree nodes) per forward; 0: one request per forward
+    target_max_batch_tokens: int = Field(default=256, ge=0)
+    # the same for a draft worker (its sessions' trees built in lockstep, one forward per step).
+    # Off by default: an int8 draft (torch.ao, one activation scale per forward) then drafts other
+    # trees depending on which sessions share a forward, so a seeded sampling run's output would
+    # depend on timing (greedy output never changes: the target verifies every token)
+    draft_max_batch_tokens: int = Field(default=0, ge=0)
     # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
     # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
     inline: bool = True

@@ -108,6 +108,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     from brokers.settings import MetricsSettings
     from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
+    from specsplit.transport.batching import draft_tokens, verify_tokens
     from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)  # None: metrics off
@@ -130,6 +131,11 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
              device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
     served: Counter[str] = Counter()
 
+    def device_failed(exc: DeviceFailure):  # never a reply: end, so the router fails the sessions over
+        log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
+        sys.stderr.flush()
+        os._exit(DEVICE_FAILURE_EXIT)
+
     def handle(msg):
         served[type(msg).__name__] += 1
         t0 = time.perf_counter()
@@ -137,21 +143,37 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
             reply = engine.handle(msg)
             metrics.observe(msg, reply, time.perf_counter() - t0)
             return reply
-        except DeviceFailure as exc:  # never a reply: end, so the router fails the sessions over
-            log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
-            sys.stderr.flush()
-            os._exit(DEVICE_FAILURE_EXIT)
+        except DeviceFailure as exc:
+            device_failed(exc)
+
+    batch = engine.verify_batch if service == "target" else engine.draft_batch
+
+    def handle_batch(msgs):
+        served.update(type(m).__name__ for m in msgs)
+        t0 = time.perf_counter()
+        try:
+            replies = batch(msgs)
+        except DeviceFailure as exc:
+            device_failed(exc)
+        for m, r in zip(msgs, replies):
+            metrics.observe(m, r, time.perf_counter() - t0, batch=len(msgs))
+        return replies
+
+    max_batch_tokens = getattr(settings, f"{service}_max_batch_tokens")
 
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
                       may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
-                      curve=curve)
+                      curve=curve,
+                      # the requests queued when a forward starts share its forwards
+                      batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
+                      batch_cost=verify_tokens if service == "target" else draft_tokens)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     metrics.watch(engine.store, loop.queue_depth)
     serve_metrics(metrics.registry, metrics_settings, service, log)
     rc = loop.run(stop)
     log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
-             kv_bytes=engine.store.bytes_held())
+             kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests)
     return rc

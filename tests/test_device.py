@@ -79,13 +79,13 @@ def test_draft_tree_forward_and_compaction_on_meta():
     """The draft's tree forward (mask scattered from ancestor slots) and the KV compaction index."""
     eng = DraftEngine(meta_model(), LIMITS)
     kv = eng.store.get_or_create("m").kv
-    eng._root_forward(kv, CacheSync(base_len=0, append_token_ids=[5, 6, 7]), 8)
+    eng.drive(eng._root_forward(kv, CacheSync(base_len=0, append_token_ids=[5, 6, 7]), 8))
     g = DraftTree(8, kv.length, 2)
     a, b = g.add_children(0, [3, 4], [-0.1, -0.2])
-    rows = eng._forward_nodes(kv, g, [a, b], [kv.length, kv.length])  # [2, V]
+    rows = eng.forward_one(eng._nodes_segment(kv, g, [a, b], [kv.length, kv.length]))  # [2, V]
     g.slot[a], g.slot[b] = kv.length - 2, kv.length - 1
     c = g.add(a, 9, -0.3)
-    rows = eng._forward_nodes(kv, g, [c], [kv.length - 1])
+    rows = eng.forward_one(eng._nodes_segment(kv, g, [c], [kv.length - 1]))
     assert rows.device.type == "meta" and rows.shape[0] == 1
     kv.compact([4, 6], 4)
     assert kv.length == 6 and kv.layers[0].keys.device.type == "meta"

@@ -85,13 +85,13 @@ def test_tree_forward_matches_sequential_paths(lm, lm_draft):
     layout = validate_tree(tree, vocab_size=lm.vocab_size, max_nodes=64, max_depth=16)
     session = eng.store.get_or_create("s")
     captured = {}
-    real_decide = eng._decide
+    real_decide = eng.decide
 
     def capture(req, layout, logits, visible):
         captured["logits"] = logits.clone()
         return real_decide(req, layout, logits, visible)
 
-    eng._decide = capture
+    eng.decide = capture
     req = VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]), tree=tree,
                         sampling=SamplingSpec())
     with lm.lock:

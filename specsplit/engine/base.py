@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
+from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.masks import additive_mask, causal
 from specsplit.engine.store import Session, SessionStore
 from specsplit.errors import DeviceFailure, SpecError
+from specsplit.logs import get_logger
 from specsplit.tree import check_token_ids
 
 
@@ -106,6 +108,8 @@ class Engine:
         self.device = model_device(model)
         self.dtype = model_dtype(model)
         self.backend = backend or Backend()
+        self._segment_attention: str | None | bool = False  # False: not looked up yet
+        self.log = get_logger(f"specsplit.{self.role}")
         layers = model_num_layers(model)
         self.store = SessionStore(
             lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk),
@@ -180,6 +184,40 @@ class Engine:
             **model_kwargs,
         )
         return out.logits[0, -keep:].float()  # [keep, V]
+
+    def batched_forward_supported(self) -> bool:
+        """Whether ``forward_segments`` can run on this model (its attention takes custom masks)."""
+        if self._segment_attention is False:
+            self._segment_attention = segment_attention_name(self.model)
+        return self._segment_attention is not None
+
+    @torch.no_grad()
+    def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """ONE forward over the new tokens of several sessions (``specsplit.engine.batch``): each
+        segment's tokens on top of its own cache, under its own positions and mask. Returns per
+        segment float32 logits of its last ``keep`` tokens [keep_i, V] (on the device). Every
+        cache gains its segment's tokens, as after ``forward`` of that segment alone."""
+        if not self.batched_forward_supported():
+            raise RuntimeError(f"attention {self.model.config._attn_implementation!r} takes no per-session masks")
+        batch = flatten(segments, self.dtype, self.device)
+        t = batch.input_ids.shape[1]
+        self.backend.before_forward(t)
+        placeholder = torch.zeros(1, 1, t, 0, dtype=self.dtype, device=self.device)  # passed through, unread
+        with using_attention(self.model, self._segment_attention):
+            out = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=placeholder,
+                use_cache=False,
+                logits_to_keep=batch.keep_rows,
+                **{PLAN_KWARG: batch.plan},
+            )
+        logits = out.logits[0].float()  # [K, V]
+        return list(logits.split([s.keep for s in segments]))
+
+    def forward_one(self, seg: Segment) -> torch.Tensor:
+        """``forward`` of one segment alone: its logits [keep, V]."""
+        return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep)
 
     def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
         """Causal forward of a linear segment on top of the cache, ``chunk`` tokens per forward

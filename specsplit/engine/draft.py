@@ -21,15 +21,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Generator, Sequence
+from typing import TypeVar
 
 import torch
 
 from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
 from specsplit.engine import sampling as S
 from specsplit.engine.base import LINEAR_CHUNK, Engine, EngineLimits, elapsed_ms
+from specsplit.engine.batch import Segment
+from specsplit.engine.draft_batch import draft_batch
 from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.store import Session
 from specsplit.engine.masks import causal
 from specsplit.tree import DraftTree, check_token_ids, path_to, subtree_nodes
+
+
+T = TypeVar("T")
+Forwards = Generator[Segment, torch.Tensor, T]  # yields the forwards it needs, is sent their logits [keep, V]
 
 
 class DraftEngine(Engine):
@@ -58,6 +67,14 @@ class DraftEngine(Engine):
 
     def draft(self, req: DraftRequest) -> DraftReply:
         t0 = time.perf_counter()
+        session, spec = self.admit(req)
+        with session.lock:
+            self.check_locked(session, req.round, req.sync)
+            tree, reused = self.guarded(session, lambda: self.drive(self.draft_steps(session, req, spec)))
+        return self.reply_for(req, tree, reused, t0)
+
+    def admit(self, req: DraftRequest) -> tuple[Session, TreeSpec]:
+        """The checks that need no session lock; finds or creates the session. Raises SpecError."""
         check_token_ids([req.root], self.vocab_size, what="root token")
         spec = TreeSpec(
             max_nodes=min(req.tree.max_nodes, self.limits.max_tree_nodes),
@@ -65,50 +82,64 @@ class DraftEngine(Engine):
             branch=req.tree.branch,
             min_path_prob=req.tree.min_path_prob,
         )
-        sync = req.sync
-        session = self.open_session(req.session_id, req.round, sync, 1 + spec.branch * spec.max_depth)
-        with session.lock:
-            self.check_locked(session, req.round, sync)
+        return self.open_session(req.session_id, req.round, req.sync, 1 + spec.branch * spec.max_depth), spec
 
-            def run() -> tuple[FlatTree, int]:
-                kv = session.kv
-                kept, session.draft_tree = session.draft_tree, None
-                if req.sampling.greedy:
-                    grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
-                    reused = len(grown.tokens) - 1 if grown is not None else 0
-                    if grown is None:
-                        root_logits = self._root_forward(kv, sync, req.root)
-                        grown = DraftTree(req.root, kv.length, spec.branch)
-                        self._add_top_children(grown, [0], root_logits[None])
-                    grown.round, grown.branch = req.round, spec.branch
-                    steps = spec.max_depth
-                    if reused and self.steps_after_reuse is not None:
-                        steps = min(steps, self.steps_after_reuse)
-                    tree = self._best_first(kv, grown, spec, steps)
-                    session.draft_tree = grown
-                    session.last_round = req.round
-                    return tree, reused
-                root_logits = self._root_forward(kv, sync, req.root)
-                committed = kv.length
-                try:
-                    return self._build(kv, req.root, root_logits, spec, req.sampling, req.round), 0
-                finally:
-                    kv.crop_to(committed)
-                    session.last_round = req.round
-
-            tree, reused = self.guarded(session, run)
+    def reply_for(self, req: DraftRequest, tree: FlatTree, reused: int, t0: float) -> DraftReply:
         return DraftReply(session_id=req.session_id, round=req.round, tree=tree, draft_ms=self.elapsed_ms(t0),
                           reused_nodes=reused)
 
-    def _root_forward(self, kv: SessionKV, sync, root: int) -> torch.Tensor:
+    def drive(self, steps: Forwards[T]) -> T:
+        """Run a generator of forwards alone: each Segment it yields is forwarded on its own."""
+        try:
+            seg = next(steps)
+            while True:
+                seg = steps.send(self.forward_one(seg))
+        except StopIteration as done:
+            return done.value
+
+    def draft_steps(self, session: Session, req: DraftRequest, spec: TreeSpec) -> Forwards[tuple[FlatTree, int]]:
+        """One DraftRequest (checks passed, session locked) as a generator: it yields each forward
+        it needs as a Segment and is sent that forward's logits [keep, V]; returns (tree, reused).
+        ``drive`` runs it alone, ``draft_batch`` in lockstep with other sessions'."""
+        kv, sync = session.kv, req.sync
+        kept, session.draft_tree = session.draft_tree, None
+        if req.sampling.greedy:
+            grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
+            reused = len(grown.tokens) - 1 if grown is not None else 0
+            if grown is None:
+                root_logits = yield from self._root_forward(kv, sync, req.root)
+                grown = DraftTree(req.root, kv.length, spec.branch)
+                self._add_top_children(grown, [0], root_logits[None])
+            grown.round, grown.branch = req.round, spec.branch
+            steps = spec.max_depth
+            if reused and self.steps_after_reuse is not None:
+                steps = min(steps, self.steps_after_reuse)
+            tree = yield from self._best_first(kv, grown, spec, steps)
+            session.draft_tree = grown
+            session.last_round = req.round
+            return tree, reused
+        root_logits = yield from self._root_forward(kv, sync, req.root)
+        committed = kv.length
+        try:
+            return (yield from self._build(kv, req.root, root_logits, spec, req.sampling, req.round)), 0
+        finally:
+            kv.crop_to(committed)
+            session.last_round = req.round
+
+    def draft_batch(self, requests: Sequence[Message]) -> list[Message]:
+        """Replies to ``requests`` in order; the sessions that allow it draft in lockstep, one
+        forward per step for all of them (``specsplit.engine.draft_batch``)."""
+        return draft_batch(self, requests)
+
+    def _root_forward(self, kv: SessionKV, sync, root: int) -> Forwards[torch.Tensor]:
         """Crop to the synced prefix and forward [append tokens + root]; the root's logits [V]."""
         kv.crop_to(sync.base_len)
         tokens = [*sync.append_token_ids, root]
         t = len(tokens)
-        if t > LINEAR_CHUNK:  # a long prompt: chunked, so its masks stay small
+        if t > LINEAR_CHUNK:  # a long prompt: chunked, so its masks stay small (never batched)
             return self.forward_linear(kv, tokens, LINEAR_CHUNK)
         pos = torch.arange(sync.base_len, sync.base_len + t, dtype=torch.long, device=self.device)
-        return self.forward(kv, tokens, pos, causal(t, sync.base_len, self.device), keep=1)[0]
+        return (yield Segment(kv, tokens, pos, causal(t, sync.base_len, self.device), keep=1))[0]
 
     def _add_top_children(self, g: DraftTree, nodes: list[int], rows: torch.Tensor) -> None:
         """Each of ``nodes`` gets its ``g.branch`` most probable children from its logits row
@@ -120,7 +151,7 @@ class DraftEngine(Engine):
             g.add_children(node, tok_row, lp_row)
 
     # ---- greedy: best-first, kept between requests -------------------------------------
-    def _best_first(self, kv: SessionKV, g: DraftTree, spec: TreeSpec, steps: int) -> FlatTree:
+    def _best_first(self, kv: SessionKV, g: DraftTree, spec: TreeSpec, steps: int) -> Forwards[FlatTree]:
         keep = spec.max_nodes - 1
         min_logp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         g.max_depth = spec.max_depth
@@ -133,13 +164,13 @@ class DraftEngine(Engine):
             front = g.best(spec.branch, cands)
             if kv.room() < len(front):
                 break
-            self._expand(kv, g, front)
+            yield from self._expand(kv, g, front)
         return g.best_flat(keep, spec.max_depth)
 
-    def _expand(self, kv: SessionKV, g: DraftTree, nodes: list[int]) -> None:
+    def _expand(self, kv: SessionKV, g: DraftTree, nodes: list[int]) -> Forwards[None]:
         """One forward of ``nodes`` (unforwarded, parents forwarded); each gets its top children."""
         base, t0 = kv.length, time.perf_counter()
-        rows = self._forward_nodes(kv, g, nodes, [g.prefix_len - 1 + g.depths[n] for n in nodes])  # [F, V]
+        rows = yield self._nodes_segment(kv, g, nodes, [g.prefix_len - 1 + g.depths[n] for n in nodes])  # [F, V]
         for j, node in enumerate(nodes):
             g.slot[node] = base + j
         self._add_top_children(g, nodes, rows)
@@ -170,10 +201,10 @@ class DraftEngine(Engine):
             with session.lock:
                 g = session.draft_tree
                 if isinstance(g, DraftTree) and g.round == req.round:
-                    grown = self.guarded(session, lambda: self._grow(session.kv, g, req, t0))
+                    grown = self.guarded(session, lambda: self.drive(self._grow(session.kv, g, req, t0)))
         return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=self.elapsed_ms(t0))
 
-    def _grow(self, kv: SessionKV, g: DraftTree, req: GrowRequest, t0: float) -> int:
+    def _grow(self, kv: SessionKV, g: DraftTree, req: GrowRequest, t0: float) -> Forwards[int]:
         depth_limit = 2 * max(1, g.max_depth)
         n0 = len(g)
         while not self.others_waiting():
@@ -187,13 +218,13 @@ class DraftEngine(Engine):
             front = g.best(req.width, cands)
             if kv.room() < len(front):
                 break
-            self._expand(kv, g, front)
+            yield from self._expand(kv, g, front)
         return len(g) - n0
 
     # ---- sampled: level by level, cache cropped afterwards -----------------------------
     def _build(
         self, kv: SessionKV, root: int, root_logits: torch.Tensor, spec: TreeSpec, sampling: SamplingSpec, round: int
-    ) -> FlatTree:
+    ) -> Forwards[FlatTree]:
         g = DraftTree(root, kv.length, spec.branch)
         gen = S.make_generator(sampling.seed, round, "draft", self.device)
         frontier, rows = [0], root_logits[None]  # [F], [F, V]
@@ -211,7 +242,7 @@ class DraftEngine(Engine):
             if not frontier:  # paths unlikely to be accepted are not worth a forward
                 break
             base = kv.length
-            rows = self._forward_nodes(kv, g, frontier, [g.prefix_len - 1 + depth] * len(frontier))
+            rows = yield self._nodes_segment(kv, g, frontier, [g.prefix_len - 1 + depth] * len(frontier))  # [F, V]
             for j, node in enumerate(frontier):
                 g.slot[node] = base + j
         return g.to_flat()
@@ -242,9 +273,9 @@ class DraftEngine(Engine):
             new.extend(g.add_children(f, tokens, lps))
         return new
 
-    def _forward_nodes(self, kv: SessionKV, g: DraftTree, nodes: list[int], pos: list[int]) -> torch.Tensor:
-        """One forward of tree ``nodes`` appended to the cache: each sees the committed prefix,
-        its ancestors' cache slots (the root is the prefix's last entry) and itself. [F, V] logits."""
+    def _nodes_segment(self, kv: SessionKV, g: DraftTree, nodes: list[int], pos: list[int]) -> Segment:
+        """The forward of tree ``nodes`` appended to the cache: each sees the committed prefix,
+        its ancestors' cache slots (the root is the prefix's last entry) and itself; [F, V] logits."""
         f, base, dev = len(nodes), kv.length, self.device
         rows, cols = [], []
         for j, node in enumerate(nodes):
@@ -256,5 +287,5 @@ class DraftEngine(Engine):
         visible = torch.zeros(f, base + f, dtype=torch.bool, device=dev)  # [F, P+F]
         visible[:, : g.prefix_len] = True
         visible[torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev)] = True
-        position_ids = torch.tensor(pos, dtype=torch.long, device=dev)
-        return self.forward(kv, [g.tokens[n] for n in nodes], position_ids, visible, keep=f)
+        position_ids = torch.tensor(pos, dtype=torch.long, device=dev)  # [F]
+        return Segment(kv, [g.tokens[n] for n in nodes], position_ids, visible, keep=f)

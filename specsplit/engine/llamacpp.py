@@ -43,8 +43,8 @@ from schemas import ErrorCode
 from specsplit.engine.base import LINEAR_CHUNK, EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.store import Session, SessionStore
-from specsplit.engine.target import Outcome, TargetEngine
-from specsplit.engine.verify import Verdict
+from specsplit.engine.target import TargetEngine
+from specsplit.engine.verify import Outcome, Verdict
 from specsplit.errors import SpecError
 from specsplit.tree import DraftTree, TreeLayout, path_to, subtree_nodes
 
@@ -396,6 +396,10 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
     def committed_len(session) -> int:
         return session.kv.prefix
 
+    def verify_batch(self, requests) -> list:
+        """One at a time (the context's sessions could share a decode; not built yet)."""
+        return [self.handle(r) for r in requests]
+
     def _round(self, session: Session, req, layout: TreeLayout) -> Outcome:
         kv: LlamaKV = session.kv
         kv.crop_to(req.sync.base_len)
@@ -419,7 +423,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
                 kv, lambda: self.lm.decode(tokens, pos, seqs, outputs)))  # [N, V]
             kv.prefix = kv.length = start
             visible = torch.from_numpy(_ancestor_matrix(layout))  # [N, N]
-            verdict: Verdict = self._decide(req, layout, logits, visible)
+            verdict: Verdict = self.decide(req, layout, logits, visible)
             deepest = verdict.path[-1]
             path_seq = scratch[below[deepest][0]]
             self.lm.seq_cp(path_seq, kv.seq, start, start + len(verdict.path))  # root + accepted nodes
@@ -441,6 +445,16 @@ def _ancestor_matrix(layout: TreeLayout) -> np.ndarray:
     return m
 
 
+@dataclass(frozen=True)
+class _NodeForward:
+    """A draft forward of tree ``nodes`` (parents forwarded) at positions ``pos``."""
+
+    kv: LlamaKV
+    g: DraftTree
+    nodes: list
+    pos: list
+
+
 class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
     """DraftEngine's tree search (best-first, kept and re-rooted between requests, grown while
     the target verifies; sampled level by level) on a llama.cpp context."""
@@ -455,10 +469,23 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
         self.max_kept_nodes = 4 * limits.max_tree_nodes
         self.others_waiting = lambda: False
 
-    def _root_forward(self, kv: LlamaKV, sync, root: int) -> torch.Tensor:
-        """Crop to the synced prefix (freeing any kept tree) and append [sync tokens + root]."""
+    def _root_forward(self, kv: LlamaKV, sync, root: int):
+        """Crop to the synced prefix (freeing any kept tree) and append [sync tokens + root]; the
+        root's logits [V]. A generator like DraftEngine's (its forwards are driven as generators)
+        that forwards by itself and yields nothing."""
         kv.crop_to(sync.base_len)
         return self.forward_linear(kv, [*sync.append_token_ids, root])
+        yield  # noqa: unreachable: makes this a generator
+
+    def _nodes_segment(self, kv: LlamaKV, g: DraftTree, nodes: list[int], pos: list[int]) -> "_NodeForward":
+        return _NodeForward(kv, g, nodes, pos)
+
+    def forward_one(self, seg: "_NodeForward") -> torch.Tensor:
+        return self._forward_nodes(seg.kv, seg.g, seg.nodes, seg.pos)
+
+    def draft_batch(self, requests) -> list:
+        """One at a time (the context's sessions could share a decode; not built yet)."""
+        return [self.handle(r) for r in requests]
 
     def _forward_nodes(self, kv: LlamaKV, g: DraftTree, nodes: list[int], pos: list[int]) -> torch.Tensor:
         """One decode of tree ``nodes`` (parents forwarded): node n gets a sequence holding its

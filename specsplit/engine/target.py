@@ -10,7 +10,7 @@ mode: and re-checks them, rolling back to the first one the target disagrees wit
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -18,21 +18,12 @@ from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, Engine, is_device_failure
 from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
 from specsplit.engine.sampling import make_generator
+from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
-from specsplit.engine.verify import Verdict, verify_greedy, verify_sampling
+from specsplit.engine.target_batch import verify_batch
+from specsplit.engine.verify import Outcome, Verdict, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
-from specsplit.logs import get_logger
 from specsplit.tree import TreeLayout, validate_tree
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """A round's result: the accepted path and bonus, or (exact SpecPV) a rollback."""
-
-    verdict: Verdict
-    partial: bool = False
-    rollback_len: int | None = None  # committed is cut to this length first
-    confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
 
 
 class TargetEngine(Engine):
@@ -41,7 +32,6 @@ class TargetEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._view_attention: str | None | bool = False  # False: not looked up yet
-        self.log = get_logger("specsplit.target")
 
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, VerifyRequest):
@@ -55,6 +45,16 @@ class TargetEngine(Engine):
 
     def verify(self, req: VerifyRequest) -> VerifyReply:
         t0 = time.perf_counter()
+        layout, session = self.admit(req)
+        with session.lock:
+            self.check_locked(session, req.round, req.sync)
+            out = self.run_locked(session, req, layout)
+            cache_len = self.committed_len(session)
+        return self.reply_for(req, out, cache_len, t0)
+
+    def admit(self, req: VerifyRequest) -> tuple[TreeLayout, Session]:
+        """The checks that need no session lock (tree, token range, capacity); finds or creates
+        the session. Raises SpecError; nothing has moved then."""
         layout = validate_tree(
             req.tree,
             vocab_size=self.vocab_size,
@@ -66,17 +66,20 @@ class TargetEngine(Engine):
         if req.confirmed_len is not None and req.confirmed_len > total:
             raise SpecError(ErrorCode.BAD_REQUEST, f"confirmed_len {req.confirmed_len} exceeds the {total} "
                                                    "committed tokens")
-        session = self.open_session(req.session_id, req.round, sync, layout.num_nodes)
-        with session.lock:
-            self.check_locked(session, req.round, sync)
+        return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
 
-            def run() -> Outcome:
-                out = self._round(session, req, layout)
-                session.last_round = req.round
-                return out
+    def run_locked(self, session: Session, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+        """One round under the session's lock (checks passed); drops the session on an
+        unexpected failure (``guarded``)."""
 
-            out = self.guarded(session, run)
-            cache_len = self.committed_len(session)
+        def run() -> Outcome:
+            out = self._round(session, req, layout)
+            session.last_round = req.round
+            return out
+
+        return self.guarded(session, run)
+
+    def reply_for(self, req: VerifyRequest, out: Outcome, cache_len: int, t0: float) -> VerifyReply:
         accepted = out.verdict.path[1:]
         return VerifyReply(
             session_id=req.session_id,
@@ -90,6 +93,12 @@ class TargetEngine(Engine):
             rollback_len=out.rollback_len,
             confirmed_len=out.confirmed_len,
         )
+
+    # ---- several sessions in one forward ---------------------------------------------------
+    def verify_batch(self, requests: Sequence[Message]) -> list[Message]:
+        """Replies to ``requests`` in order, verifying the trees of the sessions that allow it in
+        ONE forward; see ``specsplit.engine.target_batch``."""
+        return verify_batch(self, requests)
 
     # ---- one round ---------------------------------------------------------------------
     def _round(self, session, req: VerifyRequest, layout: TreeLayout) -> Outcome:
@@ -159,7 +168,7 @@ class TargetEngine(Engine):
         pos = positions(layout.depths, start, dev)  # [N]
         with view_attention_of(self.model, self._view_attention):
             logits = self.forward(pv.buffer, req.tree.token_ids, pos, visible, keep=n, specpv_view=plan)  # [N, V]
-        verdict = self._decide(req, layout, logits, visible[:, m:])
+        verdict = self.decide(req, layout, logits, visible[:, m:])
         pv.buffer.compact([m + i for i in verdict.path], m)
         pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
         pv.rounds_since_full += 1
@@ -170,7 +179,7 @@ class TargetEngine(Engine):
         """One forward of [buffered ids + sync tokens + tree] against the whole cache. Exact
         mode (``req.confirmed_len``, greedy): the provisional tokens among them are re-checked
         first; at the first the target disagrees with, the round rolls back to it."""
-        dev, n, f = self.device, layout.num_nodes, kv.length
+        n, f = layout.num_nodes, kv.length
         lin = [*(pv.pending if pv is not None else ()), *req.sync.append_token_ids]
         s, root = len(lin), req.tree.token_ids[0]
         start = f + s  # the root's position
@@ -184,10 +193,7 @@ class TargetEngine(Engine):
         if head:
             self.forward_linear(kv, lin[:head])
         t = s - head
-        visible = torch.ones(t + n, start + n, dtype=torch.bool, device=dev)  # [T+N, P+T+N]
-        visible[:, f + head:] = linear_then_tree(t, layout.parents, dev)
-        pos = torch.cat([torch.arange(f + head, start, dtype=torch.long, device=dev),
-                         positions(layout.depths, start, dev)])  # [T+N]
+        visible, pos = self.tree_inputs(f + head, t, layout)  # [T+N, P+T+N], [T+N]
         checked = s - check_from
         logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], pos, visible, keep=n + checked)  # [C+N, V]
         if checked:
@@ -201,13 +207,23 @@ class TargetEngine(Engine):
                     pv.after_refresh(rolled_back=True)
                     pv.reset_buffer()
                 return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1)
-        verdict = self._decide(req, layout, logits[checked:], visible[t:, start:])
+        verdict = self.decide(req, layout, logits[checked:], visible[t:, start:])
         kv.compact([start + i for i in verdict.path], start)
         if pv is not None:
             pv.after_refresh(rolled_back=False)
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
         return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None)
+
+    def tree_inputs(self, first: int, t: int, layout: TreeLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visibility [T+N, P+T+N] bool and position ids [T+N] of ``t`` linear tokens at positions
+        ``first``.. (on top of ``first`` cached ones) followed by the tree, on the device."""
+        dev, n, start = self.device, layout.num_nodes, first + t  # start: the root's position
+        visible = torch.ones(t + n, start + n, dtype=torch.bool, device=dev)  # [T+N, P+T+N]
+        visible[:, first:] = linear_then_tree(t, layout.parents, dev)
+        pos = torch.cat([torch.arange(first, start, dtype=torch.long, device=dev),
+                         positions(layout.depths, start, dev)])  # [T+N]
+        return visible, pos
 
     @staticmethod
     def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:
@@ -219,7 +235,7 @@ class TargetEngine(Engine):
         j, token, any_wrong = torch.stack([first, argmax[first], wrong.any().long()]).tolist()
         return (j, token) if any_wrong else None
 
-    def _decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
+    def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
         if req.sampling.greedy:
             return verify_greedy(req.tree, layout, logits, visible)
         g = make_generator(req.sampling.seed, req.round, "target", self.device)

@@ -25,6 +25,16 @@ class Verdict:
     bonus: int  # token sampled/argmaxed after the last accepted node
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A round's result: the accepted path and bonus, or (exact SpecPV) a rollback."""
+
+    verdict: Verdict
+    partial: bool = False
+    rollback_len: int | None = None  # committed is cut to this length first
+    confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
+
+
 def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
     """logits [N, V], visible [N, N] (node sees itself and its ancestors). Accept a child iff it
     equals the target's argmax at its parent; the deepest accepted node wins (lowest index on

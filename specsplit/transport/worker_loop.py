@@ -15,6 +15,12 @@ costs tens to hundreds of microseconds on a busy box). Long requests (model forw
 model, prefills, growth) keep going to the engine thread, so heartbeats never stall for long.
 The first request of each kind always goes to the engine thread (it measures the kind).
 
+Batching (``batch_handler``: a target's ``verify_batch``, a draft's ``draft_batch``): when the
+engine thread takes a request, it also takes the batchable requests already waiting behind it
+(``take_batch``: up to ``max_batch_tokens`` new tokens) and hands them to ``batch_handler``
+together, which answers each one (errors per request). The fast path then stays closed while more requests are readable
+on the socket, so a burst is queued and batched instead of served inline one by one.
+
 Frames on the DEALER (the router adds/strips the worker identity):
     in   [client_id, PROTO, kind, session_id, request_id, body]   a request; reply to client_id
     in   [b"", PROTO, HEARTBEAT|ERROR, "-", request_id, body]     from the router itself
@@ -35,8 +41,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import structlog
 import zmq
@@ -47,10 +53,12 @@ from schemas.messages import (
     DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello,
 )
 from specsplit.logs import get_logger
+from specsplit.transport.batching import take_batch, verify_tokens
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 
 Handler = Callable[[Message], Message]
 InlinePolicy = Callable[[Message], bool]
+BatchHandler = Callable[[list[Message]], list[Message]]
 
 CONTROL_SID = "-"
 _MAX_POLL_MS = 100
@@ -121,6 +129,9 @@ class WorkerLoop:
         may_inline: InlinePolicy | None = None,
         inline_max_s: float | None = None,
         curve: CurveKeys | None = None,
+        batch_handler: BatchHandler | None = None,
+        max_batch_tokens: int = 0,
+        batch_cost: Callable[[Message], int | None] = verify_tokens,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
             raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
@@ -133,6 +144,11 @@ class WorkerLoop:
         self._submitted = 0
         self._finished = 0
         self.inline_served = 0
+        # batching (engine thread): None or max_batch_tokens 0 hands every request over alone
+        self.batch_handler = batch_handler if max_batch_tokens > 0 else None
+        self.max_batch_tokens, self.batch_cost = max_batch_tokens, batch_cost
+        self.batches = 0  # handler calls with more than one request
+        self.batched_requests = 0  # requests answered by those calls
         self.backend_addr, self.identity, self.hello = backend_addr, identity, hello
         self.handler = handler
         self.heartbeat_s, self.liveness, self.max_queue = heartbeat_s, liveness, max_queue
@@ -310,6 +326,8 @@ class WorkerLoop:
     def _fast_path_open(self, kind: MsgKind) -> bool:
         if self.may_inline is None or self._submitted != self._finished:
             return False  # the engine thread holds or waits for work: keep the order, keep one handler
+        if self.batch_handler is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return False  # more requests are readable: queue this one, so the engine batches them
         took = self._handle_s.get(kind)
         return took is not None and took < self.inline_max_s
 
@@ -416,14 +434,61 @@ class WorkerLoop:
     # -------------------------------------------------------- engine thread
     def _engine_main(self) -> None:
         out = make_socket(self._ctx, zmq.PAIR, sndhwm=0, rcvhwm=0, linger=1000, connect=self._pair_addr)
+        rest: list[_Job | None] = []  # taken from the queue, not batched: handled next
         try:
-            while (job := self._queue.get()) is not None:
-                frames = self._handle(job)
-                self._finished += 1  # before the reply leaves: the fast path may open again
-                self._engine_send(out, frames)
+            while (job := rest.pop() if rest else self._queue.get()) is not None:
+                jobs = [job]
+                if self.batch_handler is not None:
+                    jobs, rest = take_batch(self._decoded(job), self._waiting(), self._cost, self.max_batch_tokens)
+                frames = [self._handle(jobs[0])] if len(jobs) == 1 else self._handle_batch(jobs)
+                self._finished += len(jobs)  # before the replies leave: the fast path may open again
+                for f in frames:
+                    self._engine_send(out, f)
         finally:
             self._engine_send(out, _DONE)
             out.close()
+
+    # -- batching (engine thread)
+    def _decoded(self, job: _Job) -> _Job:
+        """``job`` with its envelope decoded, or as it is when that fails (``_handle`` answers it)."""
+        if job.decoded is not None:
+            return job
+        try:
+            return replace(job, decoded=unpack_frames(job.env))
+        except Exception:
+            return job
+
+    def _waiting(self) -> Iterator[_Job | None]:
+        """The queued jobs, decoded, without blocking (None: the stop sentinel)."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            yield job if job is None else self._decoded(job)
+
+    def _cost(self, job: _Job | None) -> int | None:
+        if job is None or job.decoded is None:
+            return None
+        try:
+            return self.batch_cost(job.decoded.msg)
+        except Exception:
+            self.log.exception("batch_policy_failed")
+            return None
+
+    def _handle_batch(self, jobs: list[_Job]) -> list[list[bytes]]:
+        """Several decoded requests -> their reply frames, in order. Never raises."""
+        msgs = [job.decoded.msg for job in jobs]
+        with structlog.contextvars.bound_contextvars(batch=len(jobs)):
+            try:
+                replies = self.batch_handler(msgs)
+                if len(replies) != len(msgs):
+                    raise RuntimeError(f"batch handler answered {len(replies)} of {len(msgs)} requests")
+            except Exception as exc:
+                replies = [self._exception_reply(exc, jobs[0].decoded.kind)] * len(jobs)
+        self.batches += 1
+        self.batched_requests += len(jobs)
+        return [self._reply_frames(job, reply) for job, reply in zip(jobs, replies)]
 
     def _engine_send(self, out: zmq.Socket, frames: list[bytes]) -> None:
         try:  # unbounded inproc pipe: Again only once the socket thread has gone

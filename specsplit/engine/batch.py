@@ -1,0 +1,151 @@
+"""One forward over the new tokens of several sessions: a flattened token batch.
+
+The new tokens of k sessions (each session's sync tokens + tree) are concatenated into one
+sequence of T tokens ``[1, T]`` with per-token positions (so RoPE is each session's own);
+embeddings, norms, every Linear layer and the lm_head run once over all T tokens, which is where
+batching saves (each weight is read once per forward, not once per session). Attention alone is
+per session: ``segment_attention`` (registered with transformers' attention interface, wrapping
+the model's own attention function) stores each segment's new K/V in its session's own cache
+layer, exactly as ``SessionKV.update`` does in a single-session forward, and calls the wrapped
+function on that segment's queries, that session's keys/values [1, Hkv, P_i + T_i, D] and that
+session's mask [1, 1, T_i, P_i + T_i]. The model itself gets no cache (``use_cache=False``) and
+a placeholder 4D mask, which transformers passes through untouched.
+
+So every attention call sees exactly the tensors it sees when the session is verified alone. A
+token's result can differ from one-at-a-time only where a Linear layer's row depends on how many
+rows share the GEMM: never for the int8 target (``RowInt8Linear`` is row-wise batch-invariant and
+its attention is float64), which is therefore bit-identical; float32 BLAS picks kernels by shape,
+so there logits agree to rounding (~1e-6) and accepted tokens agree except at exact near-ties.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.masks import additive_mask
+
+_PREFIX = "specsplit_segments_"
+PLAN_KWARG = "specsplit_segments"
+UNSUPPORTED_ATTENTION = ("flash", "flex", "paged")  # kernels that take no custom additive mask
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One session's part of a batched forward: ``token_ids`` (T_i new tokens) on top of
+    ``kv`` (P_i cached), ``position_ids`` [T_i] and ``visible`` [T_i, P_i + T_i] bool on the
+    engine's device; logits are kept for its last ``keep`` tokens."""
+
+    kv: SessionKV
+    token_ids: list[int]
+    position_ids: torch.Tensor
+    visible: torch.Tensor
+    keep: int
+
+    def check(self) -> None:
+        t = len(self.token_ids)
+        if self.position_ids.shape != (t,) or self.visible.shape != (t, self.kv.length + t) or not 0 < self.keep <= t:
+            raise ValueError(f"segment of {t} tokens on {self.kv.length} cached: position_ids "
+                             f"{tuple(self.position_ids.shape)}, visible {tuple(self.visible.shape)}, keep {self.keep}")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """What ``segment_attention`` needs per layer (passed through the model's kwargs): the token
+    range [bounds[i], bounds[i+1]) of segment i, its cache and its additive mask [1, 1, T_i, P_i+T_i]."""
+
+    bounds: tuple[int, ...]
+    caches: tuple[SessionKV, ...]
+    masks: tuple[torch.Tensor, ...]
+
+
+def _base_attention(name: str, module):
+    if name == "eager":  # the model family's own eager function
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _make_segment_attention(base_name: str):
+    def segment_attention(module, query, key, value, attention_mask, *args, specsplit_segments: SegmentPlan | None = None,
+                          **kwargs):
+        """query [1, H, T, D], key/value [1, Hkv, T, D] (the new tokens of every segment);
+        returns ([1, T, H, D], None) as transformers' attention functions do."""
+        base = _base_attention(base_name, module)
+        plan = specsplit_segments
+        if plan is None:
+            return base(module, query, key, value, attention_mask, *args, **kwargs)
+        pos = kwargs.pop("position_ids", None)
+        outs = []
+        b = plan.bounds
+        for i, (kv, mask) in enumerate(zip(plan.caches, plan.masks)):
+            a, z = b[i], b[i + 1]
+            # the session's own cache layer, as Cache.update in a forward of this session alone
+            k, v = kv.layers[module.layer_idx].update(key[:, :, a:z], value[:, :, a:z])  # [1, Hkv, P_i+T_i, D]
+            if pos is not None:
+                kwargs["position_ids"] = pos[:, a:z]
+            out, _ = base(module, query[:, :, a:z], k, v, mask, *args, **kwargs)  # [1, T_i, H, D]
+            outs.append(out)
+        return torch.cat(outs, dim=1), None  # [1, T, H, D]
+
+    return segment_attention
+
+
+def segment_attention_name(model) -> str | None:
+    """The name under which the segment wrapper of ``model``'s attention is registered, or None
+    when its attention takes no custom additive mask (flash, flex, paged kernels)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation or "eager"
+    if base.startswith(_PREFIX) or any(k in base for k in UNSUPPORTED_ATTENTION):
+        return None
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        return None
+    name = _PREFIX + base
+    AttentionInterface.register(name, _make_segment_attention(base))
+    return name
+
+
+@contextmanager
+def using_attention(model, name: str):
+    """Within: ``model``'s attention layers call the attention function registered as ``name``."""
+    cfg = model.config
+    base = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = base
+
+
+@dataclass(frozen=True, slots=True)
+class FlatBatch:
+    """The model inputs of a batched forward, built on the engine's device."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    keep_rows: torch.Tensor  # [K]: rows whose logits are kept, K = sum of keep
+    plan: SegmentPlan
+
+
+def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device) -> FlatBatch:
+    """Concatenate the segments' tokens and positions; each segment's mask as an additive one."""
+    bounds, keep, ids = [0], [], []
+    for s in segments:
+        s.check()
+        ids.extend(s.token_ids)
+        bounds.append(len(ids))
+        keep.extend(range(len(ids) - s.keep, len(ids)))
+    return FlatBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+        position_ids=torch.cat([s.position_ids for s in segments])[None],
+        keep_rows=torch.tensor(keep, dtype=torch.long, device=device),
+        plan=SegmentPlan(tuple(bounds), tuple(s.kv for s in segments),
+                         tuple(additive_mask(s.visible, dtype) for s in segments)),
+    )

@@ -1,0 +1,141 @@
+"""The target verifies the trees of several sessions in one forward (continuous batching at round
+granularity: the worker hands over the requests queued when a forward starts).
+
+Each session keeps its own cache, cache length, positions and tree mask; the forward is the
+flattened token batch of ``specsplit.engine.batch``. Per request, exactly what ``verify`` does
+alone: the same validation before any cache moves (errors stay per request: one bad request
+fails nobody else), the same CACHE_MISS / STALE_ROUND rules under the session's lock, the same
+verification rule with the same per-(seed, round) generator, the same compaction. Verified alone
+(after the batch, in request order) instead: SpecPV sessions (a partial view, or exact-mode
+re-checks), a sync longer than one linear chunk (a prompt), and a session's second request in the
+same batch. If the batched forward fails for a reason other than the device, every member's cache
+is cropped back and each member is verified alone, so one request cannot fail the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from schemas import Message, VerifyRequest
+from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
+from specsplit.engine.batch import Segment
+from specsplit.engine.store import Session
+from specsplit.engine.verify import Outcome
+from specsplit.errors import DeviceFailure, SpecError
+from specsplit.tree import TreeLayout
+
+
+def batchable(req: Message) -> bool:
+    """Whether a request may share a forward (its session's state is checked once locked)."""
+    return (isinstance(req, VerifyRequest) and req.specpv is None and req.confirmed_len is None
+            and len(req.sync.append_token_ids) <= LINEAR_CHUNK)
+
+
+@dataclass(slots=True)
+class _Member:
+    index: int  # position in the request list
+    req: VerifyRequest
+    layout: TreeLayout
+    session: Session  # locked while a member
+    segment: Segment | None = None
+
+
+def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
+    """Replies to ``requests`` (any messages the engine serves), in order. ``engine`` is a
+    TargetEngine. Raises DeviceFailure only, as ``handle`` does."""
+    t0 = time.perf_counter()
+    fused, seen = [], set()  # a session's first request, when batchable, shares the forward
+    for i, req in enumerate(requests):
+        sid = getattr(req, "session_id", None)
+        if sid not in seen and batchable(req):
+            fused.append(i)
+        seen.add(sid)
+    if len(fused) < 2 or not engine.batched_forward_supported():
+        return [engine.handle(req) for req in requests]
+    replies: list[Message | None] = [None] * len(requests)
+    later = sorted(set(range(len(requests))) - set(fused))
+    members = _lock_members(engine, requests, fused, replies, later)
+    try:
+        if len(members) == 1:
+            _alone(engine, members[0], replies, t0)
+        elif members:
+            _fused(engine, members, replies, t0)
+    finally:
+        for m in members:
+            m.session.lock.release()
+    for i in sorted(later):
+        replies[i] = engine.handle(requests[i])
+    return replies
+
+
+def _lock_members(engine, requests, indices: list[int], replies: list, later: list[int]) -> list[_Member]:
+    """Admit and lock each candidate; a refusal becomes its reply, a SpecPV session goes ``later``.
+    Only the engine thread takes several session locks, so the order cannot deadlock."""
+    members = []
+    for i in indices:
+        req = requests[i]
+        try:
+            layout, session = engine.admit(req)
+        except SpecError as exc:
+            replies[i] = exc.to_reply(req.session_id, req.round)
+            continue
+        session.lock.acquire()
+        try:
+            engine.check_locked(session, req.round, req.sync)
+        except SpecError as exc:
+            session.lock.release()
+            replies[i] = exc.to_reply(req.session_id, req.round)
+            continue
+        if session.specpv is not None:  # its partial view must follow the request: verified alone
+            session.lock.release()
+            later.append(i)
+            continue
+        members.append(_Member(i, req, layout, session))
+    return members
+
+
+def _alone(engine, m: _Member, replies: list, t0: float) -> None:
+    try:
+        out = engine.run_locked(m.session, m.req, m.layout)
+        replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0)
+    except SpecError as exc:
+        replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+
+
+def _fused(engine, members: list[_Member], replies: list, t0: float) -> None:
+    for m in members:
+        sync, kv = m.req.sync, m.session.kv
+        kv.crop_to(sync.base_len)
+        visible, pos = engine.tree_inputs(sync.base_len, len(sync.append_token_ids), m.layout)  # [T+N, P+T+N], [T+N]
+        m.segment = Segment(kv, [*sync.append_token_ids, *m.req.tree.token_ids], pos, visible, keep=m.layout.num_nodes)
+    try:
+        logits = engine.forward_segments([m.segment for m in members])  # per member [N_i, V]
+    except Exception as exc:
+        if is_device_failure(exc):
+            for m in members:
+                engine.store.drop(m.session)
+            raise DeviceFailure(f"{engine.role} on {engine.device}: {type(exc).__name__}: {exc}") from exc
+        engine.log.warning("batch_forward_failed", sessions=len(members), error=f"{type(exc).__name__}: {exc}"[:500],
+                           action="verify each alone")
+        for m in members:  # what the forward appended is dropped: each starts from its base again
+            m.session.kv.crop_to(m.req.sync.base_len)
+            _alone(engine, m, replies, t0)
+        return
+    for m, lg in zip(members, logits):
+        try:
+            out = engine.guarded(m.session, lambda m=m, lg=lg: _finish(engine, m, lg))
+            replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0)
+        except SpecError as exc:
+            replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+
+
+def _finish(engine, m: _Member, logits) -> Outcome:
+    """Verify one member's tree from its logits [N, V]; keep the accepted path's K/V."""
+    start = m.req.sync.base_len + len(m.req.sync.append_token_ids)  # the root's position
+    t = len(m.req.sync.append_token_ids)
+    verdict = engine.decide(m.req, m.layout, logits, m.segment.visible[t:, start:])
+    m.session.kv.compact([start + i for i in verdict.path], start)
+    m.session.last_round = m.req.round
+    return Outcome(verdict)

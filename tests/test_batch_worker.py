@@ -1,0 +1,196 @@
+"""Batching in the worker (issue 15): the requests queued when a forward starts reach the engine
+together; real ZeroMQ sockets, a real target engine, several concurrent sessions whose output
+equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from schemas import CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, TreeSpec, VerifyReply
+from schemas.codec import PROTO, MsgKind, unpack_frames
+from schemas.messages import Message, VerifyRequest
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.target import TargetEngine
+from specsplit.orchestrator.state import SessionCursor
+from specsplit.transport.batching import draft_tokens, take_batch, verify_tokens
+from specsplit.transport.rpc import AsyncRpcClient
+from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread, make_hello, make_verify
+from tests.conftest import greedy_reference
+
+pytestmark = pytest.mark.timeout(120)
+
+HB = dict(heartbeat_s=0.1, liveness=20)
+
+
+def test_take_batch_keeps_order_and_budget():
+    cost = lambda j: None if j is None or j < 0 else j  # noqa: E731  (negative: not batchable)
+    assert take_batch(3, iter([4, 5, 6]), cost, 12) == ([3, 4, 5], [])  # 12 reached: 6 stays queued
+    q = iter([4, 5, 6])
+    assert take_batch(3, q, cost, 11) == ([3, 4], [5]) and list(q) == [6]  # 5 would exceed: handled next
+    assert take_batch(3, iter([4, -1, 5]), cost, 100) == ([3, 4], [-1])  # a non-batchable job ends it, in order
+    assert take_batch(3, iter([4, None]), cost, 100) == ([3, 4], [None])  # the stop sentinel too
+    assert take_batch(-1, iter([4]), cost, 100) == ([-1], [])  # a non-batchable first goes alone
+    assert take_batch(3, iter([4]), cost, 0) == ([3], [])  # budget 0: batching off
+    assert take_batch(300, iter([4]), cost, 100) == ([300], [])  # an oversized first still goes
+    tree = FlatTree(token_ids=[1, 2, 3], parents=[-1, 0, 1])
+    assert verify_tokens(VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[7, 8]),
+                                       tree=tree)) == 5
+    assert verify_tokens(EndSession(session_id="s")) is None
+    assert draft_tokens(DraftRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[7, 8]),
+                                     root=1, tree=TreeSpec(max_nodes=6))) == 9
+    assert draft_tokens(make_verify("s")) is None
+
+
+class _GatedBatcher:
+    """An echo engine whose first request blocks until released, recording how requests arrive."""
+
+    def __init__(self, fail_batches: bool = False) -> None:
+        self.calls: list[list[int]] = []  # rounds per handler call
+        self.fail = fail_batches
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def handle(self, msg: Message) -> Message:
+        self.calls.append([getattr(msg, "round", -1)])
+        if len(self.calls) == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        return EchoHandler()(msg)
+
+    def handle_batch(self, msgs: list[Message]) -> list[Message]:
+        self.calls.append([m.round for m in msgs])
+        if self.fail:
+            raise RuntimeError("batch boom")
+        return [EchoHandler()(m) for m in msgs]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "handler-raises"])
+async def test_requests_queued_behind_a_forward_are_handed_over_together(fail):
+    eng = _GatedBatcher(fail_batches=fail)
+    with RouterThread("target", **HB) as router, \
+            WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=10,
+                         **HB) as worker:
+        async with AsyncRpcClient(router.frontend) as client:
+            first = asyncio.ensure_future(client.call(make_verify("a", 0), session_id="a", timeout_s=10))
+            await asyncio.to_thread(eng.entered.wait, 5)
+            # queued meanwhile: 4-node trees, so 2 fit in 10 tokens; then an EndSession; then garbage
+            rest = [asyncio.ensure_future(client.call(make_verify(s, r), session_id=s, timeout_s=10))
+                    for s, r in (("b", 1), ("c", 2), ("d", 3))]
+            end = asyncio.ensure_future(client.call(EndSession(session_id="e"), session_id="e", timeout_s=10))
+            await asyncio.sleep(0.3)
+            eng.release.set()
+            replies = [await first, *[await f for f in rest], await end]
+        assert eng.calls == [[0], [1, 2], [3], [-1]]  # the 3rd verify would exceed 10 tokens; order kept
+        assert worker.loop.batches == 1 and worker.loop.batched_requests == 2
+    assert isinstance(replies[0], VerifyReply) and replies[0].round == 0
+    for reply, (sid, rnd) in zip(replies[1:3], (("b", 1), ("c", 2))):
+        if fail:  # each request of the failed call gets its own typed error, for its own session
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.INTERNAL and reply.session_id == sid
+        else:
+            assert isinstance(reply, VerifyReply) and (reply.session_id, reply.round) == (sid, rnd)
+    assert isinstance(replies[3], VerifyReply) and replies[3].round == 3
+
+
+async def test_a_garbage_body_in_a_batch_gets_its_own_error():
+    eng = _GatedBatcher()
+    with RouterThread("target", **HB) as router, \
+            WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
+                         **HB):
+        async with AsyncRpcClient(router.frontend) as client:
+            first = asyncio.ensure_future(client.call(make_verify("a", 0), session_id="a", timeout_s=10))
+            await asyncio.to_thread(eng.entered.wait, 5)
+            ctx = zmq.asyncio.Context()
+            raw = ctx.socket(zmq.DEALER)
+            raw.connect(router.frontend)
+            await raw.send_multipart([PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"x", b"r9", b"\xc1"])
+            ok = asyncio.ensure_future(client.call(make_verify("b", 1), session_id="b", timeout_s=10))
+            await asyncio.sleep(0.3)
+            eng.release.set()
+            assert (await first).round == 0 and (await ok).round == 1
+            bad = unpack_frames(await asyncio.wait_for(raw.recv_multipart(), 10))
+            assert bad.request_id == b"r9" and bad.msg.code is ErrorCode.BAD_REQUEST
+            raw.close(0)
+            ctx.term()
+
+
+LIMITS = EngineLimits(max_sessions=32, max_session_tokens=256, max_tree_nodes=16, max_tree_depth=8)
+
+
+async def _session(client, draft, sid: str, prompt: list[int], n: int, spec: TreeSpec) -> list[int]:
+    """One session's draft -> verify loop, the target over the sockets; the draft too when
+    ``draft`` is a client, else in process."""
+    cur, rnd = SessionCursor(list(prompt)), 0
+    while len(cur.committed) - len(prompt) < n:
+        req = DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1], tree=spec)
+        if isinstance(draft, DraftEngine):
+            d = draft.handle(req)
+        else:
+            d = await draft.call(req, session_id=sid, timeout_s=60)
+        assert isinstance(d, DraftReply), d
+        cur.after_draft()
+        reply = await client.call(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree),
+                                  session_id=sid, timeout_s=60)
+        assert isinstance(reply, VerifyReply), reply
+        cur.apply_verify(reply)
+        rnd += 1
+        await asyncio.sleep(0)  # let the other sessions draft and send
+    return cur.committed[len(prompt):len(prompt) + n]
+
+
+async def test_concurrent_sessions_through_a_batching_worker_equal_greedy(models):
+    target, close_draft, _ = models["qwen2"]
+    engine, draft = TargetEngine(target, LIMITS), DraftEngine(close_draft, LIMITS)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(128) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    specs = [TreeSpec(max_nodes=8, max_depth=4, branch=1 + i % 3) for i in range(6)]
+    def slow_alone(msg: Message) -> Message:  # a big model's forward: other sessions' requests queue behind it
+        time.sleep(0.1)
+        return engine.handle(msg)
+
+    with RouterThread("target", **HB) as router, \
+            WorkerThread(router.backend, b"w", slow_alone, batch_handler=engine.verify_batch,
+                         max_batch_tokens=256, **HB) as worker:
+        async with AsyncRpcClient(router.frontend) as client:
+            outs = await asyncio.gather(*[_session(client, draft, f"s{i}", p, 24, specs[i])
+                                          for i, p in enumerate(prompts)])
+        assert worker.loop.batches > 0, "no two requests were ever verified in one forward"
+        assert worker.loop.batched_requests > worker.loop.batches
+    for p, out in zip(prompts, outs):
+        assert out == greedy_reference(target, p, 24)[0]
+
+
+def _slow(handle):
+    def slow_alone(msg: Message) -> Message:  # a big model's forward: other sessions' requests queue behind it
+        time.sleep(0.05)
+        return handle(msg)
+
+    return slow_alone
+
+
+async def test_batching_draft_and_target_workers_equal_greedy(models):
+    """Both roles behind their own router, both batching: drafts in lockstep, verifies in one
+    forward; six concurrent sessions still equal plain greedy decoding."""
+    target, close_draft, _ = models["llama"]
+    t_eng, d_eng = TargetEngine(target, LIMITS), DraftEngine(close_draft, LIMITS)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(128) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    specs = [TreeSpec(max_nodes=8, max_depth=4, branch=1 + i % 3) for i in range(6)]
+    with RouterThread("target", **HB) as t_router, RouterThread("draft", **HB) as d_router, \
+            WorkerThread(t_router.backend, b"t", _slow(t_eng.handle), batch_handler=t_eng.verify_batch,
+                         max_batch_tokens=256, **HB) as t_worker, \
+            WorkerThread(d_router.backend, b"d", _slow(d_eng.handle), hello=make_hello("draft", vocab_size=128),
+                         batch_handler=d_eng.draft_batch, max_batch_tokens=256, batch_cost=draft_tokens,
+                         **HB) as d_worker:
+        async with AsyncRpcClient(t_router.frontend) as t_client, AsyncRpcClient(d_router.frontend) as d_client:
+            outs = await asyncio.gather(*[_session(t_client, d_client, f"s{i}", p, 20, specs[i])
+                                          for i, p in enumerate(prompts)])
+        assert d_worker.loop.batches > 0 and t_worker.loop.batches > 0
+    for p, out in zip(prompts, outs):
+        assert out == greedy_reference(target, p, 20)[0]
