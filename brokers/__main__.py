@@ -10,6 +10,7 @@ import threading
 import zmq
 from pydantic import ValidationError
 
+from brokers.auth import SecretError
 from brokers.router import Router
 from brokers.settings import SERVICES, RouterSettings
 from brokers.logs import configure_logging, get_logger
@@ -28,6 +29,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_router(settings: RouterSettings) -> Router:
+    """Raises brokers.auth.SecretError when the fleet secret cannot be read or made."""
     return Router(
         settings.service,
         settings.frontend_addr,
@@ -40,6 +42,7 @@ def build_router(settings: RouterSettings) -> Router:
         sndhwm=settings.sndhwm,
         rcvhwm=settings.rcvhwm,
         allow_public_bind=settings.allow_public_bind,
+        secret=settings.secret(),
     )
 
 
@@ -55,12 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, json=settings.log_json)
     log = get_logger("brokers", service=settings.service)
+    try:
+        router = build_router(settings)
+    except SecretError as exc:
+        log.error("fleet_secret_unavailable", error=str(exc))
+        return 2
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    router = build_router(settings)
     try:
         router.run(stop)
     except zmq.ZMQError as exc:

@@ -91,7 +91,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
-                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None)
+                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
+                      secret=settings.secret())
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

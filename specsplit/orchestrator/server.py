@@ -54,13 +54,14 @@ class Orchestrator:
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
         self.frontend = s.bind_address()
+        secret = s.secret()  # SecretError: the orchestrator cannot authenticate to the routers
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness)
+                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness, secret=secret)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
                                          default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness)
+                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness, secret=secret)
         await self.draft_rpc.start()
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=self.frontend, grow=s.grow, tree_budget=s.tree_budget,
