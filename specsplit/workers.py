@@ -73,6 +73,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    secret = settings.secret()  # before the model loads: a fleet secret that cannot be read is fatal at once
     engine, hello = build_engine(service, settings, model_settings)
     identity = settings.identity(service)
     log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
@@ -92,7 +93,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings) -> int:
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
                       may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
-                      secret=settings.secret())
+                      secret=secret)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     rc = loop.run(stop)

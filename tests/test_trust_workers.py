@@ -105,6 +105,7 @@ def test_only_the_worker_sent_a_request_can_answer_it():
         ctx = zmq.Context()
         ids = [b"worker-a", b"worker-b"]
         workers = {}
+        client = stranger = None
         try:
             for wid in ids:
                 workers[wid] = make_socket(ctx, zmq.DEALER, identity=wid, connect=rt.backend)
@@ -133,11 +134,10 @@ def test_only_the_worker_sent_a_request_can_answer_it():
             assert got.request_id == b"rid-1" and got.msg.cache_len == 1
             workers[b"worker-a"].send_multipart([token, *pack_frames(forged, sid, b"rid-1")])  # a second answer
             assert not client.poll(300)
-            client.close()
-            stranger.close()
         finally:
-            for sock in workers.values():
-                sock.close(linger=0)
+            for sock in (*workers.values(), client, stranger):
+                if sock is not None:
+                    sock.close(linger=0)
             ctx.term()
 
 
