@@ -212,3 +212,25 @@ async def test_a_client_authenticates_again_after_a_router_restart():
                 assert second.router.stats.clients_authenticated == 1
     finally:
         worker.stop()
+
+
+def test_the_fleet_secret_file_is_made_once_private_and_refused_when_others_can_read_it(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from brokers.auth import SecretError, load_fleet_secret
+    from brokers.settings import RouterSettings
+
+    path = tmp_path / "sub" / "fleet.secret"
+    first = load_fleet_secret(None, path)
+    assert len(first) >= 32 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert load_fleet_secret(None, path) == first  # every process of the fleet reads the same one
+    monkeypatch.setenv("SPECSPLIT_FLEET_SECRET_FILE", str(path))
+    assert RouterSettings(service="target").secret() == first
+    monkeypatch.setenv("SPECSPLIT_FLEET_SECRET", "x" * 20)  # the variable wins over the file
+    assert RouterSettings(service="target").secret() == b"x" * 20
+    with pytest.raises(SecretError):
+        load_fleet_secret("too-short")
+    os.chmod(path, 0o644)
+    with pytest.raises(SecretError):
+        load_fleet_secret(None, path)

@@ -96,6 +96,7 @@ class AsyncRpcClient:
             identity = b"\x01" + secrets.token_bytes(15)
         self._authed = asyncio.Event()
         self._auth_task: asyncio.Task | None = None
+        self._auth_epoch = 0  # successful authentications so far (a refusal of an older one is moot)
         self.auth_error = ""  # why the last authentication failed ("" after a success)
         self.max_pending = max_pending
         self.default_timeout_s = default_timeout_s
@@ -153,13 +154,16 @@ class AsyncRpcClient:
     async def call(self, msg: Message, *, session_id: str, timeout_s: float | None = None) -> Message:
         """Send ``msg`` for ``session_id`` and wait for the reply with the same request id."""
         needs_auth = self._secret is not None and not isinstance(msg, Heartbeat)
-        reply = await self._call(msg, session_id, timeout_s, needs_auth)
+        sent_under: list[int] = []
+        reply = await self._call(msg, session_id, timeout_s, needs_auth, sent_under)
         if needs_auth and isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHENTICATED:
-            self._reauth()  # the router forgot us (restarted, or dropped us): our sessions start afresh
+            if sent_under == [self._auth_epoch]:  # not already authenticated again since it was sent
+                self._reauth()  # the router forgot us (restarted, or dropped us): our sessions start afresh
             raise RpcRouterLost(f"router {self.addr} no longer knows this client")
         return reply
 
-    async def _call(self, msg: Message, session_id: str, timeout_s: float | None, needs_auth: bool) -> Message:
+    async def _call(self, msg: Message, session_id: str, timeout_s: float | None, needs_auth: bool,
+                    sent_under: list[int] | None = None) -> Message:
         self._ensure_started()
         if len(self._pending) >= self.max_pending:
             why = f"client has max_pending={self.max_pending} calls waiting"
@@ -173,6 +177,8 @@ class AsyncRpcClient:
             async with asyncio.timeout(timeout_s):
                 if needs_auth and not self._authed.is_set():
                     await self._authed.wait()
+                if sent_under is not None:
+                    sent_under.append(self._auth_epoch)
                 await self._send(frames)
                 return await fut
         except TimeoutError:
@@ -221,6 +227,7 @@ class AsyncRpcClient:
             self.auth_error = f"refused: {done!r}"[:200]
             return False
         self.auth_error = ""
+        self._auth_epoch += 1
         self._authed.set()
         self.log.info("rpc_authenticated")
         return True
