@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from brokers.curve import CurveError
 from brokers.metrics import router_registry, serve_metrics
+from brokers.auth import SecretError
 from brokers.router import Router
 from brokers.settings import SERVICES, MetricsSettings, RouterSettings
 from brokers.logs import configure_logging, get_logger
@@ -30,6 +31,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_router(settings: RouterSettings) -> Router:
+    """Raises brokers.auth.SecretError when the fleet secret cannot be read or made."""
     return Router(
         settings.service,
         settings.frontend_addr,
@@ -42,6 +44,7 @@ def build_router(settings: RouterSettings) -> Router:
         sndhwm=settings.sndhwm,
         rcvhwm=settings.rcvhwm,
         curve=settings.curve_keys(server=True),
+        secret=settings.secret(),
     )
 
 
@@ -58,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, json=settings.log_json)
     log = get_logger("brokers", service=settings.service)
+    try:
+        router = build_router(settings)
+    except SecretError as exc:
+        log.error("fleet_secret_unavailable", error=str(exc))
+        return 2
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():

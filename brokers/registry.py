@@ -122,13 +122,20 @@ class WorkerRegistry:
 
 @dataclass(slots=True)
 class Inflight:
-    """A request forwarded to a worker and not yet answered."""
+    """A request forwarded to a worker and not yet answered. ``client_id`` is the return
+    address the worker saw (the client's token); ``route`` the client's routing id at the
+    frontend (where the reply goes; the token when empty)."""
 
     client_id: bytes
     request_id: bytes
     session_id: str
     worker_id: bytes
     sent_at: float
+    route: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.route:
+            self.route = self.client_id
 
 
 class InflightTable:

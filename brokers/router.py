@@ -5,18 +5,28 @@ Frames, exactly (``env`` = ``[PROTO, kind, session_id, request_id, body]``, see 
 frontend (ROUTER, binds; orchestrators and clients connect DEALERs)
     in   [client_id, *env]
     out  [client_id, *env]                        worker replies, router errors, ping replies
-backend (ROUTER, binds, ROUTER_HANDOVER; workers connect DEALERs)
-    out  [worker_id, client_id, *env]             a client request for the worker
-    in   [worker_id, client_id, *env]             the worker's reply for client_id (dropped unless it
-                                                  answers a request in flight on that worker)
-    in   [worker_id, b"", *env]                   addressed to the router: WORKER_HELLO, HEARTBEAT
-    out  [worker_id, b"", *env]                   router to worker: HEARTBEAT (hello accepted when
-                                                  its request_id echoes the hello's), ERROR
+backend (ROUTER, binds, no ROUTER_HANDOVER; workers connect DEALERs)
+    out  [worker_id, token, *env]                 a client request for the worker
+    in   [worker_id, token, *env]                 the worker's reply for that client
+    in   [worker_id, b"", *env]                   addressed to the router: WORKER_HELLO,
+                                                  AUTH_RESPONSE, HEARTBEAT
+    out  [worker_id, b"", *env]                   router to worker: AUTH_CHALLENGE, HEARTBEAT
+                                                  (admitted when its request_id echoes the
+                                                  hello's), ERROR
+
+Trust (PROTOCOL.md, "Security model"): every peer proves the fleet secret by HMAC
+challenge-response (brokers.auth). A client (CLIENT_HELLO -> AUTH_CHALLENGE -> AUTH_RESPONSE ->
+HEARTBEAT) gets a random 16-byte *token*; the router sends its requests to workers with the token
+as the return address, so workers key sessions by (token, session_id): another client's request
+for the same session id addresses another session. A worker is routed to only once its hello is
+authenticated and admitted; a reply is delivered only when that worker was sent that request id.
+No ROUTER_HANDOVER: a second connection cannot take an admitted identity over.
+CURVE (``curve``, off-box fleets) encrypts both sockets and admits only listed keys (brokers.curve).
 
 Control envelopes use session_id "-". A router validates envelopes with ``check_envelope`` and
-never decodes a client's body. A worker is routed to only once admitted by WORKER_HELLO; a
-retryable ERROR to a worker means "unknown worker: send WORKER_HELLO", a non-retryable one means
-"refused". A HEARTBEAT from a client on the frontend is answered by the router itself (a ping).
+decodes only bodies addressed to itself (hellos and auth responses), never a request. A retryable
+ERROR to a worker means "unknown worker: send WORKER_HELLO", a non-retryable one "refused". A
+HEARTBEAT from a client on the frontend is answered by the router itself (a ping; no auth needed).
 
 Liveness: the router heartbeats its workers every ``heartbeat_s``; any message from a worker
 proves it alive; ``liveness`` beats of silence expire it. A backend disconnect (socket monitor)
@@ -35,8 +45,10 @@ from dataclasses import asdict, dataclass
 import zmq
 
 from brokers.curve import CurveKeys, CurveRequired, release_zap
+from brokers import auth
 from brokers.registry import Inflight, InflightTable, WorkerRegistry
-from schemas.codec import CodecError, MsgKind, check_envelope, decode, pack_frames
+from brokers.router_auth import REFUSED, RouterAuth  # noqa: F401  (REFUSED: part of this module's API)
+from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
 from brokers.logs import get_logger
 from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket, recv_frames, send_frames
@@ -46,6 +58,7 @@ PLACEHOLDER_RID = b"-"
 _DRAIN_BATCH = 512
 _MAX_POLL_MS = 100
 _LRU_SIZE = 1024
+_CHALLENGE_TTL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -62,7 +75,10 @@ class RouterStats:
     workers_expired: int = 0  # silent for liveness x heartbeat_s
     workers_lost: int = 0  # a send to them failed (disconnected, killed)
     inflight_failed: int = 0
-    unsolicited_replies: int = 0  # a worker's reply matching no request in flight on it: dropped
+    clients_authenticated: int = 0
+    auth_failed: int = 0  # bad or missing proofs, clients and workers
+    unauthenticated: int = 0  # requests from clients that have not authenticated
+    unsolicited_replies: int = 0  # replies for a request id the worker was not sent (dropped)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -103,7 +119,7 @@ def _readable_rid(env: list[bytes]) -> bytes:
     return PLACEHOLDER_RID
 
 
-class Router:
+class Router(RouterAuth):
     """Routes a service's requests to its workers by rendezvous hash of the session id.
 
     ``run(stop_event)`` owns both sockets in the calling thread (one ``zmq.Poller`` loop) and
@@ -127,9 +143,15 @@ class Router:
         rcvhwm: int = DEFAULT_HWM,
         ctx: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        secret: bytes | None = None,
+        max_clients: int = 4096,
+        client_ttl_s: float = 24 * 3600.0,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
+        if not secret or len(secret) < auth.MIN_SECRET_BYTES:
+            raise ValueError(f"a fleet secret of at least {auth.MIN_SECRET_BYTES} bytes is required")
+        self._secret = secret
         for addr in (frontend_addr, backend_addr):
             if curve is None and not is_loopback_address(addr):
                 raise CurveRequired(f"{addr}: binding beyond loopback requires CURVE keys (router curve=None)")
@@ -143,6 +165,10 @@ class Router:
         self.registry = WorkerRegistry(service, ttl_s=heartbeat_s * liveness, max_workers=max_workers)
         self.inflight = InflightTable(max_entries=max_inflight, ttl_s=request_ttl_s)
         self.stats = RouterStats()
+        # routing id -> token of authenticated clients; pending challenges of clients and workers
+        self._clients = auth.BoundedTable(max_clients, client_ttl_s)
+        self._client_challenges = auth.BoundedTable(_LRU_SIZE, _CHALLENGE_TTL_S)
+        self._worker_challenges = auth.BoundedTable(_LRU_SIZE, _CHALLENGE_TTL_S)
         self.ready = threading.Event()
         self.frontend_endpoint: str | None = None
         self.backend_endpoint: str | None = None
@@ -206,7 +232,7 @@ class Router:
         self._fe = make_socket(self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, bind=self.frontend_addr,
                                curve=self.curve)
         self._be = make_socket(
-            self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=True, bind=self.backend_addr,
+            self._ctx, zmq.ROUTER, sndhwm=snd, rcvhwm=rcv, router_handover=False, bind=self.backend_addr,
             curve=self.curve,
         )
         self.frontend_endpoint, self.backend_endpoint = endpoint(self._fe), endpoint(self._be)
@@ -287,13 +313,25 @@ class Router:
         if kind is MsgKind.HEARTBEAT:  # a ping, answered by the router itself
             self._send_client(client_id, pack_frames(Heartbeat(sent_at=time.time()), sid, rid))
             return
+        if kind is MsgKind.CLIENT_HELLO:
+            self._on_client_hello(client_id, env, rid)
+            return
+        if kind is MsgKind.AUTH_RESPONSE:
+            self._on_client_response(client_id, env, rid)
+            return
         if kind is MsgKind.WORKER_HELLO:
             self.stats.bad_frames += 1
             self._send_error(client_id, sid, rid, ErrorCode.BAD_REQUEST, "WORKER_HELLO belongs on the backend")
             return
-        self._dispatch(client_id, env, sid, rid)
+        token = self._clients.get(client_id)
+        if token is None:
+            self.stats.unauthenticated += 1
+            self._warn.warning("unauthenticated_request", client=client_id.hex()[:16])
+            self._send_error(client_id, sid, rid, ErrorCode.UNAUTHENTICATED, "not authenticated: send CLIENT_HELLO")
+            return
+        self._dispatch(client_id, token, env, sid, rid)
 
-    def _dispatch(self, client_id: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
+    def _dispatch(self, client_id: bytes, token: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
         """Forward to the session's worker; an unreachable worker is dropped and the next tried."""
         while True:
             worker_id = self.registry.pick(sid)
@@ -301,19 +339,19 @@ class Router:
                 self.stats.no_worker += 1
                 self._send_error(client_id, sid, rid, ErrorCode.NO_WORKER, f"no live {self.service} worker")
                 return
-            if not self.inflight.add(Inflight(client_id, rid, sid, worker_id, time.monotonic())):
+            if not self.inflight.add(Inflight(token, rid, sid, worker_id, time.monotonic(), client_id)):
                 self.stats.overloaded += 1
                 self._send_error(client_id, sid, rid, ErrorCode.OVERLOADED, "router in-flight table full")
                 return
             try:
-                send_frames(self._be, [worker_id, client_id, *env])
+                send_frames(self._be, [worker_id, token, *env])
             except zmq.Again:
-                self.inflight.pop(client_id, rid)
+                self.inflight.pop(token, rid)
                 self.stats.overloaded += 1
                 self._send_error(client_id, sid, rid, ErrorCode.OVERLOADED, "worker queue full")
                 return
             except zmq.ZMQError as exc:
-                self.inflight.pop(client_id, rid)
+                self.inflight.pop(token, rid)
                 self._lose_worker(worker_id, f"send failed: {exc.strerror}")
                 continue
             self.stats.routed += 1
@@ -327,29 +365,30 @@ class Router:
             self.stats.bad_frames += 1
             self._warn.warning("bad_worker_frame", worker=worker_id.hex(), nframes=len(frames))
             return
-        client_id, env = frames[1], frames[2:]
-        if not client_id:
+        token, env = frames[1], frames[2:]
+        if not token:
             self._on_control(worker_id, env, known)
             return
         if not known:
             self._ask_hello(worker_id)
-        rid = _readable_rid(env)
-        entry = self.inflight.get(client_id, rid)
-        if entry is None or entry.worker_id != worker_id:  # never sent to it, or already answered
+        entry = self.inflight.get(token, _readable_rid(env)) if known else None
+        if entry is None or entry.worker_id != worker_id:  # never sent to this worker: forged or stale
             self.stats.unsolicited_replies += 1
-            self._warn.warning("unsolicited_reply_dropped", worker=worker_id.hex(), known=known)
+            self._warn.warning("unsolicited_reply_dropped", worker=worker_id.hex(), admitted=known)
             return
-        self.inflight.pop(client_id, rid)
+        self.inflight.pop(token, entry.request_id)
         try:
-            check_envelope(env)
+            _, sid, _ = check_envelope(env)
+            if sid != entry.session_id:
+                raise CodecError("reply for another session")
         except CodecError as exc:
             self.stats.bad_frames += 1
             self._warn.warning("bad_worker_reply", worker=worker_id.hex(), error=str(exc))
             msg = f"malformed reply from worker: {exc}"
-            self._send_error(client_id, entry.session_id, entry.request_id, ErrorCode.INTERNAL, msg)
+            self._send_error(entry.route, entry.session_id, entry.request_id, ErrorCode.INTERNAL, msg)
             return
         self.stats.replies += 1
-        self._send_client(client_id, env)
+        self._send_client(entry.route, env)
 
     def _on_control(self, worker_id: bytes, env: list[bytes], known: bool) -> None:
         """Messages addressed to the router itself. WORKER_HELLO is the one body a router
@@ -361,13 +400,9 @@ class Router:
             self._warn.warning("bad_control_frame", worker=worker_id.hex(), error=str(exc))
             return
         if kind is MsgKind.WORKER_HELLO:
-            try:
-                hello = decode(kind, env[4])
-            except CodecError as exc:
-                self.stats.workers_refused += 1
-                self._send_control(worker_id, exc.to_reply(), rid)
-                return
-            self._on_hello(worker_id, hello, rid)
+            self._challenge_worker(worker_id, env, rid)
+        elif kind is MsgKind.AUTH_RESPONSE:
+            self._on_worker_response(worker_id, env, rid)
         elif kind is MsgKind.HEARTBEAT:
             if not known:
                 self._ask_hello(worker_id)
@@ -377,6 +412,8 @@ class Router:
             self._warn.warning("unexpected_control", worker=worker_id.hex(), kind=kind.name)
 
     def _on_hello(self, worker_id: bytes, hello: WorkerHello, rid: bytes) -> None:
+        """An authenticated hello: admit unless it disagrees with the admitted workers (an
+        authenticated worker may be told why)."""
         adm = self.registry.admit(worker_id, hello, time.monotonic())
         wid = worker_id.hex()
         if adm.replaced:
@@ -424,7 +461,7 @@ class Router:
         lost = self.inflight.pop_worker(worker_id)
         for e in lost:
             msg = f"{self.service} worker lost ({reason}) with the request in flight"
-            self._send_error(e.client_id, e.session_id, e.request_id, ErrorCode.NO_WORKER, msg, retryable=True)
+            self._send_error(e.route, e.session_id, e.request_id, ErrorCode.NO_WORKER, msg, retryable=True)
         if lost:
             self.stats.inflight_failed += len(lost)
             self.log.warning("inflight_failed", worker=worker_id.hex(), count=len(lost), reason=reason)

@@ -5,8 +5,9 @@ Addresses: ``frontend_addr`` / ``backend_addr`` (SPECSPLIT_FRONTEND_ADDR / _BACK
 variables that orchestrators and workers read too (SPECSPLIT_DRAFT_ROUTER, SPECSPLIT_DRAFT_BACKEND,
 SPECSPLIT_TARGET_ROUTER, SPECSPLIT_TARGET_BACKEND), whose defaults are ``default_addresses``. So
 one environment configures a whole fleet. Also: SPECSPLIT_SERVICE, _HEARTBEAT_S, _LIVENESS,
-_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON, and the
-CURVE keys every process reads (``CurveSettings``): a bind beyond loopback is refused without them.
+_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON,
+_FLEET_SECRET / _FLEET_SECRET_FILE, and the CURVE keys every process reads (``CurveSettings``): a
+bind beyond loopback is refused without them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from brokers.curve import SETTINGS_HINT, CurveError, CurveKeys, load_authorized_keys, load_keypair, load_public_key
@@ -121,10 +122,21 @@ class FleetAddresses(CurveSettings):
 
 
 class HeartbeatSettings(FleetAddresses):
-    """Router <-> worker liveness, read by both sides with one meaning (Paranoid Pirate)."""
+    """Router <-> worker liveness, read by both sides with one meaning (Paranoid Pirate), and the
+    fleet secret every router peer proves (SPECSPLIT_FLEET_SECRET, else the 0600 file
+    SPECSPLIT_FLEET_SECRET_FILE, default ~/.cache/specsplit/fleet.secret; see brokers.auth)."""
 
     heartbeat_s: float = Field(default=1.0, gt=0.0, le=60.0)
     liveness: int = Field(default=3, ge=1, le=100)
+    fleet_secret: SecretStr | None = None
+    fleet_secret_file: str | None = None
+
+    def secret(self) -> bytes:
+        """The fleet secret (reads or creates the file; raises brokers.auth.SecretError)."""
+        from brokers.auth import load_fleet_secret
+
+        value = self.fleet_secret.get_secret_value() if self.fleet_secret is not None else None
+        return load_fleet_secret(value, self.fleet_secret_file)
 
 
 class RouterSettings(HeartbeatSettings):

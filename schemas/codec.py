@@ -17,7 +17,10 @@ from pydantic import ValidationError
 
 from schemas.messages import (
     Ack,
+    AuthChallenge,
+    AuthResponse,
     Cancel,
+    ClientHello,
     DraftReply,
     DraftRequest,
     GrowReply,
@@ -52,6 +55,9 @@ class MsgKind(enum.IntEnum):
     ERROR = 0x07
     WORKER_HELLO = 0x10
     HEARTBEAT = 0x11
+    CLIENT_HELLO = 0x12
+    AUTH_CHALLENGE = 0x13
+    AUTH_RESPONSE = 0x14
     GENERATE_REQUEST = 0x20
     TOKEN_CHUNK = 0x21
     GENERATE_DONE = 0x22
@@ -75,6 +81,9 @@ KIND_TO_CLASS: dict[MsgKind, type[Message]] = {
     MsgKind.ERROR: ErrorReply,
     MsgKind.WORKER_HELLO: WorkerHello,
     MsgKind.HEARTBEAT: Heartbeat,
+    MsgKind.CLIENT_HELLO: ClientHello,
+    MsgKind.AUTH_CHALLENGE: AuthChallenge,
+    MsgKind.AUTH_RESPONSE: AuthResponse,
     MsgKind.GENERATE_REQUEST: GenerateRequest,
     MsgKind.TOKEN_CHUNK: TokenChunk,
     MsgKind.GENERATE_DONE: GenerateDone,

@@ -24,6 +24,8 @@ MAX_TEXT_LEN = 1_000_000
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
 Round = Annotated[int, Field(ge=0, lt=2**53)]
+HexNonce = Annotated[str, Field(max_length=128, pattern=r"^[0-9a-f]*$")]  # hex; routers require >= 32 digits
+HexMac = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]  # HMAC-SHA256, hex
 
 
 class ErrorCode(str, enum.Enum):
@@ -35,6 +37,7 @@ class ErrorCode(str, enum.Enum):
     NO_WORKER = "NO_WORKER"  # router has no live worker for the service
     OVERLOADED = "OVERLOADED"  # queue full / capacity exhausted; retry later
     INTERNAL = "INTERNAL"  # unexpected failure inside a worker
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # the peer has not (or no longer) proved the fleet secret
 
 
 RETRYABLE_BY_DEFAULT: dict[ErrorCode, bool] = {
@@ -44,6 +47,7 @@ RETRYABLE_BY_DEFAULT: dict[ErrorCode, bool] = {
     ErrorCode.NO_WORKER: True,
     ErrorCode.OVERLOADED: True,
     ErrorCode.INTERNAL: True,
+    ErrorCode.UNAUTHENTICATED: True,  # authenticate again, then resend
 }
 
 
@@ -285,6 +289,29 @@ class WorkerHello(Message):
     tokenizer_hash: str = Field(max_length=128)
     pid: int = 0
     capacity: int = Field(default=1, ge=1)
+    nonce: HexNonce = ""  # the worker's fresh nonce: the router proves the fleet secret over it
+
+
+class ClientHello(Message):
+    """A router client (orchestrator) opens its authentication: its fresh nonce (PROTOCOL.md,
+    "Security model")."""
+
+    nonce: HexNonce
+
+
+class AuthChallenge(Message):
+    """Router -> peer, answering a ClientHello or WorkerHello: the router's fresh nonce and its
+    proof that it holds the fleet secret (HMAC over both nonces and the peer's identity)."""
+
+    nonce: HexNonce
+    proof: HexMac
+
+
+class AuthResponse(Message):
+    """Peer -> router: HMAC of the fleet secret over both nonces, the peer's identity and (a
+    worker) its hello's body; the router answers HEARTBEAT (admitted) or ERROR (refused)."""
+
+    mac: HexMac
 
 
 class Heartbeat(Message):

@@ -99,6 +99,8 @@ class Fleet:
             "SPECSPLIT_RPC_TIMEOUT_S": "300",
             # metrics off unless asked: test fleets must not take the fleet-wide scheme's ports
             "SPECSPLIT_METRICS_PORT": "0",
+            # the fleet's own secret file (created 0600 by its first process), unless one is configured
+            "SPECSPLIT_FLEET_SECRET_FILE": os.environ.get("SPECSPLIT_FLEET_SECRET_FILE") or str(tmp / "fleet.secret"),
             **{k: str(v) for k, v in extra_env.items()},
         }
         return cls(tmp=tmp, env=env, ports=ports, metrics=metrics)
@@ -106,6 +108,12 @@ class Fleet:
     @property
     def orchestrator(self) -> str:
         return f"tcp://127.0.0.1:{self.ports['orch']}"
+
+    def secret(self) -> bytes:
+        """The fleet secret its processes prove (what an insider, e.g. another orchestrator, holds)."""
+        from brokers.auth import load_fleet_secret
+
+        return load_fleet_secret(self.env.get("SPECSPLIT_FLEET_SECRET"), self.env["SPECSPLIT_FLEET_SECRET_FILE"])
 
     def addr(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"

@@ -122,6 +122,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     except CurveError as exc:
         log.error("worker_curve_refused", error=str(exc))
         return 2
+    secret = settings.secret()  # before the model loads: a fleet secret that cannot be read is fatal at once
     metrics = WorkerMetrics(service)
     count_restarts(metrics.registry, metrics_settings)
     engine, hello = build_engine(service, settings, model_settings)
@@ -165,7 +166,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
                       may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
-                      curve=curve,
+                      curve=curve, secret=secret,
                       # the requests queued when a forward starts share its forwards
                       batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
                       batch_cost=verify_tokens if service == "target" else draft_tokens)

@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the processes the tests start (fleets included) read their fleet secret from here, not ~/.cache
+os.environ.setdefault("SPECSPLIT_FLEET_SECRET_FILE",
+                      os.path.join(__import__("tempfile").mkdtemp(prefix="specsplit-test-"), "fleet.secret"))
 
 import pytest
 import torch

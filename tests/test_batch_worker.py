@@ -22,7 +22,9 @@ from specsplit.engine.target import TargetEngine
 from specsplit.orchestrator.state import SessionCursor
 from specsplit.transport.batching import draft_tokens, take_batch, verify_tokens
 from specsplit.transport.rpc import AsyncRpcClient
-from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread, make_hello, make_verify
+from specsplit.transport.testing import (
+    TEST_SECRET, EchoHandler, RouterThread, WorkerThread, authed_dealer, make_hello, make_verify,
+)
 from tests.conftest import greedy_reference
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +79,7 @@ async def test_requests_queued_behind_a_forward_are_handed_over_together(fail):
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=10,
                          **HB) as worker:
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             first = asyncio.ensure_future(client.call(make_verify("a", 0), session_id="a", timeout_s=10))
             await asyncio.to_thread(eng.entered.wait, 5)
             # queued meanwhile: 4-node trees, so 2 fit in 10 tokens; then an EndSession; then garbage
@@ -103,18 +105,18 @@ async def test_a_garbage_body_in_a_batch_gets_its_own_error():
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
                          **HB):
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             first = asyncio.ensure_future(client.call(make_verify("a", 0), session_id="a", timeout_s=10))
             await asyncio.to_thread(eng.entered.wait, 5)
-            ctx = zmq.asyncio.Context()
-            raw = ctx.socket(zmq.DEALER)
-            raw.connect(router.frontend)
-            await raw.send_multipart([PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"x", b"r9", b"\xc1"])
+            ctx = zmq.Context()
+            raw = await asyncio.to_thread(authed_dealer, ctx, router.frontend)  # an authenticated client
+            raw.send_multipart([PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"x", b"r9", b"\xc1"])
             ok = asyncio.ensure_future(client.call(make_verify("b", 1), session_id="b", timeout_s=10))
             await asyncio.sleep(0.3)
             eng.release.set()
             assert (await first).round == 0 and (await ok).round == 1
-            bad = unpack_frames(await asyncio.wait_for(raw.recv_multipart(), 10))
+            assert await asyncio.to_thread(raw.poll, 10_000)
+            bad = unpack_frames(raw.recv_multipart())
             assert bad.request_id == b"r9" and bad.msg.code is ErrorCode.BAD_REQUEST
             raw.close(0)
             ctx.term()
@@ -157,7 +159,7 @@ async def test_concurrent_sessions_through_a_batching_worker_equal_greedy(models
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", slow_alone, batch_handler=engine.verify_batch,
                          max_batch_tokens=256, **HB) as worker:
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             outs = await asyncio.gather(*[_session(client, draft, f"s{i}", p, 24, specs[i])
                                           for i, p in enumerate(prompts)])
         assert worker.loop.batches > 0, "no two requests were ever verified in one forward"
@@ -188,7 +190,8 @@ async def test_batching_draft_and_target_workers_equal_greedy(models):
             WorkerThread(d_router.backend, b"d", _slow(d_eng.handle), hello=make_hello("draft", vocab_size=128),
                          batch_handler=d_eng.draft_batch, max_batch_tokens=256, batch_cost=draft_tokens,
                          **HB) as d_worker:
-        async with AsyncRpcClient(t_router.frontend) as t_client, AsyncRpcClient(d_router.frontend) as d_client:
+        async with AsyncRpcClient(t_router.frontend, secret=TEST_SECRET) as t_client, \
+                AsyncRpcClient(d_router.frontend, secret=TEST_SECRET) as d_client:
             outs = await asyncio.gather(*[_session(t_client, d_client, f"s{i}", p, 20, specs[i])
                                           for i, p in enumerate(prompts)])
         assert d_worker.loop.batches > 0 and t_worker.loop.batches > 0

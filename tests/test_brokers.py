@@ -22,7 +22,7 @@ from schemas.codec import PROTO, MsgKind, decode, pack_frames
 from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, VerifyReply, VerifyRequest
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
-from specsplit.transport.testing import make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
+from specsplit.transport.testing import TEST_SECRET, authed_dealer, make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -124,7 +124,7 @@ async def test_sessions_stick_to_their_rendezvous_worker(router):
     workers = [WorkerThread(router.backend, wid, EchoHandler(tag=i), **HB).start() for i, wid in enumerate(ids)]
     try:
         router.wait_live(3)
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             seen: dict[str, set[int]] = {}
             for rnd in range(3):
                 for i in range(30):
@@ -141,7 +141,7 @@ async def test_sessions_stick_to_their_rendezvous_worker(router):
 
 
 async def test_no_worker_is_answered_at_once(router):
-    async with AsyncRpcClient(router.frontend) as client:
+    async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
         t0 = time.monotonic()
         reply = await client.call(verify("lonely"), session_id="lonely", timeout_s=5)
     assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
@@ -158,7 +158,7 @@ def _raw_roundtrip(sock: zmq.Socket, frames: list[bytes]) -> list[bytes]:
 def test_malformed_frames_get_typed_errors_and_the_router_keeps_serving(router):
     with WorkerThread(router.backend, b"w", **HB):
         ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.DEALER, connect=router.frontend)
+        sock = authed_dealer(ctx, router.frontend)
         body = pack_frames(verify("s1"), "s1", b"r1")[4]
         cases = [
             ([b"just one frame"], "-", b"-"),
@@ -199,9 +199,10 @@ def test_garbage_on_the_backend_does_not_kill_the_router(router):
             assert reply[0] == b"" and reply[2] == MsgKind.ERROR.as_byte()
             if reply[4] == b"h":
                 break
-        assert decode(reply[2], reply[5]).code is ErrorCode.BAD_REQUEST
+        refusal = decode(reply[2], reply[5])  # an unauthenticated peer is told nothing more
+        assert refusal.code is ErrorCode.UNAUTHENTICATED and refusal.message == "authentication refused"
         with WorkerThread(router.backend, b"w", **HB):
-            sock = make_socket(ctx, zmq.DEALER, connect=router.frontend)
+            sock = authed_dealer(ctx, router.frontend)
             good = _raw_roundtrip(sock, pack_frames(verify("s1"), "s1", b"ok"))
             sock.close()
         assert good[1] == MsgKind.VERIFY_REPLY.as_byte()
@@ -232,7 +233,7 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
         owner = {s: rendezvous.pick(s, ids) for s in sessions}
         on_stuck = [s for s in sessions if owner[s] == b"stuck"]
         assert on_stuck and len(on_stuck) < len(sessions)
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             before = {}
             for s in sessions:
                 if owner[s] != b"stuck":
@@ -263,15 +264,19 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
 
 
 async def test_restarted_worker_reclaims_its_identity(router):
+    """A worker that died (its connection gone) and comes back under its identity is admitted
+    again. (While the old connection lives, no second one can take the identity: there is no
+    ROUTER_HANDOVER; see test_admission.py.)"""
     old = SilentWorker(router.backend, b"same-id").start()
     try:
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             lost = asyncio.ensure_future(client.call(verify("s"), session_id="s", timeout_s=10))
             await asyncio.sleep(0.2)
             assert len(old.requests) == 1
+            old.close()  # the old process dies
+            reply = await asyncio.wait_for(lost, 2)
+            assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
             with WorkerThread(router.backend, b"same-id", EchoHandler(tag=7), **HB):
-                reply = await asyncio.wait_for(lost, 2)
-                assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
                 reply = await client.call(verify("s", 1), session_id="s", timeout_s=5)
                 assert isinstance(reply, VerifyReply) and reply.cache_len == 7
     finally:
@@ -282,7 +287,7 @@ async def test_vanished_worker_or_client_does_not_stall_the_router(router):
     gone = SilentWorker(router.backend, b"gone").start()
     gone.close()  # its socket is gone; the router still lists it until a send fails or it expires
     with WorkerThread(router.backend, b"here", EchoHandler(delay_s=0.05), **HB):
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             for i in range(10):
                 reply = await client.call(verify(f"v{i}"), session_id=f"v{i}", timeout_s=3)
                 assert isinstance(reply, (VerifyReply, ErrorReply))
@@ -290,13 +295,13 @@ async def test_vanished_worker_or_client_does_not_stall_the_router(router):
                     assert reply.retryable
         # a client that leaves before its reply: the router logs EHOSTUNREACH and goes on
         ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.DEALER, connect=router.frontend)
+        sock = authed_dealer(ctx, router.frontend)
         sock.send_multipart(pack_frames(verify("bye"), "bye", b"r"))
         time.sleep(0.05)
         sock.close()
         ctx.term()
         await asyncio.sleep(0.3)
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             assert isinstance(await client.call(verify("after"), session_id="after", timeout_s=3), VerifyReply)
         assert router.live_workers() == (b"here",)
 
@@ -305,7 +310,7 @@ async def test_killed_worker_is_dropped_on_disconnect_before_expiry():
     with RouterThread("target", heartbeat_s=0.1, liveness=50) as rt:  # expiry would take 5 s
         gone = SilentWorker(rt.backend, b"killed").start()
         try:
-            async with AsyncRpcClient(rt.frontend) as client:
+            async with AsyncRpcClient(rt.frontend, secret=TEST_SECRET) as client:
                 lost = asyncio.ensure_future(client.call(verify("k"), session_id="k", timeout_s=10))
                 await asyncio.sleep(0.2)
                 assert len(gone.requests) == 1
@@ -320,7 +325,7 @@ async def test_killed_worker_is_dropped_on_disconnect_before_expiry():
 
 
 async def test_router_answers_pings(router):
-    async with AsyncRpcClient(router.frontend) as client:
+    async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
         reply = await client.ping()
     assert type(reply).__name__ == "Heartbeat"
 
@@ -332,9 +337,10 @@ def test_python_m_brokers_runs_and_exits_cleanly_on_sigterm():
     proc = subprocess.Popen(
         [sys.executable, "-m", "brokers", "draft", "--frontend", fe, "--backend", be, "--heartbeat-s", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "SPECSPLIT_FLEET_SECRET": TEST_SECRET.decode()},
     )
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=fe)
+    sock = authed_dealer(ctx, fe)
     try:
         sock.send_multipart(pack_frames(verify("p"), "p", b"r1"))
         assert sock.poll(15_000), "router did not answer"

@@ -21,7 +21,7 @@ from specsplit.client import OrchestratorRefused, SpecSplitClient
 from specsplit.config import OrchestratorSettings
 from specsplit.transport.rpc import AsyncRpcClient, RpcRefused, RpcTimeout
 from specsplit.transport.sockets import make_socket
-from specsplit.transport.testing import EchoHandler, RouterThread, WorkerThread, make_verify
+from specsplit.transport.testing import TEST_SECRET, EchoHandler, RouterThread, WorkerThread, make_verify
 
 pytestmark = pytest.mark.timeout(60)
 HB = dict(heartbeat_s=0.1, liveness=5)
@@ -150,18 +150,18 @@ async def test_curve_router_serves_listed_keys_and_refuses_others_clearly(fleet_
             assert bad.join(10.0) == 2  # refused: run() returns instead of reconnecting forever
             assert rt.live_workers() == (b"good",)
             assert refused_count(rt.router._ctx) >= 1  # the server side logged curve_key_refused
-            async with AsyncRpcClient(rt.frontend, curve=client, default_timeout_s=5.0) as rpc:
+            async with AsyncRpcClient(rt.frontend, curve=client, default_timeout_s=5.0, secret=TEST_SECRET) as rpc:
                 reply = await rpc.call(make_verify("s1"), session_id="s1")
                 assert reply.cache_len == 7
             t0 = time.monotonic()
-            async with AsyncRpcClient(rt.frontend, curve=stranger, default_timeout_s=20.0) as rpc:
+            async with AsyncRpcClient(rt.frontend, curve=stranger, default_timeout_s=20.0, secret=TEST_SECRET) as rpc:
                 with pytest.raises(RpcRefused, match="SPECSPLIT_CURVE_AUTHORIZED_KEYS"):
                     await rpc.call(make_verify("s2"), session_id="s2")
             assert time.monotonic() - t0 < 10.0  # refused at the handshake, not at the call's timeout
-            async with AsyncRpcClient(rt.frontend, default_timeout_s=0.5) as plain:  # no CURVE: no service
+            async with AsyncRpcClient(rt.frontend, default_timeout_s=0.5, secret=TEST_SECRET) as plain:  # no CURVE: no service
                 with pytest.raises(RpcTimeout):
                     await plain.call(make_verify("s3"), session_id="s3")
-            async with AsyncRpcClient(rt.frontend, curve=client, default_timeout_s=5.0) as rpc:  # still serving
+            async with AsyncRpcClient(rt.frontend, curve=client, default_timeout_s=5.0, secret=TEST_SECRET) as rpc:  # still serving
                 assert (await rpc.call(make_verify("s4"), session_id="s4")).cache_len == 7
         finally:
             good.stop()

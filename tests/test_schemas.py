@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import (
-    KIND_TO_CLASS, PROTO, Ack, CacheSync, Cancel, CodecError, DraftReply, DraftRequest, EndSession, ErrorCode,
+    KIND_TO_CLASS, PROTO, Ack, AuthChallenge, AuthResponse, CacheSync, ClientHello, Cancel, CodecError, DraftReply, DraftRequest, EndSession, ErrorCode,
     ErrorReply, FlatTree, GenerateDone, GenerateRequest, GrowReply, GrowRequest, Heartbeat, MsgKind, SamplingSpec, TokenChunk, TreeSpec,
     VerifyReply, VerifyRequest, WorkerHello, decode, encode, pack_frames, unpack_frames,
 )
@@ -26,7 +26,10 @@ SAMPLES = [
     EndSession(session_id="s"),
     Ack(session_id="s", existed=True),
     ErrorReply.of(ErrorCode.CACHE_MISS, "resend", session_id="s", round=3),
-    WorkerHello(service="target", model_id="m", vocab_size=100, tokenizer_hash="abc", pid=1),
+    WorkerHello(service="target", model_id="m", vocab_size=100, tokenizer_hash="abc", pid=1, nonce="0f" * 16),
+    ClientHello(nonce="ab" * 16),
+    AuthChallenge(nonce="cd" * 16, proof="e1" * 32),
+    AuthResponse(mac="f2" * 32),
     Heartbeat(sent_at=1.0),
     GenerateRequest(session_id="s", prompt_token_ids=[1, 2], max_new_tokens=5, stop_token_ids=[0]),
     TokenChunk(session_id="s", round=1, token_ids=[3, 4], accepted=1),

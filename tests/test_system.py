@@ -107,12 +107,19 @@ def test_c_late_worker_takes_new_sessions(fleet, target_model):
     assert "worker_exit" in log and "DraftRequest" in log.split("worker_exit")[-1], log[-2000:]
 
 
-def _roundtrip(addr: str, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes]:
+def _roundtrip(addr: str, frames: list[bytes], timeout_ms: int = 5000, secret: bytes | None = None) -> list[bytes]:
+    """One request on a fresh DEALER; authenticated first when ``secret`` is given (a router's client)."""
+    from specsplit.transport.testing import authenticate, client_id
+
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if secret:
+        s.setsockopt(zmq.IDENTITY, client_id())
     s.connect(addr)
     try:
+        if secret:
+            assert authenticate(s, secret)[1] == MsgKind.HEARTBEAT.as_byte()
         s.send_multipart(frames)
         if not s.poll(timeout_ms):
             raise TimeoutError(f"no reply from {addr}")
@@ -128,18 +135,21 @@ def _error_code(frames: list[bytes]) -> ErrorCode:
 
 
 def test_d_malformed_input_gets_typed_errors_and_fleet_keeps_serving(fleet, target_model):
+    secret = fleet.secret()  # the routers' clients authenticate (the envelope checks come first)
     for fe in ("draft_fe", "target_fe"):
         addr = fleet.addr(fe)
         # to the router: bad envelopes
         assert _error_code(_roundtrip(addr, [b"junk"])) == ErrorCode.BAD_REQUEST
         assert _error_code(_roundtrip(addr, [b"XXXX", b"\x01", b"s", b"r", b"\x80"])) == ErrorCode.BAD_REQUEST
-        assert _error_code(_roundtrip(addr, [PROTO, b"\xee", b"s", b"r", b"\x80"])) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [PROTO, b"\xee", b"s", b"r", b"\x80"], secret=secret)) == ErrorCode.BAD_REQUEST
         # through the router to a worker: bodies the router does not read
         kind = MsgKind.DRAFT_REQUEST.as_byte() if fe == "draft_fe" else MsgKind.VERIFY_REQUEST.as_byte()
-        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r1", b"\xc1garbage"])) == ErrorCode.BAD_REQUEST
-        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r2", msgpack.packb({"x": 1})])) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r1", b"\xc1garbage"], secret=secret)) == ErrorCode.BAD_REQUEST
+        assert _error_code(_roundtrip(addr, [PROTO, kind, b"s", b"r2", msgpack.packb({"x": 1})],
+                                      secret=secret)) == ErrorCode.BAD_REQUEST
     bad_token = DraftRequest(session_id="bad", round=0, sync=CacheSync(base_len=0, append_token_ids=[10**6]), root=1)
-    assert _error_code(_roundtrip(fleet.addr("draft_fe"), pack_frames(bad_token, "bad", b"r3"))) == ErrorCode.BAD_REQUEST
+    assert _error_code(_roundtrip(fleet.addr("draft_fe"), pack_frames(bad_token, "bad", b"r3"),
+                                  secret=secret)) == ErrorCode.BAD_REQUEST
     # to the orchestrator frontend
     orch = fleet.orchestrator
     assert _error_code(_roundtrip(orch, [PROTO, b"\x20", b"s", b"r", b"\x80\x81"])) == ErrorCode.BAD_REQUEST

@@ -22,7 +22,7 @@ from schemas.messages import (
 )
 from specsplit.transport.rpc import AsyncRpcClient, RpcClosed, RpcTimeout
 from specsplit.transport.sockets import endpoint, is_loopback_address, make_socket, recv_frames, send_frames
-from specsplit.transport.testing import make_verify, EchoHandler, RouterThread, WorkerThread
+from specsplit.transport.testing import TEST_SECRET, authed_dealer, make_verify, EchoHandler, RouterThread, WorkerThread
 from specsplit.transport.worker_loop import small_request
 
 pytestmark = pytest.mark.timeout(30)
@@ -162,7 +162,7 @@ async def test_pending_map_is_bounded_and_close_fails_pending_calls(silent_route
 async def test_hundreds_of_concurrent_calls_resolve_to_their_own_replies(router):
     with WorkerThread(router.backend, b"w1", **HB), WorkerThread(router.backend, b"w2", **HB):
         router.wait_live(2)
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             sids = [f"conc-{i}" for i in range(600)]
             replies = await asyncio.gather(
                 *(client.call(verify(s, i), session_id=s, timeout_s=10) for i, s in enumerate(sids))
@@ -190,7 +190,7 @@ def _failing_handler(msg: Message) -> Message:
 
 async def test_worker_turns_handler_failures_into_typed_errors(router):
     with WorkerThread(router.backend, b"w", _failing_handler, **HB):
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             boom = await client.call(verify("s", 1), session_id="s", timeout_s=5)
             assert isinstance(boom, ErrorReply) and boom.code is ErrorCode.INTERNAL and "boom" in boom.message
             refusal = await client.call(verify("s", 2), session_id="s", timeout_s=5)
@@ -204,7 +204,7 @@ async def test_worker_turns_handler_failures_into_typed_errors(router):
 
 def _raw_call(addr: str, frames: list[bytes]) -> list[bytes]:
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, connect=addr)
+    sock = authed_dealer(ctx, addr)
     try:
         sock.send_multipart(frames)
         assert sock.poll(3000)
@@ -258,7 +258,7 @@ async def test_fast_path_serves_small_requests_on_the_socket_thread_while_the_en
     rec = _ThreadRecorder(gate_round=5)
     policy = lambda m: isinstance(m, VerifyRequest) and m.round != 5  # round 5: a long forward  # noqa: E731
     with WorkerThread(router.backend, b"w", rec, may_inline=policy, **HB) as worker:
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             for rnd in (0, 1, 2):
                 reply = await client.call(verify("s", rnd), session_id="s", timeout_s=5)
                 assert isinstance(reply, VerifyReply) and reply.round == rnd
@@ -305,7 +305,7 @@ async def test_fast_path_skips_kinds_slower_than_its_budget(router):
         return slow(msg)
 
     with WorkerThread(router.backend, b"w", handler, may_inline=small_request, **HB) as worker:
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             for rnd in range(4):
                 assert (await client.call(verify("s", rnd), session_id="s", timeout_s=5)).round == rnd
         assert worker.loop.inline_served == 0
@@ -315,7 +315,7 @@ async def test_fast_path_skips_kinds_slower_than_its_budget(router):
 async def test_full_queue_is_answered_overloaded_at_once(router):
     gate = _Gate()
     with WorkerThread(router.backend, b"w", gate, max_queue=1, **HB):
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             first = asyncio.ensure_future(client.call(verify("a"), session_id="a", timeout_s=5))
             await asyncio.to_thread(gate.entered.wait, 5)
             queued = asyncio.ensure_future(client.call(verify("b"), session_id="b", timeout_s=5))
@@ -328,7 +328,7 @@ async def test_full_queue_is_answered_overloaded_at_once(router):
 
 async def test_worker_keeps_heartbeating_while_the_handler_blocks(router):
     with WorkerThread(router.backend, b"w", EchoHandler(delay_s=1.0), **HB):
-        async with AsyncRpcClient(router.frontend) as client:
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             reply = await client.call(verify("slow"), session_id="slow", timeout_s=5)
         assert isinstance(reply, VerifyReply)
         stats = router.router.stats  # 1 s busy > 0.5 s liveness, yet never expired
@@ -338,7 +338,7 @@ async def test_worker_keeps_heartbeating_while_the_handler_blocks(router):
 async def test_stop_finishes_the_request_in_hand_and_returns_zero(router):
     gate = _Gate()
     worker = WorkerThread(router.backend, b"w", gate, **HB).start()
-    async with AsyncRpcClient(router.frontend) as client:
+    async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
         in_hand = asyncio.ensure_future(client.call(verify("a"), session_id="a", timeout_s=5))
         await asyncio.to_thread(gate.entered.wait, 5)
         queued = asyncio.ensure_future(client.call(verify("b"), session_id="b", timeout_s=5))
@@ -364,7 +364,7 @@ async def test_worker_reconnects_to_a_restarted_router():
             await asyncio.sleep(0.02)
         with RouterThread("target", frontend, backend, **HB) as second:
             await asyncio.to_thread(second.wait_live, 1, 5.0)
-            async with AsyncRpcClient(frontend) as client:
+            async with AsyncRpcClient(frontend, secret=TEST_SECRET) as client:
                 reply = await client.call(verify("again"), session_id="again", timeout_s=5)
             assert isinstance(reply, VerifyReply)
     finally:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import statistics
 import sys
@@ -54,23 +55,24 @@ def _report_when_ready(ready: threading.Event, conn, value) -> None:
     threading.Thread(target=report, daemon=True).start()
 
 
-def _router_proc(conn, heartbeat_s: float) -> None:
+def _router_proc(conn, heartbeat_s: float, secret: bytes) -> None:
     from brokers.router import Router
 
     stop = _child_setup()
-    router = Router("target", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=heartbeat_s)
+    router = Router("target", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat_s=heartbeat_s,
+                    secret=secret)
     _report_when_ready(router.ready, conn, lambda: (router.frontend_endpoint, router.backend_endpoint))
     router.run(stop)
     router.close()
 
 
-def _worker_proc(conn, backend: str, heartbeat_s: float) -> None:
+def _worker_proc(conn, backend: str, heartbeat_s: float, secret: bytes) -> None:
     from specsplit.transport.testing import EchoHandler, make_hello
     from specsplit.transport.worker_loop import WorkerLoop, small_request
 
     stop = _child_setup()
     loop = WorkerLoop(backend, b"bench-worker", make_hello(pid=os.getpid()), EchoHandler(), heartbeat_s=heartbeat_s,
-                      may_inline=small_request)  # as the real workers: a 16-node verify takes the fast path
+                      may_inline=small_request, secret=secret)  # as the real workers: a 16-node verify takes the fast path
     _report_when_ready(loop.ready, conn, lambda: True)
     sys.exit(loop.run(stop))
 
@@ -175,7 +177,7 @@ def _raw_block(sock: zmq.Socket, frames: list[bytes], count: int, samples: list[
 
 
 def _bench_interleaved(frontend: str, raw_addrs: dict[str, str], req: VerifyRequest, frames: list[bytes], n: int,
-                       warmup: int) -> dict[str, list[int]]:
+                       warmup: int, secret: bytes) -> dict[str, list[int]]:
     """n timed round trips per path (after ``warmup`` each), in alternating blocks of _BLOCK, so
     that a noisy neighbour slows every path alike."""
     from specsplit.transport.rpc import AsyncRpcClient
@@ -183,7 +185,7 @@ def _bench_interleaved(frontend: str, raw_addrs: dict[str, str], req: VerifyRequ
     loop = asyncio.new_event_loop()
     zctx = zmq.Context()
     socks = {name: make_socket(zctx, zmq.DEALER, connect=addr) for name, addr in raw_addrs.items()}
-    client = AsyncRpcClient(frontend, name="bench")
+    client = AsyncRpcClient(frontend, name="bench", secret=secret)
     samples: dict[str, list[int]] = {"rpc": [], **{name: [] for name in socks}}
     try:
         loop.run_until_complete(client.start())
@@ -235,17 +237,18 @@ def run(n: int, warmup: int, heartbeat_s: float) -> dict:
     procs: list[mp.Process] = []
     req = make_request()
     frames = pack_frames(req, req.session_id, b"\x00" * 8)
+    secret = secrets.token_bytes(32)  # this bench's own fleet
     try:
-        addrs = _spawn(ctx, procs, _router_proc, heartbeat_s)
+        addrs = _spawn(ctx, procs, _router_proc, heartbeat_s, secret)
         if addrs is None:
             raise RuntimeError("router did not bind")
         frontend, backend = addrs
-        if not _spawn(ctx, procs, _worker_proc, backend, heartbeat_s):
+        if not _spawn(ctx, procs, _worker_proc, backend, heartbeat_s, secret):
             raise RuntimeError("worker was not admitted")
         raw_addr = _spawn(ctx, procs, _raw_echo_proc)
         proxy_fe, proxy_be = _spawn(ctx, procs, _raw_proxy_proc)
         _spawn(ctx, procs, _raw_proxy_worker_proc, proxy_be)
-        got = _bench_interleaved(frontend, {"raw": raw_addr, "proxied": proxy_fe}, req, frames, n, warmup)
+        got = _bench_interleaved(frontend, {"raw": raw_addr, "proxied": proxy_fe}, req, frames, n, warmup, secret)
     finally:
         _stop(procs)
     return {"rtt_us": percentiles(got["rpc"]), "raw_zmq_rtt_us": percentiles(got["raw"]),

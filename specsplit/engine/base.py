@@ -55,6 +55,9 @@ def model_num_layers(model) -> int:
     return int(cfg.num_hidden_layers)
 
 
+# a request may move a session's round at most this far ahead unless it resends the whole context
+# (the orchestrator advances one round at a time; a draft worker skips the rounds SpecPV confirms)
+MAX_ROUND_STEP = 64
 PREFILL_TOKENS = 64  # a forward of more new tokens than this is compute-bound (a prompt prefill)
 LINEAR_CHUNK = 1024  # a longer linear segment (a long prompt) is forwarded in chunks of this many tokens
 
@@ -142,7 +145,7 @@ class Engine:
         session = self.store.get(session_id)
         if session is None:
             if sync.base_len != 0:
-                raise SpecError(ErrorCode.CACHE_MISS, f"unknown session {session_id!r}; resend with base_len 0")
+                raise SpecError(ErrorCode.CACHE_MISS, "unknown session; resend with base_len 0")
             session = self.store.get_or_create(session_id)
         return session
 
@@ -157,6 +160,11 @@ class Engine:
             # the texts name nothing about the session (its round, its length): only its owner
             # knows those, and a request from anyone else must learn nothing from a refusal
             raise SpecError(ErrorCode.STALE_ROUND, f"round {round} is older than the session's current round")
+        if session.last_round >= 0 and round - session.last_round > MAX_ROUND_STEP and sync.base_len > 0:
+            # a round far ahead of the session's: this cache is from long ago (the session was
+            # served elsewhere meanwhile), or the request is not the session's. Only a request
+            # that carries the whole context (base_len 0) may move a session's round that far.
+            raise SpecError(ErrorCode.CACHE_MISS, "the session's cache is out of date; resend with base_len 0")
         held = self.committed_len(session)
         if held < sync.base_len:
             raise SpecError(ErrorCode.CACHE_MISS, f"the session's cache does not hold the {sync.base_len} tokens this "

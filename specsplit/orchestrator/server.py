@@ -63,13 +63,14 @@ class Orchestrator:
         self.frontend = s.bind_address()
         # CURVE (off unless keys are set): a server to producers, a client of the routers
         self.curve = s.curve_keys(server=True, client=True)
+        secret = s.secret()  # SecretError: the orchestrator cannot authenticate to the routers
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=self.frontend, curve=self.curve)
         self.draft_rpc = AsyncRpcClient(s.draft_router, ctx=self.ctx, name="draft",
                                         default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve)
+                                        heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve, secret=secret)
         self.target_rpc = AsyncRpcClient(s.target_router, ctx=self.ctx, name="target",
                                          default_timeout_s=s.rpc_timeout_s, max_pending=8 * s.orchestrator_max_sessions,
-                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve)
+                                         heartbeat_s=s.heartbeat_s, liveness=s.liveness, curve=self.curve, secret=secret)
         await self.draft_rpc.start()
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=self.frontend, curve=self.curve is not None, grow=s.grow,

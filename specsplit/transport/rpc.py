@@ -20,6 +20,14 @@ its timeout. A resent request may reach a worker twice; ``round`` makes that har
 CURVE (``curve``): the client watches its handshakes too. A router whose ZAP handler refuses this
 process's key makes every pending and later call fail at once with ``RpcRefused`` (logged
 ``curve_refused``) until a handshake succeeds; other failed handshakes are logged.
+
+Authentication (a router's clients, ``secret`` given; PROTOCOL.md, "Security model"): the
+client connects with a random 16-byte routing id and proves the fleet secret once per
+connection (CLIENT_HELLO -> AUTH_CHALLENGE, whose proof it checks -> AUTH_RESPONSE -> HEARTBEAT);
+calls wait for that (within their timeout). When the router no longer knows the client (it
+restarted, or the connection dropped), the client authenticates again and the calls in flight
+fail with ``RpcRouterLost``: the router gives the client a new token, so its sessions on the
+workers start afresh (CACHE_MISS, then the full context). Pings need no authentication.
 """
 
 from __future__ import annotations
@@ -27,14 +35,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 import time
 
 import zmq
 import zmq.asyncio
 
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
+from brokers import auth
 from schemas.codec import CodecError, check_envelope, decode, pack_frames
-from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message
+from schemas.messages import AuthChallenge, AuthResponse, ClientHello, ErrorCode, ErrorReply, Heartbeat, Message
 from specsplit.logs import get_logger
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 
@@ -89,11 +99,19 @@ class AsyncRpcClient:
         heartbeat_s: float | None = None,
         liveness: int = 3,
         curve: CurveKeys | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.addr = addr
         self.curve = curve
         self.refused: str | None = None  # why the router refused our CURVE key (None: not refused)
         self._handshake_logged = 0.0
+        self._secret = secret
+        if secret and identity is None:  # unguessable, and never one ZeroMQ assigns (those are reused)
+            identity = b"\x01" + secrets.token_bytes(15)
+        self._authed = asyncio.Event()
+        self._auth_task: asyncio.Task | None = None
+        self._auth_epoch = 0  # successful authentications so far (a refusal of an older one is moot)
+        self.auth_error = ""  # why the last authentication failed ("" after a success)
         self.max_pending = max_pending
         self.default_timeout_s = default_timeout_s
         # plain sockets on the same underlying context (an asyncio context is shadowed)
@@ -147,9 +165,22 @@ class AsyncRpcClient:
             if self.heartbeat_s:
                 self._last_heard = time.monotonic()
                 self._watchdog = self._loop.create_task(self._watch())
+            if self._secret:
+                self._reauth()
 
     async def call(self, msg: Message, *, session_id: str, timeout_s: float | None = None) -> Message:
         """Send ``msg`` for ``session_id`` and wait for the reply with the same request id."""
+        needs_auth = self._secret is not None and not isinstance(msg, Heartbeat)
+        sent_under: list[int] = []
+        reply = await self._call(msg, session_id, timeout_s, needs_auth, sent_under)
+        if needs_auth and isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHENTICATED:
+            if sent_under == [self._auth_epoch]:  # not already authenticated again since it was sent
+                self._reauth()  # the router forgot us (restarted, or dropped us): our sessions start afresh
+            raise RpcRouterLost(f"router {self.addr} no longer knows this client")
+        return reply
+
+    async def _call(self, msg: Message, session_id: str, timeout_s: float | None, needs_auth: bool,
+                    sent_under: list[int] | None = None) -> Message:
         self._ensure_started()
         if self.refused is not None:
             raise RpcRefused(self.refused)
@@ -163,6 +194,17 @@ class AsyncRpcClient:
         self._pending[rid] = fut
         try:
             async with asyncio.timeout(timeout_s):
+                if needs_auth and not self._authed.is_set():
+                    # wait for authentication, or for the call to fail first (a refused CURVE key)
+                    authed = asyncio.ensure_future(self._authed.wait())
+                    try:
+                        await asyncio.wait({authed, fut}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        authed.cancel()
+                    if fut.done():
+                        return fut.result()
+                if sent_under is not None:
+                    sent_under.append(self._auth_epoch)
                 await self._send(frames)
                 return await fut
         except TimeoutError:
@@ -176,11 +218,54 @@ class AsyncRpcClient:
         """Round trip to the router itself (a HEARTBEAT it answers): readiness by handshake."""
         return await self.call(Heartbeat(), session_id="-", timeout_s=timeout_s)
 
+    # ---- authentication ----------------------------------------------------------------------
+    def _reauth(self) -> None:
+        """(Re)start the handshake unless one is running; calls wait until it succeeds."""
+        self._authed.clear()
+        if self._loop is not None and (self._auth_task is None or self._auth_task.done()):
+            self._auth_task = self._loop.create_task(self._authenticate())
+
+    async def _authenticate(self) -> None:
+        """Prove the fleet secret to the router (after checking its proof), retrying with back-off."""
+        delay = 0.05
+        while not self._closed:
+            try:
+                if await self._handshake():
+                    return
+            except RpcError as exc:
+                self.auth_error = f"{type(exc).__name__}: {exc}"
+            self.log.warning("rpc_auth_failed", reason=self.auth_error, retry_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _handshake(self) -> bool:
+        nonce, timeout = auth.new_nonce(), self.default_timeout_s
+        challenge = await self._call(ClientHello(nonce=nonce), "-", timeout, needs_auth=False)
+        if not isinstance(challenge, AuthChallenge):
+            self.auth_error = f"no challenge: {challenge!r}"[:200]
+            return False
+        if not auth.same(challenge.proof, auth.router_proof(self._secret, nonce, challenge.nonce, self._identity)):
+            self.auth_error = "the router could not prove the fleet secret"
+            return False
+        mac = auth.client_response(self._secret, challenge.nonce, nonce, self._identity)
+        done = await self._call(AuthResponse(mac=mac), "-", timeout, needs_auth=False)
+        if not isinstance(done, Heartbeat):
+            self.auth_error = f"refused: {done!r}"[:200]
+            return False
+        self.auth_error = ""
+        self._auth_epoch += 1
+        self._authed.set()
+        self.log.info("rpc_authenticated")
+        return True
+
     async def close(self) -> None:
         """Stop the reader, fail every pending call with ``RpcClosed``, close the socket."""
         if self._closed:
             return
         self._closed = True
+        if self._auth_task is not None:
+            self._auth_task.cancel()
+            await asyncio.gather(self._auth_task, return_exceptions=True)
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
@@ -293,6 +378,8 @@ class AsyncRpcClient:
 
     def _router_back(self, why: str) -> None:
         self.router_lost = False
+        if self._secret and why == "reconnected":  # a new connection: maybe a new router, prove it again
+            self._reauth()
         self.log.info("router_back", reason=why, pending=len(self._pending))
         self._fail_pending(f"router back ({why})")  # sent while it was away: maybe never delivered
 

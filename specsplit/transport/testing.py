@@ -6,15 +6,19 @@ share one way of standing up a router with workers on loopback (no torch).
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
 import zmq
 
+from brokers import auth
 from brokers.router import Router
-from schemas.codec import MsgKind, pack_frames
+from schemas.codec import MsgKind, decode, pack_frames
 from schemas.messages import (
     Ack,
+    AuthResponse,
+    ClientHello,
     CacheSync,
     DraftReply,
     DraftRequest,
@@ -30,6 +34,69 @@ from schemas.messages import (
 )
 from specsplit.transport.sockets import make_socket
 from specsplit.transport.worker_loop import Handler, WorkerLoop
+
+TEST_SECRET = b"specsplit-test-fleet-secret-0123456789"  # the in-process test fleets' secret
+
+
+def client_id() -> bytes:
+    """A routing id a router accepts from a client (random, 16 bytes, not ZeroMQ-assigned)."""
+    return b"\x01" + secrets.token_bytes(15)
+
+
+def authenticate(sock: zmq.Socket, secret: bytes = TEST_SECRET, timeout_ms: int = 15_000) -> list[bytes]:
+    """Run a router client's handshake on a blocking DEALER made with ``identity=client_id()``;
+    returns the router's final frames (HEARTBEAT when accepted, ERROR when refused)."""
+    me = sock.getsockopt(zmq.IDENTITY)
+    nonce = auth.new_nonce()
+    sock.send_multipart(pack_frames(ClientHello(nonce=nonce), "-", b"auth-1"))
+    if not sock.poll(timeout_ms):
+        raise TimeoutError("no challenge")
+    frames = sock.recv_multipart()
+    if frames[1] != MsgKind.AUTH_CHALLENGE.as_byte():
+        return frames
+    challenge = decode(frames[1], frames[4])
+    mac = auth.client_response(secret, challenge.nonce, nonce, me)
+    sock.send_multipart(pack_frames(AuthResponse(mac=mac), "-", b"auth-2"))
+    if not sock.poll(timeout_ms):
+        raise TimeoutError("no answer to the auth response")
+    return sock.recv_multipart()
+
+
+def hello_raw_worker(sock: zmq.Socket, hello: WorkerHello | None = None, secret: bytes = TEST_SECRET,
+                     timeout_ms: int = 15_000) -> list[bytes]:
+    """Run a worker's hello and handshake on a blocking DEALER at a router backend (made with
+    the worker's identity); returns the router's final control frames (HEARTBEAT: admitted)."""
+    me = sock.getsockopt(zmq.IDENTITY)
+    nonce = auth.new_nonce()
+    frames = pack_frames((hello or make_hello()).model_copy(update={"nonce": nonce}), "-", b"hello-1")
+    sock.send_multipart([b"", *frames])
+    while True:
+        if not sock.poll(timeout_ms):
+            raise TimeoutError("no answer to the hello")
+        reply = sock.recv_multipart()
+        if reply[0] == b"" and reply[4] == b"hello-1":
+            break
+    if reply[2] != MsgKind.AUTH_CHALLENGE.as_byte():
+        return reply
+    challenge = decode(reply[2], reply[5])
+    mac = auth.worker_response(secret, challenge.nonce, nonce, me, frames[4])
+    sock.send_multipart([b"", *pack_frames(AuthResponse(mac=mac), "-", b"hello-1")])
+    while True:
+        if not sock.poll(timeout_ms):
+            raise TimeoutError("no answer to the auth response")
+        reply = sock.recv_multipart()
+        if reply[0] == b"" and reply[4] == b"hello-1":
+            return reply
+
+
+def authed_dealer(ctx: zmq.Context, addr: str, secret: bytes = TEST_SECRET) -> zmq.Socket:
+    """A blocking DEALER connected to a router frontend and authenticated."""
+    sock = make_socket(ctx, zmq.DEALER, identity=client_id(), connect=addr)
+    frames = authenticate(sock, secret)
+    if frames[1] != MsgKind.HEARTBEAT.as_byte():
+        sock.close(linger=0)
+        raise RuntimeError(f"not authenticated: {frames!r}")
+    return sock
 
 
 class EchoHandler:
@@ -81,6 +148,7 @@ class RouterThread:
 
     def __init__(self, service: str = "target", frontend_addr: str = "tcp://127.0.0.1:*",
                  backend_addr: str = "tcp://127.0.0.1:*", **kw) -> None:
+        kw.setdefault("secret", TEST_SECRET)
         self.router = Router(service, frontend_addr, backend_addr, **kw)
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=self.router.run, args=(self.stop_event,), daemon=True,
@@ -130,6 +198,7 @@ class WorkerThread:
     def __init__(self, backend_addr: str, identity: bytes, handler: Handler | None = None,
                  hello: WorkerHello | None = None, **kw) -> None:
         self.handler = handler if handler is not None else EchoHandler()
+        kw.setdefault("secret", TEST_SECRET)
         self.loop = WorkerLoop(backend_addr, identity, hello or make_hello(), self.handler, **kw)
         self.stop_event = threading.Event()
         self.rc: int | None = None
@@ -167,7 +236,8 @@ class SilentWorker:
     its socket (a vanished process). ``requests`` holds the request frames it received."""
 
     def __init__(self, backend_addr: str, identity: bytes, hello: WorkerHello | None = None,
-                 heartbeat_s: float = 0.05) -> None:
+                 heartbeat_s: float = 0.05, secret: bytes = TEST_SECRET) -> None:
+        self.secret = secret
         self.backend_addr, self.identity = backend_addr, identity
         self.hello = hello or make_hello()
         self.heartbeat_s = heartbeat_s
@@ -195,12 +265,15 @@ class SilentWorker:
     def _main(self) -> None:
         ctx = zmq.Context()
         sock = make_socket(ctx, zmq.DEALER, identity=self.identity, connect=self.backend_addr)
-        sock.send_multipart([b"", *pack_frames(self.hello, "-", b"hello-1")])
+        self._nonce = auth.new_nonce()
+        hello = pack_frames(self.hello.model_copy(update={"nonce": self._nonce}), "-", b"hello-1")
+        self._hello_body = hello[4]
+        sock.send_multipart([b"", *hello])
         next_hb = time.monotonic() + self.heartbeat_s
         try:
             while not self._closed.is_set():
                 if sock.poll(10):
-                    self._on_message(sock.recv_multipart())
+                    self._on_message(sock, sock.recv_multipart())
                 if self._beating.is_set() and time.monotonic() >= next_hb:
                     next_hb = time.monotonic() + self.heartbeat_s
                     sock.send_multipart([b"", *pack_frames(Heartbeat(), "-", b"hb")])
@@ -208,9 +281,13 @@ class SilentWorker:
             sock.close(linger=0)
             ctx.term()
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         if frames[0]:
             self.requests.append(frames)
+        elif frames[2] == MsgKind.AUTH_CHALLENGE.as_byte():
+            challenge = decode(frames[2], frames[5])
+            mac = auth.worker_response(self.secret, challenge.nonce, self._nonce, self.identity, self._hello_body)
+            sock.send_multipart([b"", *pack_frames(AuthResponse(mac=mac), "-", b"hello-1")])
         elif frames[2] == MsgKind.HEARTBEAT.as_byte() and frames[4] == b"hello-1":
             self.admitted.set()
         elif frames[2] == MsgKind.ERROR.as_byte() and frames[4] == b"hello-1":

@@ -23,12 +23,19 @@ on the socket, so a burst is queued and batched instead of served inline one by 
 
 Frames on the DEALER (the router adds/strips the worker identity):
     in   [client_id, PROTO, kind, session_id, request_id, body]   a request; reply to client_id
-    in   [b"", PROTO, HEARTBEAT|ERROR, "-", request_id, body]     from the router itself
+    in   [b"", PROTO, AUTH_CHALLENGE|HEARTBEAT|ERROR, "-", request_id, body]   from the router
     out  [client_id, PROTO, kind, session_id, request_id, body]   a reply
-    out  [b"", PROTO, WORKER_HELLO|HEARTBEAT, "-", request_id, body]
-A HEARTBEAT whose request_id echoes the hello's means "admitted" (``ready`` is set); a retryable
-ERROR means "send WORKER_HELLO again"; a non-retryable one echoing the hello's request_id means
-"refused" (``run`` returns 2); any other non-retryable one is ignored (logged).
+    out  [b"", PROTO, WORKER_HELLO|AUTH_RESPONSE|HEARTBEAT, "-", request_id, body]
+The hello carries a fresh nonce; the router answers AUTH_CHALLENGE with its nonce and its proof
+of the fleet secret, which the worker checks before it answers AUTH_RESPONSE (brokers.auth). A
+HEARTBEAT whose request_id echoes the hello's then means "admitted" (``ready`` is set); requests
+are served only while admitted. A retryable ERROR means "send WORKER_HELLO again"; a
+non-retryable one means "refused" (``run`` returns 2).
+
+Session isolation: ``client_id`` is the router's random token for the client that sent the
+request. The handler sees ``session_id`` scoped as ``<token hex>/<session_id>`` (and the reply
+gets the client's own id back), so a session belongs to the client that created it: another
+client's request for the same session id addresses another session.
 With CURVE (``curve``), a router whose ZAP handler refuses the worker's key is "refused" too
 (logged ``curve_refused``); other failed handshakes are logged and retried like a silent router.
 """
@@ -48,9 +55,11 @@ import structlog
 import zmq
 
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
+from brokers import auth
 from schemas.codec import CodecError, Envelope, MsgKind, check_envelope, decode, pack_frames, unpack_frames
 from schemas.messages import (
-    DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest, WorkerHello,
+    AuthChallenge, AuthResponse, DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest,
+    WorkerHello,
 )
 from specsplit.logs import get_logger
 from specsplit.transport.batching import take_batch, verify_tokens
@@ -95,6 +104,12 @@ def small_request(msg: Message, max_tokens: int = 64) -> bool:
     return False
 
 
+def scoped_session_id(client_id: bytes, session_id: str) -> str:
+    """The key a worker's engine stores a client's session under: the router's token for the
+    client (unforgeable: random, chosen by the router at authentication) and the session id."""
+    return f"{client_id.hex()}/{session_id}"
+
+
 def error_frames(client_id: bytes, sid: str, rid: bytes, code: ErrorCode, message: str) -> list[bytes]:
     """Reply frames carrying a typed error for (session_id, request_id)."""
     return [client_id, *pack_frames(ErrorReply.of(code, message, session_id=sid), sid, rid)]
@@ -132,9 +147,13 @@ class WorkerLoop:
         batch_handler: BatchHandler | None = None,
         max_batch_tokens: int = 0,
         batch_cost: Callable[[Message], int | None] = verify_tokens,
+        secret: bytes | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
             raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
+        if not secret:
+            raise ValueError("a fleet secret is required (brokers.auth.load_fleet_secret)")
+        self._secret = secret
         self.may_inline = may_inline
         self.inline_max_s = heartbeat_s / 4 if inline_max_s is None else inline_max_s
         # seconds the last request of each kind took in the handler (either thread writes it
@@ -171,7 +190,11 @@ class WorkerLoop:
         self._engine_done = False
         self._draining = False
         self._hello_rid = b""
+        self._hello_nonce = ""
+        self._hello_body = b""
+        self._router_proved = False  # the router answered this hello's nonce with a good proof
         self._last_hello = 0.0
+        self.dropped_unadmitted = 0  # requests that came while not admitted (dropped)
 
     def requests_waiting(self) -> bool:
         """True when requests are queued for the engine behind the one in hand."""
@@ -296,7 +319,10 @@ class WorkerLoop:
             if not frames:
                 continue
             client_id, env = frames[0], frames[1:]
-            if client_id:
+            if client_id and not self.ready.is_set():  # only an admitting, proven router routes to us
+                self.dropped_unadmitted += 1
+                self.log.warning("request_before_admission_dropped")
+            elif client_id:
                 self._on_request(client_id, env)
             elif self._on_control(env) is _Outcome.REFUSED:
                 return _Outcome.REFUSED
@@ -358,10 +384,12 @@ class WorkerLoop:
         try:
             kind, _, rid = check_envelope(env)
             if kind is MsgKind.HEARTBEAT:
-                if rid == self._hello_rid and not self.ready.is_set():
+                if rid == self._hello_rid and self._router_proved and not self.ready.is_set():
                     self.ready.set()
                     self.log.info("worker_admitted", router=self.backend_addr)
                 return None
+            if kind is MsgKind.AUTH_CHALLENGE:
+                return self._answer_challenge(decode(kind, env[4]), rid)
             if kind is not MsgKind.ERROR:
                 self.log.warning("unexpected_control", kind=kind.name)
                 return None
@@ -417,7 +445,28 @@ class WorkerLoop:
         # unguessable: only the router's answer to this very hello may admit or refuse us
         self._hello_rid = b"hello-%d-%s" % (next(self._rids), uuid.uuid4().hex[:12].encode())
         self._last_hello = time.monotonic()
-        self._send_control(self.hello, self._hello_rid)
+        self._hello_nonce, self._router_proved = auth.new_nonce(), False
+        frames = pack_frames(self.hello.model_copy(update={"nonce": self._hello_nonce}), CONTROL_SID,
+                             self._hello_rid)
+        self._hello_body = frames[4]  # the response's HMAC covers these exact bytes
+        self._send([b"", *frames])
+
+    def _answer_challenge(self, challenge: AuthChallenge, rid: bytes) -> _Outcome | None:
+        """Answer only a challenge to our latest hello whose proof shows the router holds the
+        fleet secret. A router that cannot prove it gets nothing and is never served: the
+        worker stops as refused (the secrets differ: a configuration error, or not our router)."""
+        if rid != self._hello_rid:
+            self.log.warning("stale_challenge_ignored")
+            return None
+        proof = auth.router_proof(self._secret, self._hello_nonce, challenge.nonce, self.identity)
+        if not auth.same(challenge.proof, proof):
+            self.log.error("router_proof_bad", router=self.backend_addr,
+                           hint="the router does not hold this worker's fleet secret")
+            return _Outcome.REFUSED
+        self._router_proved = True
+        mac = auth.worker_response(self._secret, challenge.nonce, self._hello_nonce, self.identity, self._hello_body)
+        self._send_control(AuthResponse(mac=mac), rid)
+        return None
 
     def _send_control(self, msg: Message, rid: bytes) -> None:
         self._send([b"", *pack_frames(msg, CONTROL_SID, rid)])
@@ -478,7 +527,10 @@ class WorkerLoop:
 
     def _handle_batch(self, jobs: list[_Job]) -> list[list[bytes]]:
         """Several decoded requests -> their reply frames, in order. Never raises."""
-        msgs = [job.decoded.msg for job in jobs]
+        scoped = [scoped_session_id(job.client_id, job.session_id) for job in jobs]
+        msgs = [job.decoded.msg.model_copy(update={"session_id": key})
+                if getattr(job.decoded.msg, "session_id", None) == job.session_id else job.decoded.msg
+                for job, key in zip(jobs, scoped)]  # a session belongs to its client, as in _handle
         with structlog.contextvars.bound_contextvars(batch=len(jobs)):
             try:
                 replies = self.batch_handler(msgs)
@@ -488,6 +540,8 @@ class WorkerLoop:
                 replies = [self._exception_reply(exc, jobs[0].decoded.kind)] * len(jobs)
         self.batches += 1
         self.batched_requests += len(jobs)
+        replies = [r.model_copy(update={"session_id": job.session_id}) if getattr(r, "session_id", None) == key else r
+                   for job, key, r in zip(jobs, scoped, replies)]
         return [self._reply_frames(job, reply) for job, reply in zip(jobs, replies)]
 
     def _engine_send(self, out: zmq.Socket, frames: list[bytes]) -> None:
@@ -508,14 +562,20 @@ class WorkerLoop:
             except Exception as exc:  # defensive: the codec promises CodecError only
                 self.log.exception("decode_failed")
                 return error_frames(job.client_id, sid, rid, ErrorCode.INTERNAL, f"decode failed: {exc!r}")
-        round_ = getattr(env.msg, "round", None)
+        msg = env.msg
+        round_ = getattr(msg, "round", None)
+        scoped = scoped_session_id(job.client_id, sid)
+        if getattr(msg, "session_id", None) == sid:
+            msg = msg.model_copy(update={"session_id": scoped})
         with structlog.contextvars.bound_contextvars(session_id=sid, round=round_):
             t0 = time.perf_counter()
             try:
-                reply = self.handler(env.msg)
+                reply = self.handler(msg)
             except Exception as exc:
                 reply = self._exception_reply(exc, env.kind)
             self._handle_s[env.kind] = time.perf_counter() - t0
+            if getattr(reply, "session_id", None) == scoped:
+                reply = reply.model_copy(update={"session_id": sid})
             return self._reply_frames(job, reply)
 
     def _exception_reply(self, exc: Exception, kind: MsgKind) -> Message:
