@@ -13,7 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from schemas import PROTO, ErrorCode, ErrorReply, Heartbeat, MsgKind, WorkerHello, pack_frames
+from brokers import auth
+from schemas import PROTO, AuthChallenge, ErrorCode, ErrorReply, Heartbeat, MsgKind, WorkerHello, pack_frames
+from schemas.codec import decode
+from specsplit.transport.testing import TEST_SECRET
 from specsplit.fuzz.gen import (
     ANSWER, ANY, DROP_BAD_CONTROL, DROP_CANCEL, DROP_CONTROL_KIND, DROP_OR_HELLO, HELLO_RID, LANES, PLACEHOLDER_RID,
     Generator, expect_of,
@@ -82,7 +85,8 @@ def test_worker_ignores_the_refusal_of_a_hello_it_did_not_send():
     ctx = zmq.Context()
     be = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
     hello = WorkerHello(service="draft", model_id="m", vocab_size=8, tokenizer_hash="h")
-    loop = WorkerLoop(endpoint(be), b"w-1", hello, lambda m: m, heartbeat_s=0.2, liveness=50, ctx=ctx)
+    loop = WorkerLoop(endpoint(be), b"w-1", hello, lambda m: m, heartbeat_s=0.2, liveness=50, ctx=ctx,
+                      secret=TEST_SECRET)
     stop, rc = threading.Event(), []
     thread = threading.Thread(target=lambda: rc.append(loop.run(stop)), daemon=True)
     thread.start()
@@ -91,6 +95,13 @@ def test_worker_ignores_the_refusal_of_a_hello_it_did_not_send():
         frames = be.recv_multipart()  # [identity, b"", PROTO, WORKER_HELLO, "-", rid, body]
         assert frames[3] == MsgKind.WORKER_HELLO.as_byte()
         own_rid = frames[5]
+        # the router's side of the handshake: a challenge with its proof of the fleet secret
+        worker_nonce = decode(MsgKind.WORKER_HELLO, frames[6]).nonce
+        router_nonce = auth.new_nonce()
+        proof = auth.router_proof(TEST_SECRET, worker_nonce, router_nonce, b"w-1")
+        be.send_multipart([b"w-1", b"", *pack_frames(AuthChallenge(nonce=router_nonce, proof=proof), "-", own_rid)])
+        assert be.poll(10_000), "no answer to the challenge"
+        assert be.recv_multipart()[3] == MsgKind.AUTH_RESPONSE.as_byte()
         refused = ErrorReply.of(ErrorCode.BAD_REQUEST, "worker serves 'target'")
         for guess in (b"hello-1", b"hello-2", b"forged"):
             be.send_multipart([b"w-1", b"", *pack_frames(refused, "-", guess)])

@@ -19,6 +19,7 @@ from schemas import Ack, DraftReply, DraftRequest, ErrorCode, ErrorReply, FlatTr
 from schemas import CacheSync, EndSession, TreeSpec, VerifyReply
 from specsplit.launch import scrape
 from specsplit.metrics import OrchestratorMetrics, WorkerMetrics
+from specsplit.transport.testing import TEST_SECRET
 from specsplit.orchestrator.state import RoundCount, RoundStats
 
 
@@ -132,7 +133,7 @@ def test_a_port_in_use_is_logged_not_fatal_and_a_free_one_serves():
 def test_router_collector_reads_router_stats():
     from brokers.router import Router
 
-    router = Router("target", "tcp://127.0.0.1:0", "tcp://127.0.0.1:1")  # binds nothing until run
+    router = Router("target", "tcp://127.0.0.1:0", "tcp://127.0.0.1:1", secret=TEST_SECRET)  # binds nothing until run
     try:
         router.stats.routed, router.stats.replies, router.stats.no_worker = 5, 4, 2
         got = samples(router_registry(router, MetricsSettings(supervised_restarts=3)))

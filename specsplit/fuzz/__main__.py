@@ -92,7 +92,8 @@ def fuzz_fleet(tmp: Path, seed: int, count: int, deadline_s: float = 60.0) -> Fl
         vocab = int(re.search(r"vocab=(\d+)", fleet.log("draft0")).group(1))
         addrs = FleetAddrs(draft_fe=fleet.addr("draft_fe"), draft_be=fleet.addr("draft_be"),
                            target_fe=fleet.addr("target_fe"), target_be=fleet.addr("target_be"),
-                           orchestrator=fleet.orchestrator, worker_ids={"draft": b"draft-0", "target": b"target-0"})
+                           orchestrator=fleet.orchestrator, worker_ids={"draft": b"draft-0", "target": b"target-0"},
+                           secret=fleet.secret())
         t1 = time.monotonic()
         report = Fuzzer(addrs, seed, count, vocab=vocab, deadline_s=deadline_s).run()
         timings["fuzz_s"] = time.monotonic() - t1

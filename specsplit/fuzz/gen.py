@@ -91,8 +91,8 @@ def expect_of(lane: str, frames: list[bytes]) -> tuple[str, bytes]:
         kind, _, rid = check_envelope(env)
     except CodecError:
         return DROP_BAD_CONTROL, PLACEHOLDER_RID
-    if kind is MsgKind.WORKER_HELLO:
-        return ANSWER, rid  # refused (or admitted) with the hello's request id
+    if kind in (MsgKind.WORKER_HELLO, MsgKind.AUTH_RESPONSE):
+        return ANSWER, rid  # challenged, refused (or admitted) with that request id
     if kind is MsgKind.HEARTBEAT:
         return DROP_OR_HELLO, HELLO_RID
     return DROP_CONTROL_KIND, PLACEHOLDER_RID

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from schemas import (
-    CodecError, DraftReply, ErrorCode, ErrorReply, GenerateDone, GrowReply, Heartbeat, TokenChunk, VerifyReply,
+    CodecError, DraftReply, ErrorCode, ErrorReply, GenerateDone, GrowReply, Heartbeat, MsgKind, TokenChunk, VerifyReply,
     unpack_frames,
 )
 from schemas.messages import Ack
@@ -44,6 +44,7 @@ class FleetAddrs:
     target_be: str
     orchestrator: str
     worker_ids: dict[str, bytes]  # service -> a real worker's identity (for the stolen lanes)
+    secret: bytes | None = None  # the fleet secret: the frontend lanes are authenticated clients (insiders)
 
     def of(self, lane: str) -> str:
         return {"draft_fe": self.draft_fe, "target_fe": self.target_fe, "draft_be": self.draft_be,
@@ -100,6 +101,15 @@ class Fuzzer:
         try:
             for lane in FE_LANES + ORCH_LANES + BE_LANES:
                 ident = FE_IDENTITY.get(lane) or BE_IDENTITY.get(lane)
+                if lane in FE_LANES and self.addrs.secret is not None:
+                    from specsplit.transport.testing import authenticate, client_id
+
+                    ident = client_id()  # routers take authenticated clients with random ids only
+                    sock = make_socket(self.ctx, zmq.DEALER, identity=ident, connect=self.addrs.of(lane))
+                    if authenticate(sock, self.addrs.secret)[1] != MsgKind.HEARTBEAT.as_byte():
+                        raise RuntimeError(f"{lane}: the router refused the fleet secret")
+                    self.socks[lane] = sock
+                    continue
                 self.socks[lane] = make_socket(self.ctx, zmq.DEALER, identity=ident, connect=self.addrs.of(lane))
             lanes = [lane for lane in LANES if lane not in STEAL_LANES]
             weights = [WEIGHTS[lane] for lane in lanes]
