@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 mkdir -p runs
-specsplit models pull --keep     # idempotent: downloads, checks sha256, converts once; keeps the GGUFs (llama.cpp engines)
+specsplit models pull            # idempotent: downloads, checks sha256, converts once (llama.cpp engines: --keep)
 honcho start > runs/fleet.log 2>&1 &
 fleet=$!
 stop_fleet() { kill -TERM "$fleet" 2>/dev/null || true; wait "$fleet" 2>/dev/null || true; }
