@@ -157,6 +157,7 @@ def test_bad_requests_change_nothing_and_sessions_free_their_cells(lm):
                                   tree=tree, sampling=SamplingSpec()))
     assert isinstance(ok, VerifyReply)
     held = ok.cache_len
+    assert eng.store.bytes_held() == held * lm.bytes_per_cell > 0  # what the metrics report as KV bytes
     # an out-of-range token, a cyclic tree: typed errors, the session's cache unchanged
     bad_tok = FlatTree(token_ids=[PROMPT[-1], lm.vocab_size + 5], parents=[-1, 0])
     r = eng.handle(VerifyRequest(session_id="a", round=1, sync=CacheSync(base_len=held, append_token_ids=[]),

@@ -134,6 +134,9 @@ class LlamaCppModel:
         self.n_seq = cp.n_seq_max
         self.n_batch = n_batch
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        # K and V of one token, f16, every layer (the context's default cache types)
+        head_dim = lib.llama_model_n_embd(self.model) // max(1, lib.llama_model_n_head(self.model))
+        self.bytes_per_cell = 2 * 2 * lib.llama_model_n_layer(self.model) * lib.llama_model_n_head_kv(self.model) * head_dim
         self.batch = lib.llama_batch_init(n_batch, 0, self.n_seq)
         self.lock = threading.RLock()
         self.threads_for: Callable[[int], int] = lambda n: threads if n <= 64 else prefill_threads
@@ -282,7 +285,8 @@ class LlamaKV:
 
     @property
     def nbytes(self) -> int:
-        return 0  # cells live in the shared context; see LlamaCppModel
+        """The session's cells (committed prefix and tree slots) in the shared context's KV."""
+        return 0 if self.closed else self.length * self.lm.bytes_per_cell
 
 
 class _LlamaEngineMixin:
