@@ -306,6 +306,13 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
         self.max_kept_nodes = 4 * limits.max_tree_nodes
         self.others_waiting = lambda: False
 
+    @staticmethod
+    def committed_len(session) -> int:
+        """Committed tokens: the kept tree's prefix, else the main sequence's cells (never tree
+        slots a failed request may have left behind)."""
+        g = session.draft_tree
+        return g.prefix_len if isinstance(g, DraftTree) else session.kv.prefix
+
     def _root_forward(self, kv: LlamaKV, sync, root: int):
         """Crop to the synced prefix (freeing any kept tree) and append [sync tokens + root]; the
         root's logits [V]. A generator like DraftEngine's (its forwards are driven as generators)
