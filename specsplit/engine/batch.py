@@ -149,3 +149,29 @@ def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device) -
         plan=SegmentPlan(tuple(bounds), tuple(s.kv for s in segments),
                          tuple(additive_mask(s.visible, dtype) for s in segments)),
     )
+
+
+def admitted_and_locked(engine, requests, indices: list[int], replies: list):
+    """For each candidate request: ``engine.admit`` it and take its session's lock, then run
+    ``engine.check_locked``; yields (index, request, what admit returned) with the lock held. A
+    refusal becomes that request's reply (and its lock, if taken, is released). Only the engine
+    thread takes several session locks, so the order cannot deadlock."""
+    from specsplit.engine.store import Session
+    from specsplit.errors import SpecError
+
+    for i in indices:
+        req = requests[i]
+        try:
+            admitted = engine.admit(req)
+        except SpecError as exc:
+            replies[i] = exc.to_reply(req.session_id, req.round)
+            continue
+        session = next(x for x in admitted if isinstance(x, Session))
+        session.lock.acquire()
+        try:
+            engine.check_locked(session, req.round, req.sync)
+        except SpecError as exc:
+            session.lock.release()
+            replies[i] = exc.to_reply(req.session_id, req.round)
+            continue
+        yield i, req, admitted

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from schemas import DraftRequest, Message
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
-from specsplit.engine.batch import Segment
+from specsplit.engine.batch import Segment, admitted_and_locked
 from specsplit.engine.store import Session
 from specsplit.errors import DeviceFailure, SpecError
 
@@ -64,25 +64,9 @@ def draft_batch(engine, requests: Sequence[Message]) -> list[Message]:
 
 
 def _lock_members(engine, requests, indices: list[int], replies: list) -> list[_Member]:
-    """Admit and lock each candidate (a refusal becomes its reply). Only the engine thread takes
-    several session locks, so the order cannot deadlock."""
-    members = []
-    for i in indices:
-        req = requests[i]
-        try:
-            session, spec = engine.admit(req)
-        except SpecError as exc:
-            replies[i] = exc.to_reply(req.session_id, req.round)
-            continue
-        session.lock.acquire()
-        try:
-            engine.check_locked(session, req.round, req.sync)
-        except SpecError as exc:
-            session.lock.release()
-            replies[i] = exc.to_reply(req.session_id, req.round)
-            continue
-        members.append(_Member(i, req, session, engine.draft_steps(session, req, spec)))
-    return members
+    """Admit and lock each candidate (a refusal becomes its reply)."""
+    return [_Member(i, req, session, engine.draft_steps(session, req, spec))
+            for i, req, (session, spec) in admitted_and_locked(engine, requests, indices, replies)]
 
 
 def _lockstep(engine, members: list[_Member], replies: list, t0: float) -> None:

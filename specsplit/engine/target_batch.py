@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from schemas import Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
-from specsplit.engine.batch import Segment
+from specsplit.engine.batch import Segment, admitted_and_locked
 from specsplit.engine.store import Session
 from specsplit.engine.verify import Outcome
 from specsplit.errors import DeviceFailure, SpecError
@@ -71,23 +71,9 @@ def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
 
 
 def _lock_members(engine, requests, indices: list[int], replies: list, later: list[int]) -> list[_Member]:
-    """Admit and lock each candidate; a refusal becomes its reply, a SpecPV session goes ``later``.
-    Only the engine thread takes several session locks, so the order cannot deadlock."""
+    """Admit and lock each candidate; a refusal becomes its reply, a SpecPV session goes ``later``."""
     members = []
-    for i in indices:
-        req = requests[i]
-        try:
-            layout, session = engine.admit(req)
-        except SpecError as exc:
-            replies[i] = exc.to_reply(req.session_id, req.round)
-            continue
-        session.lock.acquire()
-        try:
-            engine.check_locked(session, req.round, req.sync)
-        except SpecError as exc:
-            session.lock.release()
-            replies[i] = exc.to_reply(req.session_id, req.round)
-            continue
+    for i, req, (layout, session) in admitted_and_locked(engine, requests, indices, replies):
         if session.specpv is not None:  # its partial view must follow the request: verified alone
             session.lock.release()
             later.append(i)
