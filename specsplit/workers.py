@@ -47,11 +47,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     path = getattr(paths, service)
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
-    limits = engine_limits(settings)
-    if service == "draft":
-        engine = DraftEngine(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
-    else:
-        engine = TargetEngine(model, limits, backend=backend)
+    engine = role_engine(service, settings, model, backend, DraftEngine, TargetEngine)
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
@@ -67,6 +63,14 @@ def engine_limits(settings: WorkerSettings):
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
     )
+
+
+def role_engine(service: str, settings: WorkerSettings, model, backend, draft_cls, target_cls):
+    """The role's engine class around ``model`` (a torch model or a LlamaCppModel)."""
+    limits = engine_limits(settings)
+    if service == "draft":
+        return draft_cls(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
+    return target_cls(model, limits, backend=backend)
 
 
 def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings):
@@ -86,11 +90,7 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
     lm = LlamaCppModel(gguf, n_ctx=settings.llamacpp_ctx, threads=backend.threads,
                        prefill_threads=backend.prefill_threads)
     lm.threads_for = backend.threads_for
-    limits = engine_limits(settings)
-    if service == "draft":
-        engine = LlamaDraftEngine(lm, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
-    else:
-        engine = LlamaTargetEngine(lm, limits, backend=backend)
+    engine = role_engine(service, settings, lm, backend, LlamaDraftEngine, LlamaTargetEngine)
     hello = WorkerHello(
         service=service, model_id=str(gguf), vocab_size=lm.vocab_size,
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
