@@ -40,14 +40,17 @@ def total(samples: dict[str, float], name: str) -> float:
 def settled(fleet: Fleet, timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
     """Every process's metrics once nothing is in flight: each routed request answered, every
     session ended on the workers (EndSession follows GenerateDone)."""
-    deadline = time.monotonic() + timeout_s
+    deadline, previous = time.monotonic() + timeout_s, None
     while True:
+        # processes are scraped one after another: a request that lands between two scrapes shows
+        # in one process's counters and not yet in another's, so wait for a repeatable snapshot
         got = {name: fleet.scrape(name) for name in fleet.metrics_ports}
         quiet = all(total(got[r], "specsplit:router_routed_total") == total(got[r], "specsplit:router_replies_total")
                     for r in ("router_draft", "router_target"))
         idle = all(total(got[w], "specsplit:worker_sessions") == 0 for w in ("draft0", *TARGETS))
-        if (quiet and idle) or time.monotonic() > deadline:
+        if (quiet and idle and got == previous) or time.monotonic() > deadline:
             return got
+        previous = got
         time.sleep(0.2)
 
 
