@@ -296,6 +296,7 @@ class SessionActor:
                     reset()
                     misses += 1
                     if misses <= FREE_RESENDS:
+                        self.log.info("request_resent", reason="cache_miss", resends=misses)
                         continue  # resend at once with the full context (PROTOCOL.md)
                 elif not reply.retryable:
                     raise SessionFailed(last, reply.code)
