@@ -4,7 +4,7 @@ tree) when speculation stops paying; on a flat cost line they do not shrink."""
 
 from __future__ import annotations
 
-from schemas import FlatTree, TreeSpec
+from schemas import FlatTree, SamplingSpec, TreeSpec
 from specsplit.orchestrator.costmodel import CostModel
 
 # uncalibrated acceptance = the draft's path probability: 0.82, 0.67, 0.55, then an unlikely tail
@@ -112,3 +112,32 @@ def test_a_batch_converges_to_plain_decoding_on_a_steep_line_only():
     assert steep[0] > 0 and steep[-3:] == [0, 0, 0]  # it starts speculating and ends root-only
     assert _simulate(FLAT, 16)[-1] == 16 * 5  # every node of every tree, every round
     assert _simulate(STEEP, 1)[-1] == 2  # alone: the two likely nodes
+
+
+def test_generate_from_a_loaded_cost_model_equals_plain_greedy(models):
+    """A cost model that saw batches of 16 on a steep line starts the session root-only; as its
+    own (alone) forwards are measured the load fades and it speculates again. Either way the
+    output is plain greedy decoding."""
+    from specsplit.engine.target import TargetEngine
+    from specsplit.local import generate
+    from tests.conftest import greedy_reference
+
+    target, often, _ = models["qwen3"]
+    sent: list[int] = []
+
+    def recording_target(model, limits):
+        engine = TargetEngine(model, limits)
+        handle = engine.handle
+
+        def record(msg):
+            sent.append(msg.tree.num_nodes)
+            return handle(msg)
+
+        engine.handle = record
+        return engine
+
+    prompt = [5, 17, 99, 3, 42, 8, 61]
+    out = generate(often, target, prompt, max_new_tokens=40, tree=TreeSpec(max_nodes=8, max_depth=4, branch=2),
+                   sampling=SamplingSpec(), cost_model=warmed(STEEP, 16), make_target_engine=recording_target)
+    assert out == greedy_reference(target, prompt, 40)[0]
+    assert sent[1:4] == [1, 1, 1] and max(sent[4:]) > 1, sent  # plain decoding under load, then speculation
