@@ -21,7 +21,9 @@ delivers). A lone session on a steep (CPU) line keeps a few likely nodes; sixtee
 forward each go to a root-only tree (plain decoding) unless their nodes are near-certain; on a
 flat (GPU) line every node still pays. ``min_nodes`` only holds for a session expected alone.
 Every session re-chooses from the measured state each round, so the batch moves toward the
-best rate together (each step is a Dinkelbach step of the shared tokens-per-ms ratio).
+best rate together: pricing nodes at the rate the batch now delivers and re-measuring is
+Dinkelbach's iteration for a ratio, which climbs to its maximum (a session over-speculating lowers
+the rate, which makes nodes look cheaper, but the next choices then raise it again).
 
 How deep the draft goes is priced the same way (``draft_spec``): expanding a node costs the
 draft's measured milliseconds per expanded node plus the verify slope for what it adds, and
