@@ -93,7 +93,8 @@ def generate(
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
             if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
                 wall_ms = (time.perf_counter() - t_round) * 1e3
-                cost_model.observe_verify(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms)
+                cost_model.observe_forward(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms,
+                                           v_reply.batch_tokens, v_reply.batch_size)
                 cost_model.observe_overhead(max(0.0, wall_ms - v_reply.verify_ms))
                 cost_model.observe_rate(len(new), wall_ms)
                 if d_reply.reused_nodes == 0:
