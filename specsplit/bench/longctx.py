@@ -269,14 +269,22 @@ def main(argv=None) -> int:
             if "full" in outs and row["mode"] != "full":
                 row["same_as_full"], row["first_divergence"] = agreement(outs[row["mode"]], outs["full"])
                 row["identical_to_full"] = outs[row["mode"]] == outs["full"]
+        if args.json_path:  # after every context: a long run that stops keeps what it measured
+            write_json(args, spec, paths, rows, summarize(rows, contexts, spec.threshold), done=c == contexts[-1])
     summary = summarize(rows, contexts, spec.threshold)
     print(table(rows))
     print(json.dumps(summary, indent=2))
     if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        config = {k: v for k, v in vars(args).items() if k != "tree_spec"} | {
-            "spec": spec.model_dump(), "draft": str(paths.draft), "target": str(paths.target),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-        Path(args.json_path).write_text(json.dumps({"config": config, "rows": rows, "summary": summary}, indent=2))
         print(f"wrote {args.json_path}", file=sys.stderr)
     return 0
+
+
+def write_json(args, spec, paths, rows: list[dict], summary: dict, done: bool) -> None:
+    import torch
+
+    Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k != "tree_spec"} | {
+        "spec": spec.model_dump(), "draft": str(paths.draft), "target": str(paths.target),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    Path(args.json_path).write_text(json.dumps({"config": config, "rows": rows, "summary": summary,
+                                                "complete": done}, indent=2))
