@@ -36,7 +36,7 @@ from pathlib import Path
 CHECKED = ("draft0", "target0", "orchestrator")  # the "worker and orchestrator"
 ROUTERS = ("router_draft", "router_target")
 GAUGES = ("specsplit:worker_sessions", "specsplit:worker_kv_bytes", "specsplit:num_sessions_running",
-          "specsplit:num_sessions_waiting")
+          "specsplit:num_sessions_waiting", "specsplit:router_inflight")
 
 
 def log(msg: str) -> None:
@@ -133,7 +133,7 @@ async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int,
     from specsplit.client import SpecSplitClient
 
     slots = asyncio.Semaphore(concurrency)
-    state = {"done": 0, "in_flight": 0}
+    state = {"done": 0, "in_flight": 0, "max_in_flight": 0}
     answers: dict[int, list[int]] = {}
     lost, diverged, latencies = [], [], []
 
@@ -141,6 +141,7 @@ async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int,
         p = k % len(prompts)
         async with slots:
             state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
             try:
                 r = await client.generate(prompts[p], max_new_tokens=max_new_tokens)
             except Exception as exc:  # noqa: BLE001 -- every failure is a lost session, counted
@@ -168,7 +169,7 @@ async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int,
         await sampler.finish()
     latencies.sort()
     return {"completed": sessions - len(lost), "lost": len(lost), "lost_examples": lost[:10],
-            "diverged": len(diverged), "wall_s": round(wall, 2),
+            "diverged": len(diverged), "max_in_flight": state["max_in_flight"], "wall_s": round(wall, 2),
             "tok_s": round((sessions - len(lost)) * max_new_tokens / wall, 1),
             "p50_latency_s": round(latencies[len(latencies) // 2], 3) if latencies else None,
             "max_latency_s": round(latencies[-1], 3) if latencies else None}
