@@ -67,5 +67,6 @@ def test_env_file_defaults_yield_to_the_shell(tmp_path):
     f = tmp_path / ".env"
     f.write_text("# comment\nSPECSPLIT_TARGET_QUANTIZE=int8\nexport SPECSPLIT_X='a b'\nSPECSPLIT_Y=1\n")
     assert read_env_file(f) == {"SPECSPLIT_TARGET_QUANTIZE": "int8", "SPECSPLIT_X": "a b", "SPECSPLIT_Y": "1"}
-    assert fleet_defaults(f, environ={"SPECSPLIT_Y": "2"}) == {"SPECSPLIT_TARGET_QUANTIZE": "int8", "SPECSPLIT_X": "a b"}
+    shell = {"SPECSPLIT_Y": "2"}
+    assert fleet_defaults(f, environ=shell) == {"SPECSPLIT_TARGET_QUANTIZE": "int8", "SPECSPLIT_X": "a b"}
     assert fleet_defaults("none", environ={}) == {}

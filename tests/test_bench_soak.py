@@ -15,7 +15,7 @@ from specsplit.bench import soak
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     out = tmp_path / "soak.json"
     rc = soak.main(["--sessions", "500", "--concurrency", "64", "--rss-from", "100", "--sample-every", "100",
@@ -33,7 +33,7 @@ def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     assert "| sessions done | in flight |" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_256_concurrent_sessions_complete(tmp_path):
     out = tmp_path / "soak256.json"
     soak.main(["--sessions", "256", "--concurrency", "256", "--max-new-tokens", "8", "--rss-from", "128",

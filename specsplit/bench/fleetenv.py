@@ -31,10 +31,12 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def fleet_defaults(path: str | Path | None = None, environ=None) -> dict[str, str]:
-    """The env file's entries the shell does not set (``path`` None: the repository's .env;
-    "none" or a missing file: nothing)."""
+    """The env file's entries the shell does not set (``path`` None: ./.env, as honcho reads it,
+    else the repository's; "none" or a missing file: nothing)."""
     environ = os.environ if environ is None else environ
-    path = ENV_FILE if path is None else Path(path)
+    if path is None:
+        path = Path(".env") if Path(".env").is_file() else ENV_FILE
+    path = Path(path)
     if str(path) == "none" or not path.is_file():
         return {}
     return {k: v for k, v in read_env_file(path).items() if k not in environ}

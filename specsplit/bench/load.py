@@ -264,7 +264,8 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--env-file", default=None,
-                   help="the fleet's default settings (default: the repository's .env; 'none': the shell's only)")
+                   help="the fleet's default settings (default: ./.env as honcho reads it, else the repository's; "
+                        "'none': the shell's only)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     args = p.parse_args(argv)
