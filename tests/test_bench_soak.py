@@ -51,9 +51,14 @@ def test_rss_of_this_process_tree():
 
 
 def test_rss_check_uses_the_issue_bound():
-    samples = [{"sessions": 200, "rss": {"draft0": 100, "target0": 100, "orchestrator": 100, "router_draft": 100,
-                                         "router_target": 100}},
-               {"sessions": 1000, "rss": {"draft0": 105, "target0": 100, "orchestrator": 106, "router_draft": 100,
-                                          "router_target": 100}}]
-    check = soak.rss_check(samples, 200, 1000, 0.05)
+    names = ("draft0", "target0", "orchestrator", "router_draft", "router_target")
+
+    def sample(n, **rss):
+        return {"sessions": n, "rss": {name: rss.get(name, 100) for name in names}}
+
+    check = soak.rss_check([sample(200), sample(1000, draft0=105, orchestrator=106)], 200, 1000, 0.05)
     assert check["rss_ratio"]["draft0"] == 1.05 and not check["rss_flat"] and check["routers_flat"]
+    assert soak.rss_check([sample(100, draft0=200), sample(200), sample(1000, draft0=105)], 200, 1000, 0.05)["rss_flat"]
+    # grown in between, freed by the end: not flat
+    spiky = soak.rss_check([sample(200), sample(600, target0=110), sample(1000)], 200, 1000, 0.05)
+    assert spiky["rss_ratio"]["target0"] == 1.0 and spiky["rss_peak_ratio"]["target0"] == 1.1 and not spiky["rss_flat"]

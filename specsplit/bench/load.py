@@ -55,6 +55,7 @@ class Level:
 
     done: list[Done]
     wall_s: float
+    forwards: int = 0  # engine calls (the batched target)
 
     @property
     def new_tokens(self) -> int:
@@ -122,6 +123,7 @@ class BatchedTarget:
         self.engine, self.hello = build_engine("target", settings, model_settings)
         self.max_batch_tokens = settings.target_max_batch_tokens
         self.forwards = 0  # engine calls (one batched forward each, or a request alone)
+        self.resends = 0  # CACHE_MISS answers: the session's context sent again
 
     def _serve(self, requests: list) -> list:
         """Replies in request order; consecutive requests share an engine call while their
@@ -142,12 +144,12 @@ class BatchedTarget:
         return replies
 
     def level(self, prompts: list[list[int]], concurrency: int, max_new_tokens: int, stop_ids: list[int]) -> Level:
-        from schemas import EndSession, ErrorReply, SamplingSpec, VerifyRequest
+        from schemas import EndSession, ErrorCode, ErrorReply, SamplingSpec, VerifyRequest
         from specsplit.orchestrator.state import SessionCursor, root_only
 
         pending, active, done = deque(enumerate(prompts)), [], {}
         stop, tag, greedy = set(stop_ids), uuid.uuid4().hex[:8], SamplingSpec()
-        t0 = time.perf_counter()
+        t0, forwards = time.perf_counter(), self.forwards
         while pending or active:
             while pending and len(active) < concurrency:
                 i, ids = pending.popleft()
@@ -156,6 +158,10 @@ class BatchedTarget:
             requests = [VerifyRequest(session_id=s.session_id, round=s.round, sync=s.cursor.target_sync(),
                                       tree=root_only(s.cursor.committed[-1]), sampling=greedy) for s in active]
             for s, reply in zip(list(active), self._serve(requests)):
+                if isinstance(reply, ErrorReply) and reply.code == ErrorCode.CACHE_MISS:
+                    s.cursor.target_len = 0  # evicted (more sessions than it keeps): resend, as the orchestrator does
+                    self.resends += 1
+                    continue
                 if isinstance(reply, ErrorReply):
                     raise RuntimeError(f"target engine: {reply.code.value}: {reply.message}")
                 s.cursor.apply_verify(reply)
@@ -164,7 +170,7 @@ class BatchedTarget:
                     done[s.index] = Done(s.index, s.out, time.perf_counter() - s.started, s.round)
                     active.remove(s)
                     self.engine.handle(EndSession(session_id=s.session_id))
-        return Level([done[i] for i in sorted(done)], time.perf_counter() - t0)
+        return Level([done[i] for i in sorted(done)], time.perf_counter() - t0, self.forwards - forwards)
 
 
 # ---- rows, table, plot --------------------------------------------------------------------
@@ -190,6 +196,7 @@ def make_row(concurrency: int, fleet: Level, target: Level) -> dict:
         "target_batched_new_tokens": target.new_tokens, "target_batched_wall_s": round(target.wall_s, 3),
         "target_batched_p50_latency_s": round(target.latency(50), 3),
         "target_batched_p99_latency_s": round(target.latency(99), 3),
+        "target_batched_forwards": target.forwards,
         "fleet_rounds": rounds, "fleet_drafted": drafted, "fleet_accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "requests": [{"prompt_index": f.index, "new_tokens": len(f.token_ids), "latency_s": round(f.latency_s, 3),
@@ -354,7 +361,8 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items()} | {
         "preset": ms.preset, "draft": str(paths.draft), "target": str(paths.target), "env_file_defaults": defaults,
         "threads": threads, "target_backend": target.engine.backend.describe(),
-        "target_max_batch_tokens": target.max_batch_tokens, "distinct_prompts": len(set(texts)),
+        "target_max_batch_tokens": target.max_batch_tokens, "target_batched_resends": target.resends,
+        "distinct_prompts": len(set(texts)),
         "stop_token_ids": stop_ids, "cpu_count": os.cpu_count()}
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

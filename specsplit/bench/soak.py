@@ -13,7 +13,8 @@ supervisor and its working child) is read the moment the N-th session completes,
 KV bytes each worker holds and the orchestrator's running sessions. The check, as issue 15 states
 it: all sessions complete with their tokens, and each worker's and the orchestrator's RSS at the
 last session is within ``--tolerance`` of its RSS at session ``--rss-from``. The routers are
-reported beside them.
+reported beside them. "Within" holds for the peak between the two samples too, so memory
+freed once the last session ends cannot hide growth in between.
 
     specsplit bench soak --sessions 1000 --concurrency 256 --json runs/soak.json   (tiny models)
     specsplit bench soak --preset smollm2 --sessions 300 --concurrency 64
@@ -176,16 +177,23 @@ async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int,
 
 
 def rss_check(samples: list[dict], rss_from: int, rss_to: int, tolerance: float) -> dict:
-    """Per process: RSS at ``rss_from`` and ``rss_to`` completed sessions (MiB), their ratio,
-    and whether every checked role stayed within ``tolerance``."""
+    """Per process: RSS (MiB) at ``rss_from`` and ``rss_to`` completed sessions and its peak in
+    between; ``rss_ratio`` = RSS at ``rss_to`` / at ``rss_from``, ``rss_peak_ratio`` = that
+    peak / RSS at ``rss_from``. Flat: every checked role's peak ratio within ``tolerance`` (so
+    memory freed by the time the last session ends cannot hide growth in between)."""
     by = {s["sessions"]: s["rss"] for s in samples}
     a, b = by[rss_from], by[rss_to]
-    ratios = {name: round(b[name] / a[name], 4) if a.get(name) else None for name in a}
-    flat = all(ratios.get(n) is not None and ratios[n] <= 1.0 + tolerance for n in CHECKED if n in ratios)
+    window = [s["rss"] for s in samples if rss_from <= s["sessions"] <= rss_to]
+    peak = {name: max(w[name] for w in window) for name in a}
+    ratios = {name: round(b[name] / a[name], 4) if a[name] else None for name in a}
+    peaks = {name: round(peak[name] / a[name], 4) if a[name] else None for name in a}
+
+    def flat(names) -> bool:
+        return all(peaks.get(n) is not None and peaks[n] <= 1.0 + tolerance for n in names if n in peaks)
+
     return {"rss_mib": {name: {"at_from": round(a[name] / 2**20, 1), "at_to": round(b[name] / 2**20, 1),
-                               "max": round(max(s["rss"][name] for s in samples) / 2**20, 1)} for name in a},
-            "rss_ratio": ratios, "rss_flat": flat,
-            "routers_flat": all(ratios.get(n) is not None and ratios[n] <= 1.0 + tolerance for n in ROUTERS)}
+                               "peak": round(peak[name] / 2**20, 1)} for name in a},
+            "rss_ratio": ratios, "rss_peak_ratio": peaks, "rss_flat": flat(CHECKED), "routers_flat": flat(ROUTERS)}
 
 
 def table(samples: list[dict]) -> str:
@@ -251,6 +259,7 @@ def main(argv=None) -> int:
     print(f"\nsessions: {out['completed']}/{args.sessions} completed, {out['lost']} lost, {out['diverged']} diverged "
           f"({out['tok_s']} tok/s, {out['wall_s']} s); RSS at session {args.sessions} / at {args.rss_from}: "
           + ", ".join(f"{n} {r}" for n, r in check["rss_ratio"].items())
+          + "; peak in between / at start: " + ", ".join(f"{n} {r}" for n, r in check["rss_peak_ratio"].items())
           + f" -> {'flat' if check['rss_flat'] else 'NOT flat'} (workers and orchestrator within "
             f"{100 * args.tolerance:g}%)")
     if args.json_path:
