@@ -120,7 +120,7 @@ class BatchedTarget:
     def __init__(self, settings, model_settings):
         from specsplit.workers import build_engine
 
-        self.engine, self.hello = build_engine("target", settings, model_settings)
+        self.engine, _ = build_engine("target", settings, model_settings)
         self.max_batch_tokens = settings.target_max_batch_tokens
         self.forwards = 0  # engine calls (one batched forward each, or a request alone)
         self.resends = 0  # CACHE_MISS answers: the session's context sent again
