@@ -98,14 +98,14 @@ class Sampler:
 
     def __init__(self, fleet, at: set[int]):
         self.fleet, self.at = fleet, at
+        self.t0 = time.monotonic()  # reset when the sessions start
         self.samples: list[dict] = []
         self._scrapes: list[asyncio.Task] = []
 
     def completed(self, n: int, in_flight: int) -> None:
         if n not in self.at:
             return
-        t = time.monotonic()
-        sample = {"sessions": n, "in_flight": in_flight, "t": t,
+        sample = {"sessions": n, "in_flight": in_flight, "elapsed_s": round(time.monotonic() - self.t0, 2),
                   "rss": {name: tree_rss(p.pid) for name, p in self.fleet.procs.items()}}
         self.samples.append(sample)
         self._scrapes.append(asyncio.get_running_loop().create_task(self._gauges(sample)))
@@ -130,7 +130,7 @@ class Sampler:
 
 async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int, max_new_tokens: int,
                sampler: Sampler) -> dict:
-    """Run the sessions; returns counts and per-prompt outputs."""
+    """Run the sessions; returns what completed, what was lost or diverged, and the timings."""
     from specsplit.client import SpecSplitClient
 
     slots = asyncio.Semaphore(concurrency)
@@ -164,7 +164,7 @@ async def soak(fleet, prompts: list[list[int]], sessions: int, concurrency: int,
         while not await client.ping(timeout_s=2.0):
             if time.monotonic() > deadline:
                 raise TimeoutError("the fleet's orchestrator did not answer")
-        t0 = time.perf_counter()
+        t0, sampler.t0 = time.perf_counter(), time.monotonic()
         await asyncio.gather(*(one(k) for k in range(sessions)))
         wall = time.perf_counter() - t0
         await sampler.finish()
