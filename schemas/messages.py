@@ -20,6 +20,8 @@ MAX_DIST_SUPPORT = 256
 MAX_CONTEXT_TOKENS = 131_072
 MAX_SESSION_ID_LEN = 128
 MAX_TEXT_LEN = 1_000_000
+MAX_BATCH_SESSIONS = 4096  # sessions one verify forward may serve
+MAX_BATCH_TOKENS = 1 << 24  # new tokens one verify forward may carry (all its sessions)
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
@@ -241,7 +243,11 @@ class VerifyReply(Message):
     ``rollback_len`` (when set) first cuts committed to that many tokens (a provisional token the
     full verification disagreed with, and everything after it, is dropped; the bonus is the
     target's own token there), and ``confirmed_len`` is how many committed tokens (after this
-    reply) full verification has confirmed: only those may be streamed. None: all of them."""
+    reply) full verification has confirmed: only those may be streamed. None: all of them.
+
+    The forward that served the reply (what ``verify_ms`` measured): ``batch_tokens`` new tokens
+    in it, every session's (0: not reported, as from a peer that predates the field) and
+    ``batch_size`` sessions (1: this one alone)."""
 
     session_id: SessionId
     round: Round
@@ -253,6 +259,17 @@ class VerifyReply(Message):
     partial: bool = False
     rollback_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS)
     confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
+    batch_tokens: int = Field(default=0, ge=0, le=MAX_BATCH_TOKENS)
+    batch_size: int = Field(default=1, ge=1, le=MAX_BATCH_SESSIONS)
+
+    @model_validator(mode="after")
+    def _batch(self) -> VerifyReply:
+        # every session brings at least its root; this one at least its root and accepted nodes
+        if self.batch_tokens and (self.batch_tokens < self.batch_size
+                                  or self.batch_tokens <= len(self.accepted_token_ids)):
+            raise ValueError(f"batch_tokens {self.batch_tokens} cannot hold {self.batch_size} sessions "
+                             f"and {len(self.accepted_token_ids)} accepted nodes")
+        return self
 
 
 class EndSession(Message):

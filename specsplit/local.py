@@ -6,6 +6,7 @@ the baseline for what the transport costs.
 
 from __future__ import annotations
 
+import math
 import time
 
 from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
@@ -55,6 +56,9 @@ def generate(
     need = len(prompt_ids) + max_new_tokens + tree.max_nodes + lookup_max_tokens + tree.branch * tree.max_depth + 8
     limits = EngineLimits(
         max_sessions=1,
+        # one session, served in turn: the draft's may sit idle while the target prefills a
+        # long prompt for minutes on a CPU, and must not expire meanwhile
+        session_ttl_s=math.inf,
         max_session_tokens=need,
         max_tree_nodes=max(tree.max_nodes + max(0, lookup_max_tokens), 1),
         max_tree_depth=max(tree.max_depth, 1),
@@ -93,7 +97,8 @@ def generate(
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
             if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
                 wall_ms = (time.perf_counter() - t_round) * 1e3
-                cost_model.observe_verify(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms)
+                cost_model.observe_forward(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms,
+                                           v_reply.batch_tokens, v_reply.batch_size)
                 cost_model.observe_overhead(max(0.0, wall_ms - v_reply.verify_ms))
                 cost_model.observe_rate(len(new), wall_ms)
                 if d_reply.reused_nodes == 0:

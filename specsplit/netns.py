@@ -1,7 +1,8 @@
 """A fleet spread over Linux network namespaces: one "host" per role, CURVE on every socket.
 
 Used by tests/test_multihost.py (tiny preset) and ``specsplit bench netem`` (any preset). Needs
-root and iproute2 (``ip netns``, veth, ``tc netem``). Everything it makes is private to
+root and iproute2 (``ip netns``, veth; ``tc netem`` for link delays, or the target's
+``specsplit.delayrelay`` where the kernel has no sch_netem). Everything it makes is private to
 namespaces it creates: a hub namespace holds a bridge, and each host namespace (routers, draft,
 target, orchestrator, client) gets one veth whose other end is on that bridge, with an address
 in ``10.213.<net>.0/24``. Nothing is added to, or changed on, the caller's own namespace.
@@ -28,7 +29,7 @@ from pathlib import Path
 from specsplit.launch import Fleet
 
 HOSTS = ("routers", "draft", "target", "orch", "client")
-PORTS = {"draft_fe": 5550, "draft_be": 5551, "target_fe": 5560, "target_be": 5561, "orch": 5570}
+PORTS = {"draft_fe": 5550, "draft_be": 5551, "target_fe": 5560, "target_be": 5561, "orch": 5570, "target_relay": 6561}
 _IP_TIMEOUT_S = 20.0
 
 
@@ -166,8 +167,13 @@ class NetnsFleet:
     """Routers, one draft and one target worker and the orchestrator, each in its own namespace,
     CURVE on; ``produce`` runs prompts from the client namespace."""
 
-    def __init__(self, lab: NetnsLab, tmp: Path, preset: str = "tiny", threads: int = 1, **extra_env) -> None:
-        self.lab, self.tmp = lab, tmp
+    def __init__(self, lab: NetnsLab, tmp: Path, preset: str = "tiny", threads: int = 1, relay: bool = False,
+                 **extra_env) -> None:
+        """``relay``: the target worker reaches its router through ``specsplit.delayrelay`` in
+        its own namespace, whose delay ``set_target_delay`` sets (kernels without sch_netem);
+        otherwise ``set_target_delay`` puts a netem qdisc on the target host's link."""
+        self.lab, self.tmp, self.relay = lab, tmp, relay
+        self._relay: subprocess.Popen | None = None
         self.keys = make_keys(tmp / "keys")
         a = lab.addr
         addrs = {
@@ -190,9 +196,44 @@ class NetnsFleet:
         for service in ("draft", "target"):
             self._spawn(f"router_{service}", "routers", "server", "router", service)
         self._spawn("draft0", "draft", "draft", "draft", SPECSPLIT_WORKER_ID="draft-0")
-        self._spawn("target0", "target", "target", "target", SPECSPLIT_WORKER_ID="target-0")
+        target_env = {"SPECSPLIT_WORKER_ID": "target-0"}
+        if self.relay:
+            self._start_relay()
+            target_env["SPECSPLIT_TARGET_BACKEND"] = f"tcp://127.0.0.1:{PORTS['target_relay']}"
+        self._spawn("target0", "target", "target", "target", **target_env)
         self._spawn("orchestrator", "orch", "server", "orchestrator")
         return self
+
+    def _start_relay(self) -> None:
+        upstream = f"{self.lab.addr['routers']}:{PORTS['target_be']}"
+        log = open(self.tmp / "delayrelay.log", "ab")
+        self._relay = subprocess.Popen(
+            [*self.lab.exec_prefix("target"), sys.executable, "-m", "specsplit.delayrelay",
+             "--listen", f"127.0.0.1:{PORTS['target_relay']}", "--to", upstream],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=self.fleet.env, start_new_session=True)
+        log.close()
+        self.fleet.procs["delayrelay"] = self._relay  # stopped with the fleet
+        deadline = time.monotonic() + 30
+        while "listening=" not in (self.tmp / "delayrelay.log").read_text(errors="replace"):
+            if self._relay.poll() is not None or time.monotonic() > deadline:
+                raise NetnsError("delayrelay did not start: " + (self.tmp / "delayrelay.log").read_text()[-2000:])
+            time.sleep(0.05)
+
+    def set_target_delay(self, delay_ms: float) -> None:
+        """Delay everything the target host sends by ``delay_ms`` (0: none): the relay's delay,
+        or a netem qdisc on its link."""
+        if self._relay is None:
+            self.lab.netem("target", delay_ms)
+            return
+        log, want = self.tmp / "delayrelay.log", f"delayrelay delay_ms={delay_ms:g}\n"
+        before = log.read_text(errors="replace").count(want)
+        self._relay.stdin.write(f"{delay_ms}\n".encode())
+        self._relay.stdin.flush()
+        deadline = time.monotonic() + 10
+        while log.read_text(errors="replace").count(want) <= before:
+            if time.monotonic() > deadline:
+                raise NetnsError(f"delayrelay did not take delay {delay_ms} ms")
+            time.sleep(0.02)
 
     def spawn_stranger(self) -> subprocess.Popen:
         """A draft worker whose key is not admitted (it must be refused; the fleet keeps serving)."""

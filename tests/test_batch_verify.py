@@ -30,8 +30,15 @@ GREEDY = SamplingSpec()
 SAMPLED = SamplingSpec(temperature=0.9, top_p=0.95, seed=7)
 
 
+MEASURED = {"verify_ms", "batch_tokens", "batch_size"}  # what the forward that served a reply measured
+
+
 def same(a, b) -> bool:
-    return type(a) is type(b) and a.model_dump(exclude={"verify_ms"}) == b.model_dump(exclude={"verify_ms"})
+    return type(a) is type(b) and a.model_dump(exclude=MEASURED) == b.model_dump(exclude=MEASURED)
+
+
+def forward_tokens(req: VerifyRequest) -> int:
+    return len(req.sync.append_token_ids) + req.tree.num_nodes
 
 
 def caches_equal(a: TargetEngine, b: TargetEngine, sid: str, exact: bool) -> None:
@@ -84,8 +91,11 @@ def run_rounds(target_model, draft_model, sampling: SamplingSpec, *, sessions: i
             reqs.append(VerifyRequest(session_id=sid, round=rnd, sync=sync, tree=d.tree, sampling=sampling))
         want = [alone.handle(r) for r in reqs]
         got = batched.verify_batch(reqs)
-        for w, g in zip(want, got):
+        total = sum(forward_tokens(r) for r in reqs)
+        for r, w, g in zip(reqs, want, got):
             assert isinstance(w, VerifyReply) and same(w, g), (w, g)
+            assert (w.batch_tokens, w.batch_size) == (forward_tokens(r), 1)  # alone: its own forward
+            assert (g.batch_tokens, g.batch_size) == (total, sessions)  # batched: the shared one
         for r, w in zip(reqs, want):
             accepted += len(cursors[r.session_id].apply_verify(w)) - 1
             caches_equal(alone, batched, r.session_id, exact)
@@ -207,6 +217,10 @@ def test_errors_stay_per_request_and_the_rest_match_alone():
     assert sizes == [3]  # a, new and g shared a forward; the rest were refused or verified alone
     for w, g in zip(want, got):
         assert same(w, g), (w, g)
+    shared = sum(forward_tokens(reqs[i]) for i in (0, 4, 8))
+    for i, (r, g) in enumerate(zip(reqs, got)):
+        if isinstance(g, VerifyReply):  # the three members report the shared forward; the rest their own
+            assert (g.batch_tokens, g.batch_size) == ((shared, 3) if i in (0, 4, 8) else (forward_tokens(r), 1)), i
     codes = [g.code if isinstance(g, ErrorReply) else None for g in got]
     assert codes[1:4] == [ErrorCode.BAD_REQUEST, ErrorCode.STALE_ROUND, ErrorCode.CACHE_MISS]
     assert isinstance(got[0], VerifyReply) and isinstance(got[4], VerifyReply) and isinstance(got[8], VerifyReply)
@@ -231,6 +245,8 @@ def test_a_failing_batched_forward_verifies_each_alone():
     got = batched.verify_batch(reqs)
     for w, g in zip(want, got):
         assert same(w, g), (w, g)
+        if isinstance(g, VerifyReply):  # each verified alone: its own forward
+            assert (g.batch_tokens, g.batch_size) == (w.batch_tokens, 1)
     for sid in "acdg":
         caches_equal(alone, batched, sid, exact=True)  # each verified alone: the same forwards
 

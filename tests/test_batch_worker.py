@@ -13,12 +13,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from schemas import CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, TreeSpec, VerifyReply
+from schemas import (
+    CacheSync, DraftReply, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateRequest, TreeSpec, VerifyReply,
+)
 from schemas.codec import PROTO, MsgKind, unpack_frames
 from schemas.messages import Message, VerifyRequest
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.target import TargetEngine
+from specsplit.orchestrator.actor import ActorPolicy, SessionActor
+from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.state import SessionCursor
 from specsplit.transport.batching import draft_tokens, take_batch, verify_tokens
 from specsplit.transport.rpc import AsyncRpcClient
@@ -197,3 +201,66 @@ async def test_batching_draft_and_target_workers_equal_greedy(models):
         assert d_worker.loop.batches > 0 and t_worker.loop.batches > 0
     for p, out in zip(prompts, outs):
         assert out == greedy_reference(target, p, 20)[0]
+
+
+class _Recorded:
+    """A real RPC client whose requests and replies are kept (to read the batches they report)."""
+
+    def __init__(self, client: AsyncRpcClient) -> None:
+        self.client, self.sent = client, []
+
+    async def call(self, msg, **kw):
+        reply = await self.client.call(msg, **kw)
+        self.sent.append((msg, reply))
+        return reply
+
+
+def _per_token(engine: TargetEngine, ms_per_token: float) -> TargetEngine:
+    """``engine`` with forwards as slow as a compute-bound CPU's: ``ms_per_token`` per new token
+    (inside what the engine times as verify_ms)."""
+    forward, forward_segments = engine.forward, engine.forward_segments
+
+    def slow(kv, token_ids, *a, **kw):
+        time.sleep(ms_per_token / 1e3 * len(token_ids))
+        return forward(kv, token_ids, *a, **kw)
+
+    def slow_segments(segments):
+        time.sleep(ms_per_token / 1e3 * sum(len(s.token_ids) for s in segments))
+        return forward_segments(segments)
+
+    engine.forward, engine.forward_segments = slow, slow_segments
+    return engine
+
+
+async def test_load_aware_sessions_through_batching_workers_equal_greedy(models):
+    """Six concurrent actors sharing one cost model, on a target whose forwards cost 4 ms per
+    token: the model learns from the batches the replies report, trees are chosen against the
+    whole batch, and every session still equals plain greedy decoding."""
+    target, close_draft, _ = models["llama"]
+    t_eng, d_eng = _per_token(TargetEngine(target, LIMITS), 4.0), DraftEngine(close_draft, LIMITS)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(128) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    spec = TreeSpec(max_nodes=8, max_depth=4, branch=2)
+    cm = CostModel()
+    with RouterThread("target", **HB) as t_router, RouterThread("draft", **HB) as d_router, \
+            WorkerThread(t_router.backend, b"t", t_eng.handle, batch_handler=t_eng.verify_batch, max_batch_tokens=256,
+                         **HB), \
+            WorkerThread(d_router.backend, b"d", d_eng.handle, hello=make_hello("draft", vocab_size=128), **HB):
+        async with AsyncRpcClient(t_router.frontend, secret=TEST_SECRET) as t_client, \
+                AsyncRpcClient(d_router.frontend, secret=TEST_SECRET) as d_client:
+            target_rpc = _Recorded(t_client)
+            actors = [SessionActor(GenerateRequest(session_id=f"s{i}", prompt_token_ids=p, max_new_tokens=24, tree=spec),
+                                   d_client, target_rpc, ActorPolicy(tree=spec), lambda m: None, cm)
+                      for i, p in enumerate(prompts)]
+            dones = await asyncio.gather(*[a.run() for a in actors])
+    for p, done in zip(prompts, dones):
+        assert done.token_ids == greedy_reference(target, p, 24)[0]
+    replies = [(req, r) for req, r in target_rpc.sent if isinstance(r, VerifyReply)]
+    shared = [(req, r) for req, r in replies if r.batch_size > 1]
+    assert shared, "no verify forward served two sessions"
+    for req, r in replies:  # each reply reports its forward: its own tokens, and more when shared
+        own = verify_tokens(req)
+        assert r.batch_tokens == own if r.batch_size == 1 else r.batch_tokens >= own + r.batch_size - 1
+    assert cm.verify_line()[1] > 2.0  # the line learned the forward's ms per token (4, plus the model's)
+    nodes = lambda rs: sum(req.tree.num_nodes for req, _ in rs) / len(rs)  # noqa: E731
+    print(f"mean tree nodes: shared {nodes(shared):.2f} over {len(shared)}, all {nodes(replies):.2f} over {len(replies)}")

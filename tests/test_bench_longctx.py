@@ -39,6 +39,10 @@ def test_bench_longctx_smoke(tmp_path, capsys):
         if mode == "approx":
             assert 0.0 <= r["same_as_full"] <= 1.0
     assert rows[(1280, "approx")]["partial_rounds"] > 0
+    for c in (640, 1280):  # the first mode prefills; the others keep its cache and count its time
+        assert not rows[(c, "full")]["prefill_reused"]
+        assert rows[(c, "approx")]["prefill_reused"] and rows[(c, "exact")]["prefill_reused"]
+        assert rows[(c, "exact")]["prefill_ms"] == rows[(c, "full")]["prefill_ms"]
     assert "full_verify_growth" in data["summary"] and "exact_speedup_at_1280" in data["summary"]
     assert "| context | mode |" in capsys.readouterr().out
 

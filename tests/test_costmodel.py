@@ -90,7 +90,9 @@ def test_actor_with_a_cost_model_predicts_its_speed(models):
                          ActorPolicy(tree=spec, grow=True), out.append, cm)
     done = asyncio.run(actor.run())
     assert done.token_ids == greedy_reference(target, prompt, 30)[0]
-    assert done.predicted_tok_s > 0 and cm.overhead_ms is not None and cm.verify_line()[0] > 0
+    # it measured: overhead and a verify line that prices a forward (how it splits into intercept
+    # and slope is timing, which swings on a shared box: not asserted)
+    assert done.predicted_tok_s > 0 and cm.overhead_ms is not None and cm.verify_ms(1) > 0
 
 
 def _warm(cm: CostModel, draft_ms_per_node: float, tok_per_ms: float = 0.008) -> CostModel:

@@ -193,7 +193,8 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
     # honcho itself exits 143 after a SIGTERM (its convention); every role drained and exited 0
     assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
     stopped = [ln for ln in _log(tmp_path).splitlines() if "role_stopped" in ln]
-    assert len(stopped) == 8 and all("rc=0" in ln for ln in stopped), stopped
+    # on failure: which slot did not stop cleanly, and how the shutdown went (the end of the log)
+    assert len(stopped) == 8 and all("rc=0" in ln for ln in stopped), "\n".join(stopped) + "\n" + _log(tmp_path)[-8000:]
     time.sleep(0.5)
     alive = [pid for pid in tree if Path(f"/proc/{pid}").exists()
              and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]

@@ -186,6 +186,22 @@ def test_bad_requests_change_nothing_and_sessions_free_their_cells(lm):
         assert lm.seq_pos_max(eng.trash) >= 0
 
 
+def test_replies_report_their_own_forward(lm):
+    """llama.cpp verifies one request per decode, batched or not: batch_size 1, batch_tokens the
+    request's sync tokens + tree nodes (what its verify_ms timed)."""
+    eng = LlamaTargetEngine(lm, EngineLimits(max_sessions=3, max_session_tokens=256))
+    tree = FlatTree(token_ids=[PROMPT[-1], 5, 6], parents=[-1, 0, 0])
+    starts = [VerifyRequest(session_id=sid, round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:k]),
+                            tree=tree, sampling=SamplingSpec()) for sid, k in (("a", 15), ("b", 9))]
+    alone = eng.handle(starts[0])
+    assert isinstance(alone, VerifyReply) and (alone.batch_tokens, alone.batch_size) == (15 + 3, 1)
+    eng.handle(EndSession(session_id="a"))
+    for req, r in zip(starts, eng.verify_batch(starts)):
+        assert isinstance(r, VerifyReply) and (r.batch_tokens, r.batch_size) == (len(req.sync.append_token_ids) + 3, 1)
+    for sid in "ab":
+        eng.handle(EndSession(session_id=sid))
+
+
 def test_full_cache_is_collected_and_the_client_resends(gguf):
     """A target never frees cells one by one; when the cache is full it drops every session,
     clears the cache and answers CACHE_MISS, and the resent context is verified as before."""

@@ -22,7 +22,8 @@ SAMPLES = [
     GrowRequest(session_id="s", round=3, budget_ms=250.0, width=4),
     GrowReply(session_id="s", round=3, grown_nodes=12, grow_ms=240.0),
     VerifyRequest(session_id="s", round=3, sync=CacheSync(base_len=0), tree=TREE),
-    VerifyReply(session_id="s", round=3, accepted_token_ids=[6], accepted_nodes=[1], bonus_token_id=2, cache_len=7, verify_ms=3.0),
+    VerifyReply(session_id="s", round=3, accepted_token_ids=[6], accepted_nodes=[1], bonus_token_id=2, cache_len=7, verify_ms=3.0,
+                batch_tokens=40, batch_size=5),
     EndSession(session_id="s"),
     Ack(session_id="s", existed=True),
     ErrorReply.of(ErrorCode.CACHE_MISS, "resend", session_id="s", round=3),
@@ -70,6 +71,19 @@ def test_structural_schema_errors():
         unpack_frames([PROTO, b"\x05", b"s", b"r"])
     with pytest.raises(CodecError):  # session frame and body disagree
         unpack_frames([PROTO, b"\x05", b"other", b"r", encode(EndSession(session_id="s"))])
+
+
+def test_verify_reply_batch_measurements_are_optional_and_bounded():
+    base = {"session_id": "s", "round": 1, "accepted_token_ids": [6, 7], "accepted_nodes": [1, 2],
+            "bonus_token_id": 2, "cache_len": 9}
+    old = decode(MsgKind.VERIFY_REPLY, msgpack.packb(base))  # a peer that predates the fields
+    assert (old.batch_tokens, old.batch_size) == (0, 1)
+    for extra in ({"batch_size": 0}, {"batch_size": 4097}, {"batch_tokens": -1}, {"batch_tokens": 1 << 25},
+                  {"batch_tokens": 3, "batch_size": 4},  # fewer tokens than sessions
+                  {"batch_tokens": 2, "batch_size": 1},  # fewer than its own root and 2 accepted nodes
+                  {"batch_size": 2.0}):
+        with pytest.raises(CodecError):
+            decode(MsgKind.VERIFY_REPLY, msgpack.packb({**base, **extra}))
 
 
 def test_wire_types_are_strict():

@@ -401,3 +401,23 @@ def test_partial_view_state_is_bounded():
     pv = PartialView(TINY, num_layers=2, max_tree_nodes=16, max_session_tokens=4096)
     assert pv.buffer.max_len == TINY.buffer_tokens + 16
     assert pv.summaries.max_blocks == 4096 // 16 + 1
+
+
+def test_local_generate_sessions_never_expire_while_the_other_role_works(models):
+    """A long prompt's target prefill can take longer than a worker's session TTL on a CPU;
+    in ``generate`` the draft's session waits meanwhile and must still be there (a 16K-token
+    bench run lost its draft session to the 600 s default)."""
+    from specsplit.engine.draft import DraftEngine
+
+    target, draft, _ = models["llama"]
+    seen = []
+
+    def draft_engine(model, limits):
+        seen.append(limits)
+        return DraftEngine(model, limits)
+
+    prompt = [5, 6, 7, 8]
+    out = generate(draft, target, prompt, max_new_tokens=6, tree=TreeSpec(max_nodes=4, max_depth=3, branch=2),
+                   sampling=SamplingSpec(), make_draft_engine=draft_engine)
+    assert out == greedy_cached(target, prompt, 6)[0]
+    assert seen and seen[0].session_ttl_s == float("inf") and seen[0].max_sessions == 1

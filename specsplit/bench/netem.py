@@ -1,7 +1,9 @@
 """``specsplit bench netem``: tok/s of a fleet spread over network namespaces (CURVE on) with a
 netem delay on the target host's link, relative to the same fleet on one host (loopback).
 
-Needs root, iproute2 and a kernel with sch_netem (specsplit.netns). First a one-host fleet
+Needs root and iproute2 (specsplit.netns); the delay is a netem qdisc where the kernel has
+sch_netem, else ``specsplit.delayrelay`` (a userspace TCP relay in the target's namespace that
+delays what the target sends; ``--link-delay`` picks). First a one-host fleet
 (loopback, no CURVE) runs the prompts; then the namespaced fleet (routers, draft, target,
 orchestrator and producer each in its own namespace) runs them once per delay, the delay applied
 to everything the target host sends (so each target round trip gets that much longer). Each run
@@ -62,12 +64,20 @@ def _one_host(tmp: Path, preset: str, threads: int, prompts, max_new_tokens: int
             "token_ids": [r.token_ids for r in results]}
 
 
-def run(delays: list[float], preset: str, threads: int, n_prompts: int, max_new_tokens: int) -> list[dict]:
+def run(delays: list[float], preset: str, threads: int, n_prompts: int, max_new_tokens: int,
+        link_delay: str = "auto") -> list[dict]:
     from specsplit.netns import NetnsFleet, NetnsLab, netem_unavailable, netns_unavailable
 
-    why = netns_unavailable() or (netem_unavailable() if any(d > 0 for d in delays) else None)
+    why = netns_unavailable()
     if why:
         raise SystemExit(f"specsplit bench netem: {why}")
+    no_netem = netem_unavailable() if any(d > 0 for d in delays) else None
+    if link_delay == "netem" and no_netem:
+        raise SystemExit(f"specsplit bench netem: {no_netem} (--link-delay relay emulates the delay in userspace)")
+    relay = link_delay == "relay" or (link_delay == "auto" and no_netem is not None)
+    if relay and no_netem:
+        print(f"bench netem: {no_netem}; the target's link delay is emulated by specsplit.delayrelay",
+              file=sys.stderr, flush=True)
     prompts = _prompt_ids(preset, n_prompts)
     rows = []
     with tempfile.TemporaryDirectory(prefix="specsplit-netem-") as tmp:
@@ -77,16 +87,18 @@ def run(delays: list[float], preset: str, threads: int, n_prompts: int, max_new_
         rows.append({"setup": "one host (loopback)", "delay_ms": None, "tok_s": base_tok_s, "relative": 1.0,
                      "same_output": True, "tokens": base["tokens"]})
         with NetnsLab(net=random.randrange(1, 250)) as lab:
-            fleet = NetnsFleet(lab, tmp / "netns", preset=preset, threads=threads)
+            fleet = NetnsFleet(lab, tmp / "netns", preset=preset, threads=threads, relay=relay)
             try:
                 fleet.start().wait_ready(timeout_s=900)
                 fleet.produce(prompts[:1], 4)  # warm-up
                 for delay in delays:
-                    lab.netem("target", delay)
+                    fleet.set_target_delay(delay)
                     out = fleet.produce(prompts, max_new_tokens, timeout_s=1800)
                     tok_s = out["tokens"] / out["wall_s"]
                     same = [r["token_ids"] for r in out["results"]] == base["token_ids"]
-                    rows.append({"setup": "namespaces + CURVE", "delay_ms": delay, "tok_s": tok_s,
+                    setup = "namespaces + CURVE" + (" + delay relay" if relay else "")
+                    rows.append({"setup": setup, "delay_by": "relay" if relay else "netem", "delay_ms": delay,
+                                 "tok_s": tok_s,
                                  "relative": tok_s / base_tok_s, "same_output": same, "tokens": out["tokens"]})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             finally:
@@ -109,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="SPECSPLIT_THREADS of each worker")
     p.add_argument("--prompts", type=int, default=4, help="prompts, run concurrently")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--link-delay", choices=["auto", "netem", "relay"], default="auto",
+                   help="how the delay is made: tc netem, the userspace specsplit.delayrelay (for kernels without "
+                        "sch_netem; the target reaches its router through it at every delay, 0 included), or "
+                        "netem where the kernel has it (auto)")
     p.add_argument("--json", dest="json_out", help="write the rows here")
     args = p.parse_args(argv)
     try:
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--delays: numbers in ms, got {args.delays!r}")
     if any(d < 0 for d in delays):
         p.error("--delays must be >= 0")
-    rows = run(delays, args.preset, args.threads, args.prompts, args.max_new_tokens)
+    rows = run(delays, args.preset, args.threads, args.prompts, args.max_new_tokens, args.link_delay)
     print(table(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

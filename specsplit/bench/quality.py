@@ -49,6 +49,8 @@ def parse(argv):
     p.add_argument("--engine", choices=["llamacpp", "torch"], default=os.environ.get("SPECSPLIT_BENCH_ENGINE", "llamacpp"),
                    help="the fleet's kernels for both roles (SPECSPLIT_DRAFT/TARGET_ENGINE); the target row runs "
                         "the same ones: llamacpp = the preset's GGUFs on llama.cpp, torch = transformers (int8)")
+    p.add_argument("--draft-engine", choices=["llamacpp", "torch"], default=None,
+                   help="the fleet draft's kernels when they differ from --engine's (the target row follows --engine)")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
     p.add_argument("--tree-budget", choices=["cost", "fixed"], default="cost",
                    help="the fleet's per-round tree budget: a cost model, or the whole tree")
@@ -82,7 +84,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
            "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
            "SPECSPLIT_TREE_BUDGET": args.tree_budget, "SPECSPLIT_LOOKUP_MAX_TOKENS": args.lookup_max_tokens,
-           "SPECSPLIT_DRAFT_ENGINE": args.engine, "SPECSPLIT_TARGET_ENGINE": args.engine,
+           "SPECSPLIT_DRAFT_ENGINE": args.draft_engine or args.engine, "SPECSPLIT_TARGET_ENGINE": args.engine,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}

@@ -270,7 +270,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
                 for s in scratch:
                     kv.drop(s)
                     self.pool.give(s)
-        return Outcome(verdict)
+        return Outcome(verdict, forward_tokens=len(req.sync.append_token_ids) + n)
 
 
 def _ancestor_matrix(layout: TreeLayout) -> np.ndarray:

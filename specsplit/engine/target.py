@@ -79,8 +79,13 @@ class TargetEngine(Engine):
 
         return self.guarded(session, run)
 
-    def reply_for(self, req: VerifyRequest, out: Outcome, cache_len: int, t0: float) -> VerifyReply:
+    def reply_for(self, req: VerifyRequest, out: Outcome, cache_len: int, t0: float, *,
+                  batch_tokens: int | None = None, batch_size: int = 1) -> VerifyReply:
+        """The reply; ``batch_tokens`` / ``batch_size`` describe the forward that served it (by
+        default this round's own: its forwarded tokens, one session)."""
         accepted = out.verdict.path[1:]
+        if batch_tokens is None:
+            batch_tokens = out.forward_tokens or len(req.sync.append_token_ids) + req.tree.num_nodes
         return VerifyReply(
             session_id=req.session_id,
             round=req.round,
@@ -92,6 +97,8 @@ class TargetEngine(Engine):
             partial=out.partial,
             rollback_len=out.rollback_len,
             confirmed_len=out.confirmed_len,
+            batch_tokens=batch_tokens,
+            batch_size=batch_size,
         )
 
     # ---- several sessions in one forward ---------------------------------------------------
@@ -173,7 +180,8 @@ class TargetEngine(Engine):
         pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
         pv.rounds_since_full += 1
         # exact: what the full cache holds and the root after it were confirmed; the rest is provisional
-        return Outcome(verdict, partial=True, confirmed_len=kv.length + 1 if pv.spec.exact else None)
+        return Outcome(verdict, partial=True, confirmed_len=kv.length + 1 if pv.spec.exact else None,
+                       forward_tokens=n)
 
     def _full(self, kv, pv: PartialView | None, req: VerifyRequest, layout: TreeLayout) -> Outcome:
         """One forward of [buffered ids + sync tokens + tree] against the whole cache. Exact
@@ -206,14 +214,14 @@ class TargetEngine(Engine):
                     pv.summaries.crop(cut)
                     pv.after_refresh(rolled_back=True)
                     pv.reset_buffer()
-                return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1)
+                return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1, forward_tokens=s + n)
         verdict = self.decide(req, layout, logits[checked:], visible[t:, start:])
         kv.compact([start + i for i in verdict.path], start)
         if pv is not None:
             pv.after_refresh(rolled_back=False)
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
-        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None)
+        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=s + n)
 
     def tree_inputs(self, first: int, t: int, layout: TreeLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Visibility [T+N, P+T+N] bool and position ids [T+N] of ``t`` linear tokens at positions

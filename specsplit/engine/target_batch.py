@@ -10,6 +10,8 @@ verification rule with the same per-(seed, round) generator, the same compaction
 re-checks), a sync longer than one linear chunk (a prompt), and a session's second request in the
 same batch. If the batched forward fails for a reason other than the device, every member's cache
 is cropped back and each member is verified alone, so one request cannot fail the others.
+Every member's reply reports the shared forward (``batch_tokens``: all members' new tokens,
+``batch_size``: the members), which is what its ``verify_ms`` measured.
 """
 
 from __future__ import annotations
@@ -109,10 +111,12 @@ def _fused(engine, members: list[_Member], replies: list, t0: float) -> None:
             m.session.kv.crop_to(m.req.sync.base_len)
             _alone(engine, m, replies, t0)
         return
+    tokens = sum(len(m.segment.token_ids) for m in members)  # the shared forward's, every member's reply says
     for m, lg in zip(members, logits):
         try:
             out = engine.guarded(m.session, lambda m=m, lg=lg: _finish(engine, m, lg))
-            replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0)
+            replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0,
+                                                batch_tokens=tokens, batch_size=len(members))
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
 
@@ -124,4 +128,4 @@ def _finish(engine, m: _Member, logits) -> Outcome:
     verdict = engine.decide(m.req, m.layout, logits, m.segment.visible[t:, start:])
     m.session.kv.compact([start + i for i in verdict.path], start)
     m.session.last_round = m.req.round
-    return Outcome(verdict)
+    return Outcome(verdict, forward_tokens=len(m.segment.token_ids))

@@ -33,6 +33,7 @@ class Outcome:
     partial: bool = False
     rollback_len: int | None = None  # committed is cut to this length first
     confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
+    forward_tokens: int = 0  # new tokens the round forwarded (buffered, sync and tree; 0: unknown)
 
 
 def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:

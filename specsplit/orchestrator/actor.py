@@ -169,6 +169,7 @@ class SessionActor:
                 self.metrics.observe_round(count, self.cur.rolled_back, timing.wall_ms / 1e3)
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
+                          tree_nodes=tree.num_nodes, batch_size=reply.batch_size, batch_tokens=reply.batch_tokens,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
                           draft_reused=timing.reused, min_path_prob=spec.min_path_prob,
@@ -204,7 +205,8 @@ class SessionActor:
             self.predicted_ms += timing.wall_ms
         self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
         if clean:
-            self.cost.observe_verify(sync_tokens + plan.tree.num_nodes, reply.verify_ms)
+            self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
+                                      reply.batch_tokens, reply.batch_size)
             self.cost.observe_overhead(max(0.0, timing.wall_ms - reply.verify_ms))
             self.cost.observe_rate(new_tokens, timing.wall_ms)
             if timing.reused == 0 and timing.drafted is not None:

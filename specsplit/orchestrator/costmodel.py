@@ -12,6 +12,19 @@ model learns, online and shared by every session of an orchestrator (same models
 Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
 expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
 
+Under load the target verifies several sessions in one forward (VerifyReply ``batch_tokens``,
+``batch_size``), so the line is fitted against the forward's tokens, every session's, and the
+model tracks what the rest of the forward brings: its tokens and the tokens its sessions deliver
+per round. ``choose`` then maximizes the tokens per millisecond of the whole forward: a node
+pays only while its acceptance probability beats (ms per token) x (tokens per ms the whole batch
+delivers). A lone session on a steep (CPU) line keeps a few likely nodes; sixteen sharing the
+forward each go to a root-only tree (plain decoding) unless their nodes are near-certain; on a
+flat (GPU) line every node still pays. ``min_nodes`` only holds for a session expected alone.
+Every session re-chooses from the measured state each round, so the batch moves toward the
+best rate together: pricing nodes at the rate the batch now delivers and re-measuring is
+Dinkelbach's iteration for a ratio, which climbs to its maximum (a session over-speculating lowers
+the rate, which makes nodes look cheaper, but the next choices then raise it again).
+
 How deep the draft goes is priced the same way (``draft_spec``): expanding a node costs the
 draft's measured milliseconds per expanded node plus the verify slope for what it adds, and
 pays only while the calibrated acceptance of the node's path is worth more than that time at
@@ -50,10 +63,32 @@ class CostModel:
     rate: float | None = None  # tokens per ms the rounds deliver (exponential average)
     min_observations: int = 5  # rounds / fresh drafts before the model sets the draft's depth
     _rounds_seen: int = 0
+    # the rest of the verify forward (exponential averages; None: nothing measured, alone)
+    others_sessions: float | None = None  # sessions besides this one
+    others_tokens: float | None = None  # their new tokens
+    round_tokens: float | None = None  # tokens a session's round delivers (1 + accepted)
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
         _observe(self._w, self.decay, float(tokens), float(ms))
+
+    def observe_forward(self, own_tokens: int, ms: float, batch_tokens: int = 0, batch_size: int = 1) -> None:
+        """One clean verify of ``own_tokens`` (sync + nodes) served by a forward of
+        ``batch_tokens`` tokens over ``batch_size`` sessions that took ``ms`` (batch_tokens 0:
+        not reported, the forward was this session's alone)."""
+        total = max(batch_tokens, own_tokens)
+        self.observe_verify(total, ms)
+        self.others_sessions = _ewma(self.others_sessions, float(max(0, batch_size - 1)))
+        self.others_tokens = _ewma(self.others_tokens, float(total - own_tokens))
+
+    def load(self) -> tuple[float, float]:
+        """(new tokens, delivered tokens) the rest of a verify forward is expected to bring."""
+        others = self.others_sessions or 0.0
+        return self.others_tokens or 0.0, others * (self.round_tokens or 1.0)
+
+    def shared(self) -> bool:
+        """Whether a verify forward is expected to serve other sessions too."""
+        return (self.others_sessions or 0.0) >= 0.5
 
     def verify_line(self) -> tuple[float, float]:
         """(intercept ms, ms per token); slope 0 until sizes vary, never negative."""
@@ -74,18 +109,24 @@ class CostModel:
     def observe_rate(self, tokens: int, ms: float) -> None:
         if ms <= 0:
             return
-        r = tokens / ms
-        self.rate = r if self.rate is None else 0.8 * self.rate + 0.2 * r
+        self.rate = _ewma(self.rate, tokens / ms)
+        self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
+
+    def batch_rate(self) -> float | None:
+        """Tokens per ms the whole verify batch delivers: the sessions sharing it, each at the
+        measured per-session rate."""
+        return None if self.rate is None else self.rate * (1.0 + (self.others_sessions or 0.0))
 
     def draft_spec(self, spec: TreeSpec) -> TreeSpec:
         """``spec`` with the round's ``min_path_prob``: the lowest draft path probability whose
-        calibrated acceptance still pays for one more expanded node (see the module docstring).
+        calibrated acceptance still pays for one more expanded node, priced at the whole batch's
+        rate (a node's draft and verify time delays every session sharing the workers).
         Until the model has seen enough rounds and fresh drafts, ``spec`` as configured."""
         if (self.rate is None or self._rounds_seen < self.min_observations
                 or self._draft[0] <= 0 or self._w[0] <= 0):
             return spec
-        need = self.rate * (self.draft_ms_per_node() + self.verify_line()[1])
+        need = self.batch_rate() * (self.draft_ms_per_node() + self.verify_line()[1])
         if need <= 0.0:
             return spec.model_copy(update={"min_path_prob": 0.0})
         grid = [k / (BINS * 10) for k in range(BINS * 10 + 1)]
@@ -97,7 +138,7 @@ class CostModel:
         return a + b * tokens
 
     def observe_overhead(self, ms: float) -> None:
-        self.overhead_ms = ms if self.overhead_ms is None else 0.8 * self.overhead_ms + 0.2 * ms
+        self.overhead_ms = _ewma(self.overhead_ms, ms)
 
     # ---- acceptance ---------------------------------------------------------------------
     @staticmethod
@@ -151,25 +192,35 @@ class CostModel:
     # ---- the choice ---------------------------------------------------------------------
     def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset()) -> Choice:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
-        expected tokens per millisecond of round time."""
+        expected tokens per millisecond of round time, counting the whole verify forward: the
+        tokens the rest of the batch brings and delivers (``load``) are in both sides of the
+        ratio. Alone, at least ``min_nodes`` nodes (when the tree has them)."""
         probs = self.node_probs(tree, lookup)
         children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
         for i in range(1, tree.num_nodes):
             children[tree.parents[i]].append(i)
         overhead = self.overhead_ms or 0.0
+        others_tokens, others_expected = self.load()
+        base = sync_tokens + others_tokens  # the forward's tokens besides this tree's
+        floor = 0 if self.shared() else self.min_nodes
         chosen, frontier = [0], list(children[0])
         expected = 1.0
-        best = Choice([0], expected, overhead + self.verify_ms(sync_tokens + 1))
+        best = Choice([0], expected, overhead + self.verify_ms(base + 1))
         while frontier:
             nxt = max(frontier, key=lambda i: (probs[i], -i))
             frontier.remove(nxt)
             frontier.extend(children[nxt])
             chosen.append(nxt)
             expected += probs[nxt]
-            ms = overhead + self.verify_ms(sync_tokens + len(chosen))
-            if (len(chosen) - 1 <= self.min_nodes or expected * best.expected_ms > best.expected_tokens * ms):
+            ms = overhead + self.verify_ms(base + len(chosen))
+            if (len(chosen) - 1 <= floor
+                    or (expected + others_expected) * best.expected_ms > (best.expected_tokens + others_expected) * ms):
                 best = Choice(sorted(chosen), expected, ms)
         return best
+
+
+def _ewma(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
 
 
 def _observe(w: list[float], decay: float, x: float, y: float) -> None:

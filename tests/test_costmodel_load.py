@@ -1,0 +1,143 @@
+"""Load-aware trees (issue 15): the cost model prices a node against the whole verify forward
+(every session's tokens), so trees shrink as the batch grows, down to plain decoding (a root-only
+tree) when speculation stops paying; on a flat cost line they do not shrink."""
+
+from __future__ import annotations
+
+from schemas import FlatTree, SamplingSpec, TreeSpec
+from specsplit.orchestrator.costmodel import CostModel
+
+# uncalibrated acceptance = the draft's path probability: 0.82, 0.67, 0.55, then an unlikely tail
+CHAIN = FlatTree(token_ids=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4],
+                 draft_logprobs=[0.0, -0.2, -0.2, -0.2, -1.5, -1.5])
+STEEP = (10.0, 10.0)  # verify ms = 10 + 10 per token: a compute-bound CPU forward
+FLAT = (100.0, 0.0)  # a GPU forward: more tokens cost (nearly) nothing
+
+
+def _ms(line: tuple[float, float], tokens: float) -> float:
+    return line[0] + line[1] * tokens
+
+
+def warmed(line: tuple[float, float], sessions: int, own: int = 1, round_tokens: float = 1.0) -> CostModel:
+    """A cost model that saw verify forwards of ``sessions`` sessions (``own`` tokens each, plus
+    a few sizes so the line is fitted), rounds delivering ``round_tokens`` and 5 ms overhead."""
+    cm = CostModel()
+    for extra in (0, 3, 1, 6, 2, 0, 4, 0):
+        own_tokens = own + extra
+        batch = own_tokens + (sessions - 1) * own
+        cm.observe_forward(own_tokens, _ms(line, batch), batch if sessions > 1 else 0, sessions)
+        cm.observe_overhead(5.0)
+        cm.observe_rate(round_tokens, 5.0 + _ms(line, batch))
+    for _ in range(6):  # the latest forwards: every session at ``own`` tokens
+        batch = sessions * own
+        cm.observe_forward(own, _ms(line, batch), batch if sessions > 1 else 0, sessions)
+    return cm
+
+
+def test_the_line_is_fitted_against_the_forwards_tokens():
+    cm = CostModel()
+    for batch in (16, 40, 24, 64, 8):
+        cm.observe_forward(3, 20.0 + 2.0 * batch, batch_tokens=batch, batch_size=8)
+    a, b = cm.verify_line()
+    assert abs(a - 20.0) < 1e-6 and abs(b - 2.0) < 1e-6  # own tokens (always 3) could not fit a slope
+    assert abs(cm.others_sessions - 7.0) < 1e-9 and 5 < cm.others_tokens < 61 and cm.shared()
+    alone = CostModel()
+    for tokens in (1, 5, 9):  # batch_tokens 0: a peer that does not report it, the forward was its own
+        alone.observe_forward(tokens, 20.0 + 2.0 * tokens)
+    assert abs(alone.verify_line()[1] - 2.0) < 1e-6 and alone.load() == (0.0, 0.0) and not alone.shared()
+
+
+def test_same_acceptance_and_slope_lone_speculates_a_batch_of_16_decodes_plainly():
+    lone, batch = warmed(STEEP, 1), warmed(STEEP, 16)
+    assert abs(lone.verify_line()[1] - 10.0) < 1e-6 and abs(batch.verify_line()[1] - 10.0) < 1e-6
+    assert lone.choose(CHAIN, 0).nodes == [0, 1, 2]  # the likely nodes pay for their 10 ms each
+    assert batch.choose(CHAIN, 0).nodes == [0]  # 16 sessions: a node must beat 10 ms x 16 tok / 175 ms
+    assert len(warmed(STEEP, 4).choose(CHAIN, 0).nodes) < 3  # in between: fewer than alone
+    # min_nodes forces speculation only on a session that is alone
+    assert CostModel(min_nodes=3).choose(CHAIN, 0).nodes == [0, 1, 2, 3]
+    forced = warmed(STEEP, 16)
+    forced.min_nodes = 3
+    assert forced.choose(CHAIN, 0).nodes == [0]
+
+
+def test_a_flat_cost_line_keeps_speculating_under_load():
+    batch = warmed(FLAT, 16)
+    a, b = batch.verify_line()
+    assert abs(a - 100.0) < 1e-6 and b < 1e-9 and batch.shared()
+    assert batch.choose(CHAIN, 0).nodes == [0, 1, 2, 3, 4, 5]
+
+
+def test_draft_depth_is_priced_at_the_batchs_rate():
+    spec = TreeSpec(max_nodes=16, max_depth=10, branch=2, min_path_prob=0.3)
+
+    def with_draft(cm: CostModel) -> CostModel:
+        for n in range(1, 9):
+            cm.observe_draft(n, 5.0 + 2.0 * n)
+        return cm
+
+    lone, batch = with_draft(warmed(STEEP, 1, round_tokens=2.0)), with_draft(warmed(STEEP, 16, round_tokens=2.0))
+    assert batch.batch_rate() > 2 * lone.batch_rate()  # each round is slower, but 16 share it
+    assert lone.draft_spec(spec).min_path_prob < 0.9 <= batch.draft_spec(spec).min_path_prob
+
+
+def test_the_load_fades_when_the_session_is_alone_again():
+    cm = warmed(STEEP, 16)
+    for _ in range(30):
+        cm.observe_forward(3, _ms(STEEP, 3))
+        cm.observe_rate(2, 40.0)
+    assert not cm.shared() and cm.load()[0] < 0.1
+    assert cm.choose(CHAIN, 0).nodes == [0, 1, 2]
+
+
+def _simulate(line: tuple[float, float], sessions: int, rounds: int = 12) -> list[int]:
+    """``sessions`` sessions sharing one cost model and one forward per round, each choosing from
+    what the model measured; returns the nodes each round's trees kept in all."""
+    cm, kept = CostModel(), []
+    for tokens in (2, 5, 3, 8):  # a few lone rounds first: the line, speculation on
+        cm.observe_forward(tokens, _ms(line, tokens))
+    for _ in range(rounds):
+        choices = [cm.choose(CHAIN, 0) for _ in range(sessions)]
+        batch = sum(len(c.nodes) for c in choices)
+        ms = 5.0 + _ms(line, batch)
+        for c in choices:
+            cm.observe_forward(len(c.nodes), ms - 5.0, batch if sessions > 1 else 0, sessions)
+            cm.observe_overhead(5.0)
+            cm.observe_rate(c.expected_tokens, ms)
+        kept.append(batch - sessions)
+    return kept
+
+
+def test_a_batch_converges_to_plain_decoding_on_a_steep_line_only():
+    steep = _simulate(STEEP, 16)
+    assert steep[0] > 0 and steep[-3:] == [0, 0, 0]  # it starts speculating and ends root-only
+    assert _simulate(FLAT, 16)[-1] == 16 * 5  # every node of every tree, every round
+    assert _simulate(STEEP, 1)[-1] == 2  # alone: the two likely nodes
+
+
+def test_generate_from_a_loaded_cost_model_equals_plain_greedy(models):
+    """A cost model that saw batches of 16 on a steep line starts the session root-only; as its
+    own (alone) forwards are measured the load fades and it speculates again. Either way the
+    output is plain greedy decoding."""
+    from specsplit.engine.target import TargetEngine
+    from specsplit.local import generate
+    from tests.conftest import greedy_reference
+
+    target, often, _ = models["qwen3"]
+    sent: list[int] = []
+
+    def recording_target(model, limits):
+        engine = TargetEngine(model, limits)
+        handle = engine.handle
+
+        def record(msg):
+            sent.append(msg.tree.num_nodes)
+            return handle(msg)
+
+        engine.handle = record
+        return engine
+
+    prompt = [5, 17, 99, 3, 42, 8, 61]
+    out = generate(often, target, prompt, max_new_tokens=40, tree=TreeSpec(max_nodes=8, max_depth=4, branch=2),
+                   sampling=SamplingSpec(), cost_model=warmed(STEEP, 16), make_target_engine=recording_target)
+    assert out == greedy_reference(target, prompt, 40)[0]
+    assert sent[1:4] == [1, 1, 1] and max(sent[4:]) > 1, sent  # plain decoding under load, then speculation
