@@ -275,6 +275,7 @@ def parse(argv):
                         "'none': the shell's only)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the fleet's logs (kept anyway when the run fails)")
     args = p.parse_args(argv)
     try:
         args.levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
@@ -353,9 +354,10 @@ def main(argv=None) -> int:
             loop.run_until_complete(client.close())
         loop.close()
         fleet.stop()
-        if rows is None:
+        if rows is None or args.keep_logs:
             log(f"fleet logs kept in {tmp}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not args.keep_logs:
+        shutil.rmtree(tmp, ignore_errors=True)
     summary = summarize(rows)
     print(markdown(rows, summary))
     config = {k: v for k, v in vars(args).items()} | {
