@@ -5,7 +5,7 @@
     specsplit orchestrator            the asyncio orchestrator
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
-    specsplit bench transport|longctx|netem|...  benchmarks
+    specsplit bench transport|longctx|netem|load|soak|...  benchmarks
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
     specsplit keys new [--dir D] [--name N]  a CURVE keypair (N.key public, N.key_secret mode 0600)
 """
@@ -125,7 +125,17 @@ def _bench(argv: list[str]) -> int:
         from specsplit.bench.longctx import main
 
         return main(argv[1:])
+    if argv and argv[0] == "soak":
+        from specsplit.bench.soak import main
+
+        return main(argv[1:])
     from specsplit.bench import require_bench_extras
+
+    if argv and argv[0] == "load":
+        from specsplit.bench.load import main
+
+        require_bench_extras()
+        return main(argv[1:])
     from specsplit.bench.quality import main as bench_main
 
     require_bench_extras()
