@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -48,10 +49,10 @@ def _prompt_ids(preset: str, n: int) -> list[list[int]]:
         return [[rng.randrange(400) for _ in range(12)] for _ in range(n)]
 
 
-def _one_host(tmp: Path, preset: str, threads: int, prompts, max_new_tokens: int) -> dict:
+def _one_host(tmp: Path, preset: str, threads: int, prompts, max_new_tokens: int, env: dict) -> dict:
     from specsplit.launch import Fleet, generate_all
 
-    fleet = Fleet.create(tmp / "one-host", preset=preset, threads=threads)
+    fleet = Fleet.create(tmp / "one-host", preset=preset, threads=threads, **env)
     try:
         fleet.start().wait_ready(timeout_s=900)
         asyncio.run(generate_all(fleet.orchestrator, prompts[:1], 4))  # warm-up
@@ -78,16 +79,19 @@ def run(delays: list[float], preset: str, threads: int, n_prompts: int, max_new_
     if relay and no_netem:
         print(f"bench netem: {no_netem}; the target's link delay is emulated by specsplit.delayrelay",
               file=sys.stderr, flush=True)
+    from specsplit.bench.fleetenv import fleet_defaults, fleet_env
+
+    env = fleet_env(fleet_defaults())  # both fleets run the operator's .env kernels (int8 by default)
     prompts = _prompt_ids(preset, n_prompts)
     rows = []
     with tempfile.TemporaryDirectory(prefix="specsplit-netem-") as tmp:
         tmp = Path(tmp)
-        base = _one_host(tmp, preset, threads, prompts, max_new_tokens)
+        base = _one_host(tmp, preset, threads, prompts, max_new_tokens, env)
         base_tok_s = base["tokens"] / base["wall_s"]
         rows.append({"setup": "one host (loopback)", "delay_ms": None, "tok_s": base_tok_s, "relative": 1.0,
                      "same_output": True, "tokens": base["tokens"]})
         with NetnsLab(net=random.randrange(1, 250)) as lab:
-            fleet = NetnsFleet(lab, tmp / "netns", preset=preset, threads=threads, relay=relay)
+            fleet = NetnsFleet(lab, tmp / "netns", preset=preset, threads=threads, relay=relay, **env)
             try:
                 fleet.start().wait_ready(timeout_s=900)
                 fleet.produce(prompts[:1], 4)  # warm-up
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                         "netem where the kernel has it (auto)")
     p.add_argument("--json", dest="json_out", help="write the rows here")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: fleets, namespaces
     try:
         delays = [float(d) for d in args.delays.split(",") if d.strip()]
     except ValueError:
