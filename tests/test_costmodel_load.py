@@ -141,3 +141,40 @@ def test_generate_from_a_loaded_cost_model_equals_plain_greedy(models):
                    sampling=SamplingSpec(), cost_model=warmed(STEEP, 16), make_target_engine=recording_target)
     assert out == greedy_reference(target, prompt, 40)[0]
     assert sent[1:4] == [1, 1, 1] and max(sent[4:]) > 1, sent  # plain decoding under load, then speculation
+
+
+def _speculated(line: tuple[float, float], draft_busy_ms: float, tokens: float, rate: float) -> CostModel:
+    """A model that measured ``line`` and speculative rounds delivering ``tokens`` while holding
+    the draft worker ``draft_busy_ms``, at ``rate`` tokens/ms per session."""
+    cm = warmed(line, sessions=1, own=8)
+    for _ in range(10):
+        cm.observe_speculation(int(tokens), draft_busy_ms)
+    cm.rate = rate
+    return cm
+
+
+def test_plain_decoding_under_load_from_measured_draft_and_verify_costs():
+    # the 2-core box's figures (bench load): ~7 tokens per round, the draft worker busy ~550 ms
+    # per round, verify 100 + 13 ms per token; speculating sessions measured 12.4 tok/s alone,
+    # 4.6 each at 4, 1.0 each at 16 (the draft worker serializes them)
+    cm = _speculated((100.0, 13.0), draft_busy_ms=550.0, tokens=7, rate=0.0046)
+    for n, rate, plain in ((0, 0.0124, False), (1, 0.0124, False), (2, 0.0046, True), (4, 0.0046, True),
+                           (16, 0.001, True)):
+        cm.active_sessions, cm.rate = n, rate
+        assert cm.plain_pays() is plain, n  # 4: 4/152 ms = 26 tok/s beats max(7/550 ms, 4 x 4.6) tok/s
+    # rounds measured at a lone session's 12 tok/s: two sessions at that rate beat 2/126 ms
+    cm.rate, cm.active_sessions = 0.012, 2
+    assert not cm.plain_pays()
+    # a draft that measurably keeps up (several draft workers): speculation stays
+    cm.rate, cm.active_sessions = 0.05, 4
+    assert not cm.plain_pays()
+    # nothing measured about speculation yet: never switch
+    fresh = warmed((100.0, 13.0), sessions=1, own=8)
+    fresh.active_sessions = 16
+    assert not fresh.plain_pays()
+
+
+def test_a_cheap_draft_keeps_speculating_under_load():
+    cm = _speculated((100.0, 13.0), draft_busy_ms=20.0, tokens=7, rate=0.012)  # 350 tok/s of drafts
+    cm.active_sessions = 16  # plain: 16 / 295 ms = 54 tok/s
+    assert not cm.plain_pays()

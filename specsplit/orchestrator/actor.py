@@ -64,6 +64,7 @@ class ActorPolicy:
 @dataclass
 class _Timing:
     draft_ms: float = 0.0
+    grow_ms: float = 0.0  # the growth budget this round asked the draft worker for
     verify_ms: float = 0.0
     wall_ms: float = 0.0
     reused: int = 0
@@ -102,6 +103,8 @@ class SessionActor:
         t0 = self._t0 = time.perf_counter()
         finish, failure = "error", None
         structlog.contextvars.bind_contextvars(session_id=self.sid)
+        if self.cost is not None:
+            self.cost.active_sessions += 1  # the load plain decoding is priced at (CostModel.plain_pays)
         try:
             finish = await self._rounds()
         except asyncio.CancelledError:
@@ -111,6 +114,8 @@ class SessionActor:
             failure = exc
             self.log.warning("session_failed", error=str(exc), code=exc.code.value)
         finally:
+            if self.cost is not None:
+                self.cost.active_sessions -= 1
             done = GenerateDone(
                 session_id=self.sid, token_ids=self.out, finish_reason=finish, rounds=self.stats.rounds,
                 drafted_tokens=self.stats.drafted, accepted_tokens=self.stats.accepted,
@@ -143,14 +148,16 @@ class SessionActor:
             if self.cost is not None and self.sampling.greedy:
                 spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             sync_tokens = len(self.cur.target_sync().append_token_ids)
-            if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
+            plain = self.cost is not None and self.sampling.greedy and rnd > 0 and self.cost.plain_pays()
+            if confirm or plain:  # confirm provisional tokens that would end the generation, or
+                # the load makes plain decoding deliver more: no draft call, a root-only tree
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
             else:
                 drafted = await self._draft(rnd, spec, timing)
                 plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
                                   lookup_max_tokens=self.policy.lookup_max_tokens,
                                   lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens)
-                self._grow(rnd)
+                self._grow(rnd, timing)
             tree = plan.tree
             reply = await self._verify(rnd, tree, timing, confirm)
             # not a resend, not a prefill, not a partial round (the cost model learns full verify times)
@@ -169,7 +176,8 @@ class SessionActor:
                 self.metrics.observe_round(count, self.cur.rolled_back, timing.wall_ms / 1e3)
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
-                          tree_nodes=tree.num_nodes, batch_size=reply.batch_size, batch_tokens=reply.batch_tokens,
+                          tree_nodes=tree.num_nodes, plain=plain, batch_size=reply.batch_size,
+                          batch_tokens=reply.batch_tokens,
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
                           draft_reused=timing.reused, min_path_prob=spec.min_path_prob,
@@ -195,8 +203,15 @@ class SessionActor:
         A round the model does not model (the prompt's prefill, a resend) enters the prediction
         with its measured time and tokens, so ``predicted_tok_s`` is end to end like the measured
         rate it is compared with."""
-        if self.cost is None or plan.choice is None:
+        if self.cost is None:
             return
+        if plan.choice is None:  # a root-only round (plain decoding, a confirmation): its forward still prices tokens
+            if clean:
+                self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
+                                          reply.batch_tokens, reply.batch_size)
+            return
+        if clean and timing.drafted is not None:
+            self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms)
         if clean:
             self.predicted_tokens += plan.choice.expected_tokens
             self.predicted_ms += plan.choice.expected_ms
@@ -226,7 +241,7 @@ class SessionActor:
         self.stats.reused_rounds += reply.reused_nodes > 0
         return reply.tree
 
-    def _grow(self, rnd: int) -> None:
+    def _grow(self, rnd: int, timing: _Timing) -> None:
         """Let the draft worker grow this round's tree while the target verifies it (fire and
         forget: the next DraftRequest queues behind it on the same worker; failures only cost
         the head start). Needs a previous verify time to size the budget."""
@@ -234,6 +249,7 @@ class SessionActor:
         if not (p.grow and self.sampling.greedy and self._last_verify_ms > 0):
             return
         budget = min(60_000.0, p.grow_fraction * self._last_verify_ms)
+        timing.grow_ms = budget
         req = GrowRequest(session_id=self.sid, round=rnd, budget_ms=budget, width=p.grow_width)
         self._cancel_grow()  # the previous round's grow has answered or is moot
         task = asyncio.ensure_future(self.draft_rpc.call(req, session_id=self.sid, timeout_s=p.rpc_timeout_s))

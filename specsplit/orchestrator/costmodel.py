@@ -67,6 +67,11 @@ class CostModel:
     others_sessions: float | None = None  # sessions besides this one
     others_tokens: float | None = None  # their new tokens
     round_tokens: float | None = None  # tokens a session's round delivers (1 + accepted)
+    # plain decoding under load (``plain_pays``): what a speculative round delivers and how long
+    # it holds the draft worker (its draft plus the growth it asks for while the target verifies)
+    active_sessions: int = 0  # this orchestrator's sessions under way (each actor counts itself)
+    spec_tokens: float | None = None
+    draft_busy_ms: float | None = None
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
@@ -112,6 +117,31 @@ class CostModel:
         self.rate = _ewma(self.rate, tokens / ms)
         self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
+
+    def observe_speculation(self, tokens: int, draft_busy_ms: float) -> None:
+        """A drafted round delivered ``tokens`` and held the draft worker ``draft_busy_ms``."""
+        if draft_busy_ms > 0:
+            self.spec_tokens = _ewma(self.spec_tokens, float(tokens))
+            self.draft_busy_ms = _ewma(self.draft_busy_ms, draft_busy_ms)
+
+    def plain_pays(self) -> bool:
+        """Whether the sessions under way deliver more together by plain decoding (no draft
+        call: root-only trees, which the target verifies in one batched forward) than by
+        speculating. A draft worker runs one session's draft at a time, so speculative rounds
+        together deliver at most ``spec_tokens / draft_busy_ms`` tokens per ms however many
+        sessions wait; N sessions decoding plainly share one forward of N tokens and deliver
+        ``N / verify_ms(N)``. Speculation is credited with the larger of that bound and what its
+        rounds measurably delivered (N x the per-session rate of speculative rounds: several draft
+        workers, or lockstep drafting, beat the one-worker bound). Every input is measured (draft
+        time, acceptance, the verify line, round rates); a lone session always speculates. The
+        estimate favours speculation (nothing else in its round costs), so the switch comes late
+        rather than early, and back as soon as the sessions under way are few."""
+        n = self.active_sessions
+        if n < 2 or self.spec_tokens is None or self.draft_busy_ms is None or self._w[0] <= 0:
+            return False
+        plain = n / max(1e-9, self.verify_ms(n))
+        spec = max(self.spec_tokens / self.draft_busy_ms, n * (self.rate or 0.0))
+        return plain > spec
 
     def batch_rate(self) -> float | None:
         """Tokens per ms the whole verify batch delivers: the sessions sharing it, each at the
