@@ -209,8 +209,6 @@ class SessionActor:
             if clean:
                 self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
                                           reply.batch_tokens, reply.batch_size)
-                if timing.drafted is None and not self.exact:  # plain decoding: what it really delivers
-                    self.cost.observe_plain(new_tokens, timing.wall_ms)
             return
         if clean and timing.drafted is not None:
             self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms)

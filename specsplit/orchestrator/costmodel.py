@@ -72,7 +72,6 @@ class CostModel:
     active_sessions: int = 0  # this orchestrator's sessions under way (each actor counts itself)
     spec_tokens: float | None = None
     draft_busy_ms: float | None = None
-    plain_rate: float | None = None  # tokens per ms a session's plain-decoding rounds delivered
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
@@ -125,19 +124,13 @@ class CostModel:
             self.spec_tokens = _ewma(self.spec_tokens, float(tokens))
             self.draft_busy_ms = _ewma(self.draft_busy_ms, draft_busy_ms)
 
-    def observe_plain(self, tokens: int, ms: float) -> None:
-        """A plain-decoding round (no draft) delivered ``tokens`` in ``ms`` of round time."""
-        if ms > 0:
-            self.plain_rate = _ewma(self.plain_rate, tokens / ms)
-
     def plain_pays(self) -> bool:
         """Whether the sessions under way deliver more together by plain decoding (no draft
         call: root-only trees, which the target verifies in one batched forward) than by
         speculating. A draft worker runs one session's draft at a time, so speculative rounds
         together deliver at most ``spec_tokens / draft_busy_ms`` tokens per ms however many
         sessions wait; N sessions decoding plainly share one forward of N tokens and deliver
-        ``N / verify_ms(N)`` -- or, once plain rounds ran, N x their measured per-session rate
-        (what the fleet around the forward really adds is in it). Speculation is credited with the larger of that bound and what its
+        ``N / verify_ms(N)``. Speculation is credited with the larger of that bound and what its
         rounds measurably delivered (N x the per-session rate of speculative rounds: several draft
         workers, or lockstep drafting, beat the one-worker bound). Every input is measured (draft
         time, acceptance, the verify line, round rates); a lone session always speculates. The
@@ -146,7 +139,7 @@ class CostModel:
         n = self.active_sessions
         if n < 2 or self.spec_tokens is None or self.draft_busy_ms is None or self._w[0] <= 0:
             return False
-        plain = n * self.plain_rate if self.plain_rate is not None else n / max(1e-9, self.verify_ms(n))
+        plain = n / max(1e-9, self.verify_ms(n))
         spec = max(self.spec_tokens / self.draft_busy_ms, n * (self.rate or 0.0))
         return plain > spec
 
