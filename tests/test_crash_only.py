@@ -146,7 +146,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         err = open(tmp_path / "produce.err", "wb")
         producer = subprocess.Popen(
             [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp_path / "prompts.txt"), "--json",
-             "--concurrency", "16", "--max-new-tokens", "200", "--chat", "off", "--wait-s", "60"],
+             "--concurrency", "16", "--max-new-tokens", "600", "--chat", "off", "--wait-s", "60"],
             env=env, stdout=out, stderr=err, start_new_session=True)
         out.close()
         err.close()
@@ -174,7 +174,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
             ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
             assert r["token_ids"] == ref, r["index"]
             assert r["finish_reason"] in ("stop", "length")
-            assert r["finish_reason"] == "stop" or r["new_tokens"] == 200
+            assert r["finish_reason"] == "stop" or r["new_tokens"] == 600
         log = _log(tmp_path)
         assert log.count("role_died") >= 4, log[-3000:]
         print(f"kills at {killed}; produce finished in {took:.1f}s; resumes {sum(r['resumes'] for r in rows)}")

@@ -86,7 +86,8 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     verifies = [m[t]['specsplit:worker_requests_total{kind="VerifyRequest",service="target"}'] for t in TARGETS]
     assert sum(verifies) == rounds and all(v > 0 for v in verifies)
     assert sum(m[t]['specsplit:worker_rounds_total{service="target"}'] for t in TARGETS) == rounds
-    assert m["draft0"]['specsplit:worker_requests_total{kind="DraftRequest",service="draft"}'] == rounds
+    # at most one draft per round: a round may skip it (plain decoding under load, CostModel.plain_pays)
+    assert 0 < m["draft0"]['specsplit:worker_requests_total{kind="DraftRequest",service="draft"}'] <= rounds
     # a verify forwards its tree (root included) after the sync tokens
     fwd = sum(m[t]['specsplit:worker_forward_tokens_sum{service="target"}'] for t in TARGETS)
     assert fwd >= orch["specsplit:spec_decode_num_draft_tokens_total"] + rounds
