@@ -49,6 +49,7 @@ class CpuBackend(Backend):
         self.quantize, self.pack_weights = quantize, pack_weights
         self.batch_invariant = batch_invariant  # int8: a token's logits independent of the forward's shape
         self.packed_layers = 0
+        self.gqa_attention = False
 
     def load_dtype(self, requested: str) -> str:
         """The dtype to load in: as requested (``prepare`` makes an int8 model float32 layer by
@@ -62,7 +63,8 @@ class CpuBackend(Backend):
 
     def prepare(self, model):
         """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with
-        float64 attention where ``batch_invariant``) and/or packed weights."""
+        float64 attention where ``batch_invariant``) and/or packed weights; a draft (not
+        ``batch_invariant``) on sdpa gets ``specsplit.models.attention.gqa_attention``."""
         torch.set_num_threads(self.threads)
         if self.quantize == "int8":
             model = quantize_int8(model, batch_invariant=self.batch_invariant)
@@ -70,12 +72,17 @@ class CpuBackend(Backend):
             from specsplit.models.packing import pack_linear_weights
 
             self.packed_layers = pack_linear_weights(model)
+        if not self.batch_invariant:  # a draft: grouped-query attention without repeat_kv's copies
+            from specsplit.models.attention import use_gqa_attention
+
+            self.gqa_attention = use_gqa_attention(model)
         return model
 
     def describe(self) -> dict:
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
-                "pack_weights": self.pack_weights, "packed_layers": self.packed_layers}
+                "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
+                "gqa_attention": self.gqa_attention}
 
 
 class CudaBackend(Backend):

@@ -41,6 +41,8 @@ import warnings
 
 import torch
 
+from specsplit.models.attention import grouped_attention
+
 _TINY = torch.finfo(torch.float32).tiny
 FP64_ATTENTION = "specsplit_fp64"
 
@@ -50,23 +52,7 @@ def fp64_attention(module, query, key, value, attention_mask, scaling=None, drop
     signature: query [B, Hq, M, D], key/value [B, Hkv, L, D], an additive float or bool mask
     [B|1, 1, M, >=L] or None for causal; returns ([B, M, Hq, D], None)). Grouped-query heads
     share one matmul per KV head."""
-    b, hq, m, d = query.shape
-    hkv, length = key.shape[1], key.shape[2]
-    groups = hq // hkv
-    scores = torch.matmul(query.double().reshape(b, hkv, groups * m, d), key.double().transpose(-1, -2))
-    scores = scores.view(b, hkv, groups, m, length).mul_(d ** -0.5 if scaling is None else scaling)
-    if attention_mask is None:
-        causal = torch.ones(m, length, dtype=torch.bool, device=query.device).tril(length - m)
-        scores.masked_fill_(~causal, float("-inf"))
-    else:
-        mask = attention_mask[..., :length][:, :, None]  # [B|1, 1, 1, M, L]
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask.double())
-    probs = torch.softmax(scores, dim=-1).view(b, hkv, groups * m, length)
-    out = torch.matmul(probs, value.double()).view(b, hq, m, d)
-    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+    return grouped_attention(query, key, value, attention_mask, scaling, torch.float64), None
 
 
 def use_fp64_attention(model) -> None:
