@@ -100,6 +100,11 @@ class WorkerSettings(SessionLimitSettings):
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch);
     # these are on the round's critical path, growth deepens the tree during the next verify anyway
     draft_steps_after_reuse: int | None = Field(default=None, ge=0, le=64)
+    # long contexts: past sink + window cached tokens, draft forwards attend to the first
+    # draft_sink_tokens and the last draft_window_tokens only (0: the whole context). The draft
+    # only proposes, so this never changes the output (specsplit.engine.draftview)
+    draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576)
+    draft_sink_tokens: int = Field(default=64, ge=0, le=65_536)
     # which kernels run a role's model: "torch" (transformers on the role's device, with the
     # backend's int8/packing/threads) or "llamacpp" (the role's GGUF on llama.cpp's CPU kernels
     # through llama-cpp-python; specsplit.engine.llamacpp)

@@ -65,11 +65,18 @@ def engine_limits(settings: WorkerSettings):
     )
 
 
+def draft_window(settings: WorkerSettings):
+    from specsplit.engine.draftview import DraftWindow
+
+    return DraftWindow(sink_tokens=settings.draft_sink_tokens, window_tokens=settings.draft_window_tokens)
+
+
 def role_engine(service: str, settings: WorkerSettings, model, backend, draft_cls, target_cls):
     """The role's engine class around ``model`` (a torch model or a LlamaCppModel)."""
     limits = engine_limits(settings)
     if service == "draft":
-        return draft_cls(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend)
+        return draft_cls(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend,
+                         window=draft_window(settings))
     return target_cls(model, limits, backend=backend)
 
 

@@ -49,7 +49,7 @@ def parse(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="2048,8192,16384", help="comma list of prompt lengths in tokens")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--tree", default="16,6,2", help="max_nodes,max_depth,branch[,min_path_prob]")
@@ -62,6 +62,10 @@ def parse(argv):
     p.add_argument("--refresh-every", type=int, default=32)
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8", help="as the fleet's .env")
     p.add_argument("--target-quantize", choices=["none", "int8"], default="int8", help="as the fleet's .env")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="draft attends to sinks + this many recent tokens past that (default: the fleet's "
+                        "SPECSPLIT_DRAFT_WINDOW_TOKENS; 0: the whole context); the same in every mode")
+    p.add_argument("--draft-sink", type=int, default=None, help="the draft window's sink tokens (default: the fleet's)")
     p.add_argument("--json", dest="json_path")
     return p.parse_args(argv)
 
@@ -108,7 +112,8 @@ class WarmEngines:
     counted in every mode's end-to-end tok/s; at 16K tokens on a 2-core CPU it takes minutes.
     The rest of the session (round, kept draft tree, SpecPV view) starts afresh."""
 
-    def __init__(self):
+    def __init__(self, draft_window=None):
+        self.draft_window = draft_window  # a DraftWindow (None: the whole context)
         self.engines: dict[str, object] = {}
         self.rounds: list = []  # (partial, verify_ms, prefill) of the current mode's verifies
         self.first_round_s = 0.0  # wall time of the current mode's first draft + verify
@@ -143,7 +148,8 @@ class WarmEngines:
 
         def make(model, limits):
             if role not in self.engines:
-                self.engines[role] = Warm(model, limits)
+                self.engines[role] = Warm(model, limits) if role == "target" else \
+                    Warm(model, limits, window=self.draft_window)
             return self.engines[role]
 
         return make
@@ -237,7 +243,9 @@ def main(argv=None) -> int:
     import torch
 
     from schemas import SpecPVSpec, TreeSpec
+    from specsplit.engine.draftview import DraftWindow
     from specsplit.logs import configure_logging
+    from specsplit.workers import WorkerSettings
     from specsplit.models import ModelSettings, resolve_model_paths
 
     configure_logging("WARNING")
@@ -252,13 +260,17 @@ def main(argv=None) -> int:
     ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
     paths = resolve_model_paths(ms)
     quantize = {"draft_quantize": args.draft_quantize, "target_quantize": args.target_quantize}
+    fleet = WorkerSettings()
+    args.draft_window = fleet.draft_window_tokens if args.draft_window is None else args.draft_window
+    args.draft_sink = fleet.draft_sink_tokens if args.draft_sink is None else args.draft_sink
+    window = DraftWindow(sink_tokens=args.draft_sink, window_tokens=args.draft_window)
     target, tok = _load_as_fleet("target", paths.target, ms, quantize)
     draft = _load_as_fleet("draft", paths.draft, ms, quantize)[0]
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prompts = long_prompts(tok, contexts)
     rows = []
     for c in contexts:
-        outs, warm, prefill_s = {}, WarmEngines(), None
+        outs, warm, prefill_s = {}, WarmEngines(window), None
         for mode in modes:
             print(f"context {c}: {mode} ...", file=sys.stderr, flush=True)
             r = run_mode(draft, target, prompts[c], mode, args, spec, warm, prefill_s)

@@ -29,8 +29,9 @@ import torch
 from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
 from specsplit.engine import sampling as S
 from specsplit.engine.base import LINEAR_CHUNK, Engine, EngineLimits, elapsed_ms
-from specsplit.engine.batch import Segment
+from specsplit.engine.batch import Segment, using_attention
 from specsplit.engine.draft_batch import draft_batch
+from specsplit.engine.draftview import WINDOW_KWARG, DraftWindow, window_attention_name
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.store import Session
 from specsplit.engine.masks import causal
@@ -45,10 +46,13 @@ class DraftEngine(Engine):
     role = "draft"
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64,
-                 steps_after_reuse: int | None = None, backend=None):
+                 steps_after_reuse: int | None = None, backend=None, window: DraftWindow | None = DraftWindow()):
         super().__init__(model, limits, vocab_size=vocab_size, backend=backend)
         self.max_support = max_support
         self.steps_after_reuse = steps_after_reuse
+        # long contexts: forwards attend to sinks + a recent window (specsplit.engine.draftview)
+        self.window = window if window is not None and window.window_tokens > 0 else None
+        self._window_attention = window_attention_name(model) if self.window else None
         self.max_kept_nodes = 4 * limits.max_tree_nodes  # a grown tree's size cap
         # set by the worker loop: True when other requests wait (growing yields to them)
         self.others_waiting = lambda: False
@@ -125,6 +129,16 @@ class DraftEngine(Engine):
         finally:
             kv.crop_to(committed)
             session.last_round = req.round
+
+    def forward(self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor,
+                keep: int, **model_kwargs) -> torch.Tensor:
+        """``Engine.forward``; past the window's reach, attending to sinks + the recent window
+        only (a batched forward, ``forward_segments``, always attends to the whole cache)."""
+        bounds = self.window.bounds(kv.length) if self._window_attention else None
+        if bounds is None:
+            return super().forward(kv, token_ids, position_ids, visible, keep, **model_kwargs)
+        with using_attention(self.model, self._window_attention):
+            return super().forward(kv, token_ids, position_ids, visible, keep, **{WINDOW_KWARG: bounds}, **model_kwargs)
 
     def draft_batch(self, requests: Sequence[Message]) -> list[Message]:
         """Replies to ``requests`` in order; the sessions that allow it draft in lockstep, one

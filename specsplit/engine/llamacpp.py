@@ -299,10 +299,12 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
     role = "draft"
 
     def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
-                 max_support: int = 64, steps_after_reuse: int | None = None, backend=None):
+                 max_support: int = 64, steps_after_reuse: int | None = None, backend=None, window=None):
         self._setup(lm, limits, vocab_size, backend)
         self.max_support = max_support
         self.steps_after_reuse = steps_after_reuse
+        # (a torch draft's window view; llama.cpp's kernels attend to the whole cache)
+        self.window, self._window_attention = None, None
         self.max_kept_nodes = 4 * limits.max_tree_nodes
         self.others_waiting = lambda: False
 
