@@ -96,20 +96,32 @@ def _make_segment_attention(base_name: str):
     return segment_attention
 
 
-def segment_attention_name(model) -> str | None:
-    """The name under which the segment wrapper of ``model``'s attention is registered, or None
-    when its attention takes no custom additive mask (flash, flex, paged kernels)."""
+def register_wrapper(model, prefix: str, make_wrapper) -> str | None:
+    """Register ``make_wrapper(base_name)`` (an attention function wrapping ``model``'s own) with
+    transformers' attention interface as ``prefix + base_name``, its masks built as for the base;
+    returns that name, or None when ``model``'s attention takes no custom additive mask (flash,
+    flex, paged kernels) or is already such a wrapper. Shared by the segment, SpecPV-view and
+    draft-window wrappers."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     base = model.config._attn_implementation or "eager"
-    if base.startswith(_PREFIX) or any(k in base for k in UNSUPPORTED_ATTENTION):
+    if base.startswith(prefix) or any(k in base for k in UNSUPPORTED_ATTENTION):
         return None
     if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
         return None
-    name = _PREFIX + base
-    AttentionInterface.register(name, _make_segment_attention(base))
+    name = prefix + base
+    AttentionInterface.register(name, make_wrapper(base))
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:  # masks (were one ever built under the wrapper) as for the base
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     return name
+
+
+def segment_attention_name(model) -> str | None:
+    """The name under which the segment wrapper of ``model``'s attention is registered, or None
+    when its attention takes no custom additive mask (flash, flex, paged kernels)."""
+    return register_wrapper(model, _PREFIX, _make_segment_attention)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.engine.batch import UNSUPPORTED_ATTENTION, _base_attention
+from specsplit.engine.batch import _base_attention, register_wrapper
 
 _PREFIX = "specsplit_window_"
 WINDOW_KWARG = "specsplit_window"
@@ -60,17 +60,4 @@ def _make_window_attention(base_name: str):
 def window_attention_name(model) -> str | None:
     """The name under which the window wrapper of ``model``'s attention is registered, or None
     when its attention takes no custom additive mask (flash, flex, paged kernels)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    base = model.config._attn_implementation or "eager"
-    if base.startswith(_PREFIX) or any(k in base for k in UNSUPPORTED_ATTENTION):
-        return None
-    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
-        return None
-    name = _PREFIX + base
-    AttentionInterface.register(name, _make_window_attention(base))
-    if base in ALL_MASK_ATTENTION_FUNCTIONS:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    return name
+    return register_wrapper(model, _PREFIX, _make_window_attention)

@@ -22,16 +22,14 @@ to a full verification's. Everything runs on the cache's device; nothing here co
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from schemas import SpecPVSpec
+from specsplit.engine.batch import _base_attention, register_wrapper, using_attention
 from specsplit.engine.kvcache import SessionKV
 
-UNSUPPORTED_ATTENTION = ("flash", "flex", "paged")  # kernels that take no custom additive mask
 _PREFIX = "specsplit_specpv_"
 
 
@@ -153,14 +151,6 @@ def view_kv(plan: ViewPlan, layer: int, query: torch.Tensor) -> tuple[torch.Tens
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
-def _base_attention(name: str, module):
-    if name == "eager":  # the model family's own eager function
-        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
 def _make_view_attention(base_name: str):
     def view_attention(module, query, key, value, attention_mask, *args, specpv_view: ViewPlan | None = None,
                        **kwargs):
@@ -184,34 +174,12 @@ def attention_name(model) -> str | None:
     None when its attention cannot take the view (kernels without custom additive masks: flash,
     flex, paged). Any other registered function (sdpa, eager, the int8 target's float64
     attention) is wrapped: it gets the view's keys, values and mask as if they were the cache's."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    base = model.config._attn_implementation or "eager"
-    if base.startswith(_PREFIX) or any(k in base for k in UNSUPPORTED_ATTENTION):
-        return None
-    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
-        return None
-    name = _PREFIX + base
-    AttentionInterface.register(name, _make_view_attention(base))
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    if base in ALL_MASK_ATTENTION_FUNCTIONS:  # masks (were one ever built under the wrapper) as for the base
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    return name
+    return register_wrapper(model, _PREFIX, _make_view_attention)
 
 
-@contextmanager
-def view_attention_of(model, name: str):
-    """Within: ``model``'s attention layers call the partial-view wrapper (which behaves as the
-    model's own attention unless a ``specpv_view`` is passed to the forward)."""
-    cfg = model.config
-    base = cfg._attn_implementation
-    cfg._attn_implementation = name
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = base
+# within: ``model``'s attention layers call the partial-view wrapper (which behaves as the model's
+# own attention unless a ``specpv_view`` is passed to the forward)
+view_attention_of = using_attention
 
 
 class PartialView:
