@@ -86,6 +86,10 @@ class WorkerSettings(SessionLimitSettings):
     # trees depending on which sessions share a forward, so a seeded sampling run's output would
     # depend on timing (greedy output never changes: the target verifies every token)
     draft_max_batch_tokens: int = Field(default=0, ge=0)
+    # a batching worker holds a forward open for up to this fraction of its recent forward time
+    # while sessions it serves are due to send their next request (measured turnaround), so that
+    # sessions in lockstep share one forward instead of alternating in groups (transport.batching.Gather)
+    batch_hold: float = Field(default=0.3, ge=0, le=1)
     # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
     # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
     inline: bool = True

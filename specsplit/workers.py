@@ -176,12 +176,14 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
                       curve=curve, secret=secret,
                       # the requests queued when a forward starts share its forwards
                       batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
-                      batch_cost=verify_tokens if service == "target" else draft_tokens)
+                      batch_cost=verify_tokens if service == "target" else draft_tokens,
+                      batch_hold=settings.batch_hold)
     if hasattr(engine, "others_waiting"):
         engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
     metrics.watch(engine.store, loop.queue_depth)
     serve_metrics(metrics.registry, metrics_settings, service, log)
     rc = loop.run(stop)
     log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
-             kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests)
+             kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests,
+             holds=loop.gather.holds if loop.gather else 0, held_s=round(loop.gather.held_s, 3) if loop.gather else 0.0)
     return rc

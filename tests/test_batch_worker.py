@@ -24,7 +24,7 @@ from specsplit.engine.target import TargetEngine
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.state import SessionCursor
-from specsplit.transport.batching import draft_tokens, take_batch, verify_tokens
+from specsplit.transport.batching import Gather, draft_tokens, take_batch, verify_tokens
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.testing import (
     TEST_SECRET, EchoHandler, RouterThread, WorkerThread, authed_dealer, make_hello, make_verify,
@@ -53,6 +53,79 @@ def test_take_batch_keeps_order_and_budget():
     assert draft_tokens(DraftRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=[7, 8]),
                                      root=1, tree=TreeSpec(max_nodes=6))) == 9
     assert draft_tokens(make_verify("s")) is None
+
+
+def test_gather_waits_only_for_sessions_due_within_its_window():
+    g = Gather(0.3)
+    assert g.hold_s(0.0, 0.0) == 0.0  # no forward measured yet: never holds
+    g.forward_took(0.1)  # window: 30 ms
+    for key in "ab":  # both measured once: reply at 0, next request 3 ms later
+        g.replied(key, 0.0)
+        g.arrived(key, 0.003)
+    g.replied("a", 1.0)
+    g.replied("b", 1.0)
+    # a forward starting at 1.0 with b in hand waits for a (due at 1.003), to the window's end at most
+    assert g.hold_s(1.0, 1.0, exclude={"b"}) == pytest.approx(0.03)
+    assert g.hold_s(1.02, 1.0, exclude={"b"}) == pytest.approx(0.01)
+    assert g.hold_s(1.03, 1.0, exclude={"b"}) == 0.0  # never past the window, whoever is still due
+    g.arrived("a", 1.003)
+    assert g.hold_s(1.003, 1.0, exclude={"b"}) == 0.0  # a came: nobody else is due
+    g.replied("a", 2.0)
+    assert g.hold_s(2.0, 2.0, exclude={"a"}) == 0.0  # b's request is in hand (no reply since): not due
+    assert g.hold_s(2.5, 2.5, exclude={"b"}) == 0.0  # a was due at 2.003, overdue by more than a window
+    # a long turnaround (a draft worker in between) is not waited for
+    g.replied("c", 3.0)
+    g.arrived("c", 3.5)
+    g.replied("c", 4.0)
+    assert g.hold_s(4.0, 4.0) == 0.0
+    g.replied("a", 4.0)
+    assert g.hold_s(4.0, 4.0) > 0
+    g.ended("a")
+    assert g.hold_s(4.0, 4.0) == 0.0  # an ended session is forgotten
+    small = Gather(0.3, max_sessions=2)
+    for key in "xyz":
+        small.replied(key, 0.0)
+    assert len(small._seen) == 2  # bounded: the least recently served goes
+    with pytest.raises(ValueError):
+        Gather(1.5)
+
+
+class _Lockstep:
+    """An echo engine with a forward of fixed cost whatever its batch (a CPU's weight-bound
+    intercept), recording the sessions of every forward."""
+
+    def __init__(self, forward_s: float) -> None:
+        self.forward_s, self.calls = forward_s, []
+
+    def handle(self, msg: Message) -> Message:
+        return self.handle_batch([msg])[0]
+
+    def handle_batch(self, msgs: list[Message]) -> list[Message]:
+        self.calls.append(sorted(m.session_id.split("/")[-1] for m in msgs))
+        time.sleep(self.forward_s)
+        return [EchoHandler()(m) for m in msgs]
+
+
+@pytest.mark.parametrize("hold", [0.0, 0.3], ids=["no-hold", "hold"])
+async def test_sessions_in_lockstep_share_forwards_with_a_hold(hold):
+    """Two pairs of sessions out of phase alternate on a batching worker (every forward carries
+    half of them) unless the worker holds a forward for the sessions due next."""
+    eng = _Lockstep(0.12)
+    with RouterThread("target", **HB) as router, \
+            WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
+                         batch_hold=hold, **HB):
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
+            async def session(sid: str, delay: float) -> None:
+                await asyncio.sleep(delay)
+                for r in range(16):
+                    assert isinstance(await client.call(make_verify(sid, r), session_id=sid, timeout_s=10), VerifyReply)
+
+            await asyncio.gather(session("a", 0), session("b", 0), session("c", 0.06), session("d", 0.06))
+    sizes = [len(c) for c in eng.calls]
+    if hold:  # merged after the first rounds (the turnaround is measured from a session's 2nd request)
+        assert sum(sizes[-8:]) / 8 >= 3.5, eng.calls
+    else:  # the scenario really splits: the hold is what merges it
+        assert sum(sizes) / len(sizes) <= 3.0, eng.calls
 
 
 class _GatedBatcher:

@@ -19,7 +19,10 @@ Batching (``batch_handler``: a target's ``verify_batch``, a draft's ``draft_batc
 engine thread takes a request, it also takes the batchable requests already waiting behind it
 (``take_batch``: up to ``max_batch_tokens`` new tokens) and hands them to ``batch_handler``
 together, which answers each one (errors per request). The fast path then stays closed while more requests are readable
-on the socket, so a burst is queued and batched instead of served inline one by one.
+on the socket, so a burst is queued and batched instead of served inline one by one. With
+``batch_hold`` > 0 a forward also waits, up to that fraction of the worker's recent forward time,
+for the sessions whose next request is due (``Gather``), so sessions in lockstep share forwards
+instead of splitting into groups that alternate; the fast path stays closed while any is due.
 
 Frames on the DEALER (the router adds/strips the worker identity):
     in   [client_id, PROTO, kind, session_id, request_id, body]   a request; reply to client_id
@@ -60,7 +63,7 @@ from schemas.messages import (
     WorkerHello,
 )
 from specsplit.logs import get_logger
-from specsplit.transport.batching import take_batch, verify_tokens
+from specsplit.transport.batching import Gather, take_batch, verify_tokens
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 from specsplit.transport.worker_handshake import CONTROL_SID, RouterHandshake, _Outcome
 
@@ -81,6 +84,11 @@ class _Job:
     session_id: str
     request_id: bytes
     decoded: Envelope | None = None  # already decoded on the socket thread (fast-path check)
+    arrived: float = 0.0  # time.monotonic() when the socket thread read it
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return self.client_id, self.session_id
 
 
 def small_request(msg: Message, max_tokens: int = 64) -> bool:
@@ -139,6 +147,7 @@ class WorkerLoop(RouterHandshake):
         batch_handler: BatchHandler | None = None,
         max_batch_tokens: int = 0,
         batch_cost: Callable[[Message], int | None] = verify_tokens,
+        batch_hold: float = 0.0,
         secret: bytes | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
@@ -159,6 +168,8 @@ class WorkerLoop(RouterHandshake):
         self.batch_handler = batch_handler if max_batch_tokens > 0 else None
         self.max_batch_tokens, self.batch_cost = max_batch_tokens, batch_cost
         self.batches = 0  # handler calls with more than one request
+        # a forward waits up to batch_hold x its recent duration for sessions due (transport.batching)
+        self.gather = Gather(batch_hold) if self.batch_handler is not None and batch_hold > 0 else None
         self.batched_requests = 0  # requests answered by those calls
         self.backend_addr, self.identity, self.hello = backend_addr, identity, hello
         self.handler = handler
@@ -333,19 +344,21 @@ class WorkerLoop(RouterHandshake):
         if self._queue.qsize() >= self.max_queue:
             self._reject(client_id, sid, rid, f"worker queue full (max_queue={self.max_queue})")
             return
-        job = _Job(client_id, env, sid, rid)
-        if self._fast_path_open(kind):
+        job = _Job(client_id, env, sid, rid, arrived=time.monotonic())
+        if self._fast_path_open(kind, job.key):
             job = self._try_inline(job)
             if job is None:
                 return
         self._submitted += 1
         self._queue.put(job)
 
-    def _fast_path_open(self, kind: MsgKind) -> bool:
+    def _fast_path_open(self, kind: MsgKind, key: tuple[bytes, str]) -> bool:
         if self.may_inline is None or self._submitted != self._finished:
             return False  # the engine thread holds or waits for work: keep the order, keep one handler
         if self.batch_handler is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
             return False  # more requests are readable: queue this one, so the engine batches them
+        if self.gather is not None and self.gather.hold_s(now := time.monotonic(), now, exclude=(key,)) > 0:
+            return False  # other sessions are due: the engine thread waits for them and batches
         took = self._handle_s.get(kind)
         return took is not None and took < self.inline_max_s
 
@@ -366,7 +379,10 @@ class WorkerLoop(RouterHandshake):
         if not inline:
             return job
         self.inline_served += 1
-        self._send(self._handle(job))
+        t0 = time.monotonic()
+        frames = self._handle(job)
+        self._note_served([job], time.monotonic() - t0)
+        self._send(frames)
         return None
 
     def _reject(self, client_id: bytes, sid: str, rid: bytes, why: str) -> None:
@@ -404,7 +420,11 @@ class WorkerLoop(RouterHandshake):
                 jobs = [job]
                 if self.batch_handler is not None:
                     jobs, rest = take_batch(self._decoded(job), self._waiting(), self._cost, self.max_batch_tokens)
+                    if not rest and self.gather is not None:
+                        rest = self._hold(jobs)
+                t0 = time.monotonic()
                 frames = [self._handle(jobs[0])] if len(jobs) == 1 else self._handle_batch(jobs)
+                self._note_served(jobs, time.monotonic() - t0)
                 self._finished += len(jobs)  # before the replies leave: the fast path may open again
                 for f in frames:
                     self._engine_send(out, f)
@@ -413,6 +433,48 @@ class WorkerLoop(RouterHandshake):
             out.close()
 
     # -- batching (engine thread)
+    def _hold(self, jobs: list[_Job]) -> list[_Job | None]:
+        """Wait (``Gather.hold_s``: a fraction of a forward at most) for the sessions due next and
+        add their requests to ``jobs``; returns the one taken that does not fit, or nothing."""
+        costs = [self._cost(j) for j in jobs]
+        if any(c is None for c in costs):
+            return []
+        total, keys, started = sum(costs), {j.key for j in jobs}, time.monotonic()
+        rest: list[_Job | None] = []
+        waited = False
+        while total < self.max_batch_tokens and (wait := self.gather.hold_s(time.monotonic(), started, keys)) > 0:
+            waited = True
+            try:
+                job = self._queue.get(timeout=wait)
+            except queue.Empty:
+                break
+            if job is not None:
+                job = self._decoded(job)
+            cost = self._cost(job)
+            if cost is None or total + cost > self.max_batch_tokens:
+                rest = [job]
+                break
+            jobs.append(job)
+            total += cost
+            keys.add(job.key)
+        if waited:
+            self.gather.held(time.monotonic() - started)
+        return rest
+
+    def _note_served(self, jobs: list[_Job], took_s: float) -> None:
+        """Tell the gather when these requests came and their replies left."""
+        if self.gather is None:
+            return
+        now = time.monotonic()
+        for job in jobs:
+            self.gather.arrived(job.key, job.arrived)
+            if job.decoded is not None and isinstance(job.decoded.msg, EndSession):
+                self.gather.ended(job.key)
+            else:
+                self.gather.replied(job.key, now)
+        if self._cost(jobs[0]) is not None:
+            self.gather.forward_took(took_s)
+
     def _decoded(self, job: _Job) -> _Job:
         """``job`` with its envelope decoded, or as it is when that fails (``_handle`` answers it)."""
         if job.decoded is not None:
