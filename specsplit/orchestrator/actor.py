@@ -148,9 +148,10 @@ class SessionActor:
             if self.cost is not None and self.sampling.greedy:
                 spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             sync_tokens = len(self.cur.target_sync().append_token_ids)
-            plain = self.cost is not None and self.sampling.greedy and rnd > 0 and self.cost.plain_pays()
+            plain = self.cost is not None and self.sampling.greedy and self.cost.plain_pays()
             if confirm or plain:  # confirm provisional tokens that would end the generation, or
-                # the load makes plain decoding deliver more: no draft call, a root-only tree
+                # the load makes plain decoding deliver more: no draft call, a root-only tree (from
+                # round 0 on: a new session under load then skips the draft's prompt prefill)
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
             else:
                 drafted = await self._draft(rnd, spec, timing)
