@@ -70,3 +70,23 @@ def test_round_stats_count_acceptance_by_depth():
                                 bonus_token_id=7, cache_len=9))
     assert stats.drafted_per_depth == [4, 2, 2] and stats.accepted_per_depth == [1, 1]
     assert stats.acceptance_by_depth() == [0.25, 0.5, 0.0]
+
+
+def test_a_session_started_under_load_decodes_plainly_from_round_0(models):
+    """Where plain decoding pays (a cost model that measured a draft worker busy 550 ms per 7-token
+    round and verify at 100 + 13 ms per token, three other sessions under way), a new session's
+    first round is plain too: no DraftRequest, so the draft worker does not prefill a prompt for
+    nothing. The output is still the target's greedy decoding."""
+    from schemas import DraftRequest
+    from tests.test_costmodel_load import _speculated
+
+    target, often, _ = models["qwen2"]
+    cost = _speculated((100.0, 13.0), draft_busy_ms=550.0, tokens=7, rate=0.0046)
+    cost.active_sessions = 3  # this session makes four
+    d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompt, n, out = [3, 14, 15, 92, 65, 35], 12, []
+    req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
+    done = asyncio.run(SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC), out.append, cost).run())
+    assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    drafted = [m.round for m in d_rpc.requests if isinstance(m, DraftRequest)]
+    assert 0 not in drafted, drafted
