@@ -162,12 +162,21 @@ def test_plain_decoding_under_load_from_measured_draft_and_verify_costs():
                            (16, 0.001, True)):
         cm.active_sessions, cm.rate = n, rate
         assert cm.plain_pays() is plain, n  # 4: 4/152 ms = 26 tok/s beats max(7/550 ms, 4 x 4.6) tok/s
-    # rounds measured at a lone session's 12 tok/s: two sessions at that rate beat 2/126 ms
-    cm.rate, cm.active_sessions = 0.012, 2
+    # two sessions measured speculating at 12 tok/s each: together they beat 2/126 ms
+    cm.rate, cm.rate_sessions, cm.active_sessions = 0.012, 2.0, 2
     assert not cm.plain_pays()
+    # the same 12 tok/s measured by a lone session is not credited twice (the draft worker is shared)
+    cm.rate_sessions = 1.0
+    assert cm.plain_pays()
     # a draft that measurably keeps up (several draft workers): speculation stays
-    cm.rate, cm.active_sessions = 0.05, 4
+    cm.rate, cm.rate_sessions, cm.active_sessions = 0.05, 4.0, 4
     assert not cm.plain_pays()
+    # ... at the load it was measured under: 4 sessions' 50 tok/s each is not 16 sessions' each,
+    # where plain decoding delivers 16 / 308 ms = 52 tok/s against the 4 x 50 = 200 measured
+    cm.active_sessions = 16
+    assert not cm.plain_pays()
+    cm.rate = 0.01  # 4 x 10 tok/s measured: 16 x 10 would beat plain decoding, 4 x 10 does not
+    assert cm.plain_pays()
     # nothing measured about speculation yet: never switch
     fresh = warmed((100.0, 13.0), sessions=1, own=8)
     fresh.active_sessions = 16

@@ -61,6 +61,7 @@ class CostModel:
     _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
     _draft: list[float] = field(default_factory=lambda: [0.0] * 5)  # draft ms vs expanded nodes, as _w
     rate: float | None = None  # tokens per ms the rounds deliver (exponential average)
+    rate_sessions: float | None = None  # sessions under way while ``rate`` was measured (average)
     min_observations: int = 5  # rounds / fresh drafts before the model sets the draft's depth
     _rounds_seen: int = 0
     # the rest of the verify forward (exponential averages; None: nothing measured, alone)
@@ -115,6 +116,7 @@ class CostModel:
         if ms <= 0:
             return
         self.rate = _ewma(self.rate, tokens / ms)
+        self.rate_sessions = _ewma(self.rate_sessions, float(max(1, self.active_sessions)))
         self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
 
@@ -131,8 +133,13 @@ class CostModel:
         together deliver at most ``spec_tokens / draft_busy_ms`` tokens per ms however many
         sessions wait; N sessions decoding plainly share one forward of N tokens and deliver
         ``N / verify_ms(N)``. Speculation is credited with the larger of that bound and what its
-        rounds measurably delivered (N x the per-session rate of speculative rounds: several draft
-        workers, or lockstep drafting, beat the one-worker bound). Every input is measured (draft
+        rounds measurably delivered together: the per-session rate of speculative rounds times
+        the sessions they shared the workers with when measured (several draft workers, or
+        lockstep drafting, beat the one-worker bound), up to N. Not N x a rate measured under a
+        lighter load: one session's 15 tok/s says nothing of what 16 sessions sharing one draft
+        worker get each, and crediting them 16 x 15 tok/s flipped 16 plain-decoding sessions back
+        to speculating, at ~0.4x the plain rate, whenever one slow forward tilted the verify line
+        (bench load, the real pair). Every input is measured (draft
         time, acceptance, the verify line, round rates); a lone session always speculates. The
         estimate favours speculation (nothing else in its round costs), so the switch comes late
         rather than early, and back as soon as the sessions under way are few."""
@@ -140,7 +147,8 @@ class CostModel:
         if n < 2 or self.spec_tokens is None or self.draft_busy_ms is None or self._w[0] <= 0:
             return False
         plain = n / max(1e-9, self.verify_ms(n))
-        spec = max(self.spec_tokens / self.draft_busy_ms, n * (self.rate or 0.0))
+        shared = n if self.rate_sessions is None else min(float(n), self.rate_sessions)
+        spec = max(self.spec_tokens / self.draft_busy_ms, shared * (self.rate or 0.0))
         return plain > spec
 
     def batch_rate(self) -> float | None:
