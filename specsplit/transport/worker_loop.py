@@ -18,7 +18,7 @@ The first request of each kind always goes to the engine thread (it measures the
 Batching (``batch_handler``: a target's ``verify_batch``, a draft's ``draft_batch``): when the
 engine thread takes a request, it also takes the batchable requests already waiting behind it
 (``take_batch``: up to ``max_batch_tokens`` new tokens) and hands them to ``batch_handler``
-together, which answers each one (errors per request). The fast path then stays closed while more requests are readable
+together (``worker_batching.EngineBatching``), which answers each one (errors per request). The fast path then stays closed while more requests are readable
 on the socket, so a burst is queued and batched instead of served inline one by one. With
 ``batch_hold`` > 0 a forward also waits, up to that fraction of the worker's recent forward time,
 for the sessions whose next request is due (``Gather``), so sessions in lockstep share forwards
@@ -50,14 +50,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 
 import structlog
 import zmq
 
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys
-from schemas.codec import CodecError, Envelope, MsgKind, check_envelope, pack_frames, unpack_frames
+from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames, unpack_frames
 from schemas.messages import (
     DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest,
     WorkerHello,
@@ -65,6 +64,7 @@ from schemas.messages import (
 from specsplit.logs import get_logger
 from specsplit.transport.batching import Gather, take_batch, verify_tokens
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
+from specsplit.transport.worker_batching import EngineBatching, _Job, scoped_session_id
 from specsplit.transport.worker_handshake import CONTROL_SID, RouterHandshake, _Outcome
 
 Handler = Callable[[Message], Message]
@@ -75,20 +75,6 @@ _MAX_POLL_MS = 100
 _DRAIN_BATCH = 512
 _FLUSH_LINGER_MS = 1000
 _DONE = [b""]  # one empty frame on the PAIR: the engine thread has finished
-
-
-@dataclass(frozen=True, slots=True)
-class _Job:
-    client_id: bytes
-    env: list[bytes]
-    session_id: str
-    request_id: bytes
-    decoded: Envelope | None = None  # already decoded on the socket thread (fast-path check)
-    arrived: float = 0.0  # time.monotonic() when the socket thread read it
-
-    @property
-    def key(self) -> tuple[bytes, str]:
-        return self.client_id, self.session_id
 
 
 def small_request(msg: Message, max_tokens: int = 64) -> bool:
@@ -104,18 +90,12 @@ def small_request(msg: Message, max_tokens: int = 64) -> bool:
     return False
 
 
-def scoped_session_id(client_id: bytes, session_id: str) -> str:
-    """The key a worker's engine stores a client's session under: the router's token for the
-    client (unforgeable: random, chosen by the router at authentication) and the session id."""
-    return f"{client_id.hex()}/{session_id}"
-
-
 def error_frames(client_id: bytes, sid: str, rid: bytes, code: ErrorCode, message: str) -> list[bytes]:
     """Reply frames carrying a typed error for (session_id, request_id)."""
     return [client_id, *pack_frames(ErrorReply.of(code, message, session_id=sid), sid, rid)]
 
 
-class WorkerLoop(RouterHandshake):
+class WorkerLoop(EngineBatching, RouterHandshake):
     """Serve ``handler`` behind the router at ``backend_addr`` as worker ``identity``.
 
     ``run(stop_event)`` returns 0 after a clean stop (the request in hand is finished and its
@@ -431,95 +411,6 @@ class WorkerLoop(RouterHandshake):
         finally:
             self._engine_send(out, _DONE)
             out.close()
-
-    # -- batching (engine thread)
-    def _hold(self, jobs: list[_Job]) -> list[_Job | None]:
-        """Wait (``Gather.hold_s``: a fraction of a forward at most) for the sessions due next and
-        add their requests to ``jobs``; returns the one taken that does not fit, or nothing."""
-        costs = [self._cost(j) for j in jobs]
-        if any(c is None for c in costs):
-            return []
-        total, keys, started = sum(costs), {j.key for j in jobs}, time.monotonic()
-        rest: list[_Job | None] = []
-        waited = False
-        while total < self.max_batch_tokens and (wait := self.gather.hold_s(time.monotonic(), started, keys)) > 0:
-            waited = True
-            try:
-                job = self._queue.get(timeout=wait)
-            except queue.Empty:
-                break
-            if job is not None:
-                job = self._decoded(job)
-            cost = self._cost(job)
-            if cost is None or total + cost > self.max_batch_tokens:
-                rest = [job]
-                break
-            jobs.append(job)
-            total += cost
-            keys.add(job.key)
-        if waited:
-            self.gather.held(time.monotonic() - started)
-        return rest
-
-    def _note_served(self, jobs: list[_Job], took_s: float) -> None:
-        """Tell the gather when these requests came and their replies left."""
-        if self.gather is None:
-            return
-        now = time.monotonic()
-        for job in jobs:
-            self.gather.arrived(job.key, job.arrived)
-            if job.decoded is not None and isinstance(job.decoded.msg, EndSession):
-                self.gather.ended(job.key)
-            else:
-                self.gather.replied(job.key, now)
-        if self._cost(jobs[0]) is not None:
-            self.gather.forward_took(took_s)
-
-    def _decoded(self, job: _Job) -> _Job:
-        """``job`` with its envelope decoded, or as it is when that fails (``_handle`` answers it)."""
-        if job.decoded is not None:
-            return job
-        try:
-            return replace(job, decoded=unpack_frames(job.env))
-        except Exception:
-            return job
-
-    def _waiting(self) -> Iterator[_Job | None]:
-        """The queued jobs, decoded, without blocking (None: the stop sentinel)."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            yield job if job is None else self._decoded(job)
-
-    def _cost(self, job: _Job | None) -> int | None:
-        if job is None or job.decoded is None:
-            return None
-        try:
-            return self.batch_cost(job.decoded.msg)
-        except Exception:
-            self.log.exception("batch_policy_failed")
-            return None
-
-    def _handle_batch(self, jobs: list[_Job]) -> list[list[bytes]]:
-        """Several decoded requests -> their reply frames, in order. Never raises."""
-        scoped = [scoped_session_id(job.client_id, job.session_id) for job in jobs]
-        msgs = [job.decoded.msg.model_copy(update={"session_id": key})
-                if getattr(job.decoded.msg, "session_id", None) == job.session_id else job.decoded.msg
-                for job, key in zip(jobs, scoped)]  # a session belongs to its client, as in _handle
-        with structlog.contextvars.bound_contextvars(batch=len(jobs)):
-            try:
-                replies = self.batch_handler(msgs)
-                if len(replies) != len(msgs):
-                    raise RuntimeError(f"batch handler answered {len(replies)} of {len(msgs)} requests")
-            except Exception as exc:
-                replies = [self._exception_reply(exc, jobs[0].decoded.kind)] * len(jobs)
-        self.batches += 1
-        self.batched_requests += len(jobs)
-        replies = [r.model_copy(update={"session_id": job.session_id}) if getattr(r, "session_id", None) == key else r
-                   for job, key, r in zip(jobs, scoped, replies)]
-        return [self._reply_frames(job, reply) for job, reply in zip(jobs, replies)]
 
     def _engine_send(self, out: zmq.Socket, frames: list[bytes]) -> None:
         try:  # unbounded inproc pipe: Again only once the socket thread has gone
