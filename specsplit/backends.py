@@ -78,10 +78,18 @@ class CpuBackend(Backend):
             self.gqa_attention = use_gqa_attention(model)
         return model
 
+    def int8_kernel(self) -> str | None:
+        """The int8 GEMM a target's Linear layers run on (a draft's: torch.ao's fbgemm)."""
+        if self.quantize != "int8":
+            return None
+        from specsplit.models.int8 import default_kernel
+
+        return default_kernel() if self.batch_invariant else "fbgemm"
+
     def describe(self) -> dict:
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
-                "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
+                "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
                 "gqa_attention": self.gqa_attention}
 
 

@@ -12,7 +12,8 @@ import torch
 
 from schemas import SamplingSpec, TreeSpec
 from specsplit.local import generate
-from specsplit.models.int8 import FP64_ATTENTION, RowInt8Linear, int8_supported, quantize_int8
+from specsplit.models.int8 import (FP64_ATTENTION, KERNELS, RowInt8Linear, default_kernel, int8_supported,
+                                   onednn_int8_supported, quantize_int8)
 from tests.conftest import FAMILIES, greedy_reference, perturbed, tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="torch's fbgemm int8 kernels need an x86 CPU build")
@@ -25,11 +26,18 @@ def _restore_threads():
     torch.set_num_threads(n)
 
 
+def kernel_or_skip(kernel: str) -> str:
+    if kernel == "onednn" and not onednn_int8_supported():
+        pytest.skip("oneDNN has no exact int8 GEMM on this CPU (needs AMX or VNNI)")
+    return kernel
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_row_int8_rows_do_not_depend_on_the_batch(bias):
+def test_row_int8_rows_do_not_depend_on_the_batch(bias, kernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 200, bias=bias)
-    q = RowInt8Linear(lin)
+    q = RowInt8Linear(lin, kernel_or_skip(kernel))
     x = torch.randn(40, 96) * torch.logspace(-3, 3, 40)[:, None]  # rows of very different ranges
     x[7] = 0.0  # an all-zero row stays finite
     with torch.no_grad():
@@ -44,7 +52,35 @@ def test_row_int8_rows_do_not_depend_on_the_batch(bias):
         ref = lin(x)
     # per-row scales: every row is close to the float layer, however small its range
     rel = (full - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
-    assert rel.max() < 0.03, rel.max()  # 7-bit activations x 8-bit weights: ~1.5 % typical
+    # fbgemm: 7-bit activations x 8-bit weights, ~1.5 % typical; oneDNN: 8-bit activations
+    assert rel.max() < (0.03 if kernel == "fbgemm" else 0.015), rel.max()
+
+
+@pytest.mark.parametrize("shape", [(1536, 1536), (256, 1536), (200, 96), (7, 33)])
+def test_onednn_rows_do_not_depend_on_the_kernel_onednn_picks(shape):
+    """oneDNN runs other kernels for other shapes (a 1-row GEMV for one token; blocked AMX/VNNI
+    GEMMs for more), which apply non-unit scales in different orders: the GEMM therefore runs
+    with unit scales (int32 sums converted once) and the layer scales element-wise. Every row
+    count gives every row bit for bit the same result, on one thread and two."""
+    kernel_or_skip("onednn")
+    torch.manual_seed(1)
+    n, k = shape
+    q = RowInt8Linear(torch.nn.Linear(k, n), "onednn")
+    x = torch.randn(40, k)
+    with torch.no_grad():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = q(x)
+            for m in (1, 2, 3, 5, 16, 33):
+                assert torch.equal(q(x[:m]), full[:m]), (shape, threads, m)
+
+
+def test_the_exact_kernel_is_the_default_where_there_is_one():
+    assert default_kernel() == ("onednn" if onednn_int8_supported() else "fbgemm")
+    q = RowInt8Linear(torch.nn.Linear(8, 4))
+    assert q.kernel == default_kernel()
+    with pytest.raises(ValueError):
+        RowInt8Linear(torch.nn.Linear(8, 4), "cublas")
 
 
 def test_per_forward_scale_is_what_breaks_exactness():
@@ -63,9 +99,10 @@ def test_per_forward_scale_is_what_breaks_exactness():
         assert torch.equal(q(x)[:1], q(x[:1]))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_logits_match_between_prefill_decode_and_tree_forwards(family):
-    model = quantize_int8(tiny_model(family, seed=5))
+def test_int8_logits_match_between_prefill_decode_and_tree_forwards(family, kernel):
+    model = quantize_int8(tiny_model(family, seed=5), kernel=kernel_or_skip(kernel))
     assert model.config._attn_implementation == FP64_ATTENTION
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -82,12 +119,13 @@ def test_int8_logits_match_between_prefill_decode_and_tree_forwards(family):
     assert torch.equal(torch.cat(parts), full)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_target_speculation_equals_its_own_greedy_decoding(family):
+def test_int8_target_speculation_equals_its_own_greedy_decoding(family, kernel):
     """The oracle for a quantized target: speculative decoding (trees, prompt lookup, re-rooted
     growth) returns exactly that quantized model's plain greedy tokens (full re-forwards)."""
     target_fp32 = tiny_model(family, seed=11)
-    target = quantize_int8(copy.deepcopy(target_fp32))
+    target = quantize_int8(copy.deepcopy(target_fp32), kernel=kernel_or_skip(kernel))
     drafts = {"often-agreeing int8": quantize_int8(perturbed(target_fp32, seed=3, noise=0.004), batch_invariant=False),
               "rarely-agreeing fp32": tiny_model(family, seed=12)}
     rng = random.Random(4)
