@@ -12,8 +12,8 @@ import torch
 
 from schemas import SamplingSpec, TreeSpec
 from specsplit.local import generate
-from specsplit.models.int8 import (FP64_ATTENTION, KERNELS, RowInt8Linear, default_kernel, int8_supported,
-                                   onednn_int8_supported, quantize_int8)
+from specsplit.models.int8 import (EXACT_ROWS, FP64_ATTENTION, KERNELS, RowInt8Linear, default_kernel,
+                                   int8_supported, onednn_int8_supported, quantize_int8, row_bucket)
 from tests.conftest import FAMILIES, greedy_reference, perturbed, tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="torch's fbgemm int8 kernels need an x86 CPU build")
@@ -73,6 +73,16 @@ def test_onednn_rows_do_not_depend_on_the_kernel_onednn_picks(shape):
             full = q(x)
             for m in (1, 2, 3, 5, 16, 33):
                 assert torch.equal(q(x[:m]), full[:m]), (shape, threads, m)
+
+
+def test_row_buckets_bound_the_gemm_shapes():
+    """oneDNN caches a primitive per GEMM shape (1024 per process): the row counts a worker's
+    forwards run at are bounded, so that cache fills early and a worker's RSS stays flat."""
+    buckets = [row_bucket(m) for m in range(1, 4097)]
+    assert all(b >= m for m, b in zip(range(1, 4097), buckets))
+    assert buckets[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))  # decoding steps and trees: as they are
+    assert all(b - m < 256 for m, b in zip(range(1, 4097), buckets))
+    assert len(set(buckets)) <= EXACT_ROWS + 15 + 16
 
 
 def test_the_exact_kernel_is_the_default_where_there_is_one():

@@ -109,8 +109,8 @@ class RowInt8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY)  # [M, 1] (10x faster than an inf-norm here)
         if self.kernel == "onednn":
-            out = _onednn_gemm(_row_codes(rows, scale), self._packed, self._ones, self._zeros)  # [M, N]
-            out.mul_(self._w_scale)
+            out = _onednn_gemm(_bucketed(_row_codes(rows, scale)), self._packed, self._ones, self._zeros)
+            out = out[: rows.shape[0]].mul_(self._w_scale)  # [M, N]
         else:
             rows = torch.cat([rows / scale, self._range.expand(rows.shape[0], 2)], dim=1)
             out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
@@ -124,6 +124,26 @@ class RowInt8Linear(torch.nn.Module):
 
 KERNELS = ("onednn", "fbgemm")
 _CODE_ZERO = 128  # u8 activation codes: round(127 * x / max|x|) + 128, in [1, 255]
+EXACT_ROWS = 16  # GEMMs of up to this many rows run at their size; more are padded to a bucket
+
+
+def row_bucket(m: int) -> int:
+    """The row count a GEMM of ``m`` rows runs at: ``m`` up to EXACT_ROWS (decoding steps and
+    trees), else the next multiple of 16 up to 256 (batched verification), else of 256 (prompt
+    chunks). oneDNN keeps a primitive (JIT code, scratchpad) per shape in a process-wide cache
+    of 1024; with every row count its own shape, a worker's RSS kept growing as new batch sizes
+    appeared (the tiny soak: target +19 % from session 100 to 500). Buckets bound the shapes at
+    about 50 row counts per layer shape, so the cache fills early and stays put; padded rows are
+    zeros (code 128) and are dropped, and rows never depend on each other."""
+    if m <= EXACT_ROWS:
+        return m
+    step = 16 if m <= 256 else 256
+    return -(-m // step) * step
+
+
+def _bucketed(codes: torch.Tensor) -> torch.Tensor:
+    pad = row_bucket(codes.shape[0]) - codes.shape[0]
+    return torch.nn.functional.pad(codes, (0, 0, 0, pad), value=_CODE_ZERO) if pad else codes
 
 
 def _onednn_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
