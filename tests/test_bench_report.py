@@ -52,3 +52,24 @@ def test_cost_model_prediction_is_reported_next_to_the_measurement():
     assert summary["predicted_within_20pct"] == "1/2"  # 11 vs 10 measured: within; 20 vs 10: not
     assert abs(summary["predicted_tok_s"] - 20 / (10 / 11 + 10 / 20)) < 1e-3
     assert "specsplit predicted" in R.markdown(rows, summary) and rows[0]["specsplit"]["predicted_tok_s"] == 11.0
+
+
+def test_baselines_load_torch_with_the_default_openmp_wait_and_the_fleet_does_not_inherit_it():
+    """The in-process baselines load torch (libgomp reads its environment then) with libgomp's
+    default spin; the environment the fleet is started from afterwards is as it was."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from specsplit.bench import import_torch_as_users_run_it as f; "
+            "assert 'torch' not in sys.modules; f(); "
+            "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | {"OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "None", "PASSIVE"]
+    # a GOMP_SPINCOUNT the caller chose is theirs: untouched (torch loads later, with it), and the fleet gets it
+    out = subprocess.run([sys.executable, "-c", code], env=env | {"GOMP_SPINCOUNT": "7"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "7", "PASSIVE"]

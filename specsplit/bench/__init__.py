@@ -15,3 +15,24 @@ def require_bench_extras() -> None:
     if missing:
         raise SystemExit(f"specsplit bench needs the bench extra ({', '.join(missing)} missing): "
                          "pip install -e '.[bench]' (or ./ops/setup.sh test,bench)")
+
+
+def import_torch_as_users_run_it() -> None:
+    """Load torch (and with it libgomp, which reads its environment once, as it loads) with
+    OpenMP's default wait, ~3 ms of spinning before a thread sleeps (GOMP_SPINCOUNT 300000, the
+    value libgomp uses when OMP_WAIT_POLICY is unset), unless the caller set GOMP_SPINCOUNT.
+    The in-process baselines (the target alone, batched, assisted) are one process with every core,
+    run as a user runs them; the ``specsplit`` CLI sets OMP_WAIT_POLICY=PASSIVE for the fleet's
+    processes, which share the cores and must not spin, and under PASSIVE a 2-thread int8 target
+    forward lost most of its second thread (HumanEval 60-61, 64 tokens, 2 threads: 6.0 tok/s
+    PASSIVE vs 7.9 with the default wait). The fleet started later gets the environment as it was."""
+    import os
+    import sys
+
+    if "torch" in sys.modules or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = "300000"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]

@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from specsplit.bench import import_torch_as_users_run_it
+
 
 @dataclass(frozen=True)
 class Done:
@@ -318,6 +320,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
+    import_torch_as_users_run_it()  # the baselines' OpenMP wait; before anything imports torch
     from specsplit.bench.fleetenv import environ_with, fleet_defaults, fleet_env
     from transformers.utils import logging as hf_logging
 

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from specsplit.bench import import_torch_as_users_run_it
 from specsplit.bench import llamacpp as LL
 from specsplit.bench import report as R
 from specsplit.bench.systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
@@ -46,9 +47,10 @@ def parse(argv):
     p.add_argument("--prefill-threads", type=int, default=None, help="workers' threads for prompt prefills (default: every core)")
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--target-dtype", default=None)
-    p.add_argument("--engine", choices=["llamacpp", "torch"], default=os.environ.get("SPECSPLIT_BENCH_ENGINE", "llamacpp"),
+    p.add_argument("--engine", choices=["llamacpp", "torch"], default=os.environ.get("SPECSPLIT_BENCH_ENGINE", "torch"),
                    help="the fleet's kernels for both roles (SPECSPLIT_DRAFT/TARGET_ENGINE); the target row runs "
-                        "the same ones: llamacpp = the preset's GGUFs on llama.cpp, torch = transformers (int8)")
+                        "the same ones: torch = transformers (int8), as `honcho start` runs them; llamacpp = the "
+                        "preset's GGUFs on llama.cpp")
     p.add_argument("--draft-engine", choices=["llamacpp", "torch"], default=None,
                    help="the fleet draft's kernels when they differ from --engine's (the target row follows --engine)")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="int8")
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
+    import_torch_as_users_run_it()  # the baselines' OpenMP wait; before anything imports torch
     from specsplit.backends import default_prefill_threads, default_threads
 
     args.draft_threads = args.draft_threads or default_threads("draft")  # recorded in the JSON config
