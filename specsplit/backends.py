@@ -90,7 +90,8 @@ class CpuBackend(Backend):
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
                 "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
-                "gqa_attention": self.gqa_attention}
+                "gqa_attention": self.gqa_attention,
+                "omp": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
 
 
 class CudaBackend(Backend):

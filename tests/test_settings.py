@@ -99,3 +99,31 @@ def test_device_setting_is_validated():
     for bad in ("gpu", "cuda:x", "tpu"):
         with pytest.raises(ValidationError):
             ModelSettings(draft_device=bad)
+
+
+WORKER_ENV_PROBE = """
+import os, sys, types
+fake = types.ModuleType("specsplit.workers")
+def run_worker(service, *args):
+    print(service, os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
+    return 0
+fake.run_worker = run_worker
+sys.modules["specsplit.workers"] = fake
+from specsplit import cli
+sys.exit(cli._worker(sys.argv[1], []))
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "3000"), ("0", "0")])
+def test_a_worker_loads_openmp_with_a_short_spin_unless_the_environment_says_otherwise(given, expected):
+    """libgomp reads GOMP_SPINCOUNT once, as torch loads it: the worker sets its default before
+    anything imports torch (PASSIVE alone made a 2-thread prompt prefill 1.36x slower), and a
+    value from the environment (.env, the shell) wins."""
+    from specsplit.cli import WORKER_SPINCOUNT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    out = subprocess.run([sys.executable, "-c", WORKER_ENV_PROBE, "target"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["target", "PASSIVE", expected, "False"] and WORKER_SPINCOUNT == "3000"

@@ -234,6 +234,10 @@ def summarize(rows: list[dict], contexts: list[int], threshold: int) -> dict:
 
 def main(argv=None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" not in sys.modules:  # the engines here stand for a target worker: its OpenMP wait
+        from specsplit.cli import WORKER_SPINCOUNT
+
+        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
     args = parse(argv)
     contexts = sorted({int(c) for c in args.contexts.split(",") if c})
     modes = [m for m in args.modes.split(",") if m]
