@@ -20,11 +20,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is ever impo
 # How long a worker's idle OpenMP thread spins before it sleeps (libgomp reads GOMP_SPINCOUNT once,
 # as torch loads it; under PASSIVE alone it is 0). With 0, every parallel region of a multi-thread
 # forward (a prompt prefill on both cores) wakes a sleeping thread, which on these VMs costs more
-# than the region: measured on the 2-core box, a 250-token prefill of the 1.5B int8 target on 2
-# threads took 0.95 s at 0, 0.70 s at 3000, 0.62 s at 10000-300000. Spinning longer costs the
-# other process when both use the cores at once: a 2-thread draft prefill beside a 1-thread target
-# verify took 589 ms at 0, 587 at 3000, 710 at 10000, 958 at 30000 (the verify unchanged). ~3000
-# spins (tens of microseconds) keep the first gain and lose nothing to the second.
+# than the region. Measured on the 2-core box, 250-token prefills on 2 threads:
+# - alone, the 1.5B int8 target: 0.95 s at 0 spins, 0.91 at 1000, 0.70 at 3000, 0.62 at 10000+;
+# - beside a 1-thread verify in another process (the verify unchanged): the 0.5B draft 589 ms at
+#   0, 587 at 3000, 710 at 10000, 958 at 30000; the 1.5B target 1.25 s at 0, 1.33 at 1000, 1.45-1.52
+#   at 3000, 13 s at 300000 (libgomp's default: threads spin through the other process's slices).
+# A prompt's prefill usually has the cores to itself (a lone session's draft and target prefill
+# one after the other; plain decoding under load leaves the draft idle), so ~3000 spins (tens of
+# microseconds) keep most of the first gain for at most a fifth more where prefills contend.
 WORKER_SPINCOUNT = "3000"
 
 
