@@ -174,10 +174,23 @@ class CacheSync(Message):
     """Commit clause: keep the first base_len cached tokens, then append append_token_ids.
 
     After applying it, the worker's cache for the session holds exactly committed[:-1].
+
+    prompt_len: how many leading tokens of committed are the request's prompt (0: not said). A
+    target may prefill a long prompt on a faster attention path than the one it decodes with; it
+    does so the same way every time (the same chunks from position 0, and only for the prompt),
+    so a session stays equal to its own greedy decoding of that prompt, resends included.
     """
 
     base_len: int = Field(ge=0, le=MAX_CONTEXT_TOKENS)
     append_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_CONTEXT_TOKENS)
+    prompt_len: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS + 1)
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> CacheSync:
+        if self.prompt_len > self.base_len + len(self.append_token_ids) + 1:
+            raise ValueError(f"prompt_len {self.prompt_len} exceeds the {self.base_len + len(self.append_token_ids) + 1} "
+                             "committed tokens")
+        return self
 
 
 class DraftRequest(Message):

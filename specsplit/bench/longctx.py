@@ -105,9 +105,9 @@ def long_prompts(tokenizer, contexts: list[int]) -> dict[int, list[int]]:
 
 class WarmEngines:
     """One context's engines, kept from its first mode for the next ones: their first round
-    keeps the prompt's cache (all but its last two tokens) from the first mode's prefill instead
-    of computing it again, and re-encodes one token, so every mode's first round is still a full
-    verification. The prefill is the same computation in every mode (SpecPV only changes
+    keeps the prompt's cache from the first mode's prefill instead of computing it again (the
+    target all of it, its first round verified fully; the draft all but its last two tokens,
+    re-encoding one), so every mode's first round is still a full verification. The prefill is the same computation in every mode (SpecPV only changes
     verification past the threshold, after it), so it is measured once, in the first mode, and
     counted in every mode's end-to-end tok/s; at 16K tokens on a 2-core CPU it takes minutes.
     The rest of the session (round, kept draft tree, SpecPV view) starts afresh."""
@@ -143,6 +143,10 @@ class WarmEngines:
                 if session is None or sync.base_len != 0 or n < 2 or session.kv.length < n - 1:
                     return msg
                 session.last_round, session.draft_tree, session.specpv = -1, None, None
+                if role == "target":  # the whole prompt as the first mode prefilled it (a long one's
+                    # chunks on the prompt attention), verified fully this round
+                    keep = sync.model_copy(update={"base_len": n, "append_token_ids": []})
+                    return msg.model_copy(update={"sync": keep, "confirm": True})
                 keep = sync.model_copy(update={"base_len": n - 1, "append_token_ids": sync.append_token_ids[-1:]})
                 return msg.model_copy(update={"sync": keep})
 

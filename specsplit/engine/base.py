@@ -16,6 +16,7 @@ packing, int8) is not here: it is a ``Backend`` policy the worker builds (``spec
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,7 @@ class Engine:
     """Base of DraftEngine and TargetEngine."""
 
     role = "engine"
+    linear_chunk = LINEAR_CHUNK  # tokens per forward of a long linear segment (``forward_linear``)
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend: Backend | None = None):
@@ -227,15 +229,20 @@ class Engine:
         """``forward`` of one segment alone: its logits [keep, V]."""
         return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep)
 
-    def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
+    def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int | None = None,
+                       attention: str | None = None) -> torch.Tensor:
         """Causal forward of a linear segment on top of the cache, ``chunk`` tokens per forward
-        (so a long prompt's masks stay [chunk, P+chunk]); the last token's logits [V]."""
+        (default ``linear_chunk``: a long prompt's masks stay [chunk, P+chunk]); the last
+        token's logits [V]. ``attention``: the registered attention function to run them with
+        (None: the model's)."""
+        chunk = chunk or self.linear_chunk
         logits = None
-        for a in range(0, len(token_ids), chunk):
-            part = token_ids[a:a + chunk]
-            p = kv.length
-            pos = torch.arange(p, p + len(part), dtype=torch.long, device=self.device)
-            logits = self.forward(kv, part, pos, causal(len(part), p, self.device), keep=1)
+        with using_attention(self.model, attention) if attention else nullcontext():
+            for a in range(0, len(token_ids), chunk):
+                part = token_ids[a:a + chunk]
+                p = kv.length
+                pos = torch.arange(p, p + len(part), dtype=torch.long, device=self.device)
+                logits = self.forward(kv, part, pos, causal(len(part), p, self.device), keep=1)
         return logits[0]
 
     def guarded(self, session: Session, fn):

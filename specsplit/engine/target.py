@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
-from specsplit.engine.base import LINEAR_CHUNK, Engine, is_device_failure
+from specsplit.engine.base import Engine, is_device_failure
 from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
 from specsplit.engine.sampling import make_generator
 from specsplit.engine.store import Session
@@ -23,6 +23,7 @@ from specsplit.engine.specpv import PartialView, attention_name, plan_view, view
 from specsplit.engine.target_batch import verify_batch
 from specsplit.engine.verify import Outcome, Verdict, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
+from specsplit.models.int8 import prompt_attention_name
 from specsplit.tree import TreeLayout, validate_tree
 
 
@@ -32,6 +33,7 @@ class TargetEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._view_attention: str | None | bool = False  # False: not looked up yet
+        self._prompt_attention: str | None | bool = False  # False: not looked up yet
 
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, VerifyRequest):
@@ -197,9 +199,13 @@ class TargetEngine(Engine):
         check_from = s  # lin rows whose successor (in lin + [root]) is provisional
         if confirmed is not None and req.sampling.greedy:
             check_from = min(s, max(confirmed, f + 1) - 1 - f)
-        head = check_from if s > LINEAR_CHUNK else 0
+        head = check_from if s > self.linear_chunk else 0
         if head:
-            self.forward_linear(kv, lin[:head])
+            prompt = self._prompt_tokens(f, req.sync, pv, head)
+            if prompt:
+                self.forward_linear(kv, lin[:prompt], attention=self._prompt_attention)
+            if head > prompt:
+                self.forward_linear(kv, lin[prompt:head])
         t = s - head
         visible, pos = self.tree_inputs(f + head, t, layout)  # [T+N, P+T+N], [T+N]
         checked = s - check_from
@@ -222,6 +228,19 @@ class TargetEngine(Engine):
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
         return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=s + n)
+
+    def _prompt_tokens(self, f: int, sync, pv: PartialView | None, head: int) -> int:
+        """How many of the first ``head`` tokens forwarded linearly are a long prompt's, prefilled
+        on the model's prompt attention (``prompt_attention_name``): only from an empty cache and
+        only for a prompt longer than one chunk (one prefilled with its first tree otherwise), so
+        its chunks are the same in its first prefill and in any resend. Tokens from its last
+        on (the first round's root, then the generation) take the decoding path."""
+        if self._prompt_attention is False:
+            self._prompt_attention = prompt_attention_name(self.model)
+        n = sync.prompt_len - 1
+        if not self._prompt_attention or f != 0 or (pv is not None and pv.pending) or n <= self.linear_chunk:
+            return 0
+        return min(n, head)
 
     def tree_inputs(self, first: int, t: int, layout: TreeLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Visibility [T+N, P+T+N] bool and position ids [T+N] of ``t`` linear tokens at positions

@@ -26,10 +26,13 @@ class SessionCursor:
     # provisional, never streamed, and may be rolled back); -1: all of the initial ones
     confirmed: int = -1
     rolled_back: int = 0  # provisional tokens the last reply dropped
+    prompt_len: int = -1  # the prompt's tokens (committed's first ones); -1: all of the initial ones
 
     def __post_init__(self) -> None:
         if self.confirmed < 0:
             self.confirmed = len(self.committed)
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.committed)
 
     @property
     def provisional(self) -> int:
@@ -41,8 +44,10 @@ class SessionCursor:
         return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
 
     def target_sync(self) -> CacheSync:
+        """The target's sync; it names the prompt (``CacheSync.prompt_len``) while it is part of it."""
         base = min(self.target_len, len(self.committed) - 1)
-        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
+        prompt = self.prompt_len if base < self.prompt_len - 1 else 0
+        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1], prompt_len=prompt)
 
     def after_draft(self) -> None:
         """The draft forwarded the root: it now holds all of committed."""
