@@ -86,6 +86,18 @@ def test_verify_reply_batch_measurements_are_optional_and_bounded():
             decode(MsgKind.VERIFY_REPLY, msgpack.packb({**base, **extra}))
 
 
+def test_cache_sync_prompt_len_is_optional_and_within_the_committed_tokens():
+    tree = {"token_ids": [5], "parents": [-1]}
+    req = {"session_id": "s", "round": 0, "tree": tree}
+    old = decode(MsgKind.VERIFY_REQUEST, msgpack.packb({**req, "sync": {"base_len": 0, "append_token_ids": [1, 2]}}))
+    assert old.sync.prompt_len == 0  # a peer that predates the field: no prompt named
+    ok = {"base_len": 0, "append_token_ids": [1, 2], "prompt_len": 3}  # committed = [1, 2, root]
+    assert decode(MsgKind.VERIFY_REQUEST, msgpack.packb({**req, "sync": ok})).sync.prompt_len == 3
+    for bad in (4, -1, 1.0, "3"):
+        with pytest.raises(CodecError):
+            decode(MsgKind.VERIFY_REQUEST, msgpack.packb({**req, "sync": {**ok, "prompt_len": bad}}))
+
+
 def test_wire_types_are_strict():
     """Integers are integers, as PROTOCOL.md says: a string, a bool or a float where an integer
     belongs is refused (a typed CodecError), never coerced."""
