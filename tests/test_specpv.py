@@ -397,6 +397,42 @@ def test_int8_target_fp64_attention_is_wrapped_too(models):
             assert stats.rolled_back == 0 and stats.partial_rounds > stats.rounds // 3, stats
 
 
+def test_int8_approximate_mode_refreshes_its_buffer_as_a_prefill(models, monkeypatch):
+    """Approximate mode promises no equality with full verification, so the int8 target re-encodes
+    the buffered tokens of a refresh on its prompt attention (float32), not the float64 it verifies
+    trees with. Exact mode's re-checks never do. With a view covering the context and margins this
+    wide, both still generate what full verification does."""
+    import copy
+
+    from specsplit.models.attention import GQA_ATTENTION
+    from specsplit.models.int8 import int8_supported, quantize_int8
+
+    if not int8_supported():
+        pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
+    target = quantize_int8(copy.deepcopy(models["qwen2"][0]))
+    often = models["qwen2"][1]
+    prompt = random_prompt(700, seed=15)
+    ref, gap = greedy_cached(target, prompt, 32)
+    assert gap >= MARGIN_DEFAULT
+    calls, forward_linear = [], TargetEngine.forward_linear
+
+    def spy(self, kv, ids, chunk=None, attention=None):
+        calls.append((len(ids), attention))
+        return forward_linear(self, kv, ids, chunk, attention)
+
+    monkeypatch.setattr(TargetEngine, "forward_linear", spy)
+    for exact in (False, True):
+        calls.clear()
+        spec = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=64, window_blocks=2, buffer_tokens=32,
+                          threshold=256, refresh_every=4, exact=exact)
+        stats = RoundStats()
+        assert generate(often, target, prompt, max_new_tokens=32, tree=TREE, sampling=SamplingSpec(), specpv=spec,
+                        stats=stats) == ref
+        assert stats.partial_rounds > 0
+        refreshes = [n for n, attention in calls if attention == GQA_ATTENTION]
+        assert (len(refreshes) > 0) != exact and all(0 < n <= 32 + TREE.max_nodes for n in refreshes), calls
+
+
 def test_partial_view_state_is_bounded():
     pv = PartialView(TINY, num_layers=2, max_tree_nodes=16, max_session_tokens=4096)
     assert pv.buffer.max_len == TINY.buffer_tokens + 16

@@ -190,7 +190,15 @@ class TargetEngine(Engine):
         mode (``req.confirmed_len``, greedy): the provisional tokens among them are re-checked
         first; at the first the target disagrees with, the round rolls back to it."""
         n, f = layout.num_nodes, kv.length
-        lin = [*(pv.pending if pv is not None else ()), *req.sync.append_token_ids]
+        pending = list(pv.pending) if pv is not None else []
+        refreshed = 0
+        if pending and not pv.spec.exact and req.confirmed_len is None and self._prompt_attn():
+            # approximate mode promises no equality with full verification: the buffered tokens'
+            # re-encoding against the whole cache (the refresh) runs as a prefill, on the prompt
+            # attention; the tree stays on the decoding path
+            self.forward_linear(kv, pending, attention=self._prompt_attention)
+            refreshed, pending, f = len(pending), [], kv.length
+        lin = [*pending, *req.sync.append_token_ids]
         s, root = len(lin), req.tree.token_ids[0]
         start = f + s  # the root's position
         confirmed = req.confirmed_len
@@ -220,14 +228,21 @@ class TargetEngine(Engine):
                     pv.summaries.crop(cut)
                     pv.after_refresh(rolled_back=True)
                     pv.reset_buffer()
-                return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1, forward_tokens=s + n)
+                return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1,
+                               forward_tokens=refreshed + s + n)
         verdict = self.decide(req, layout, logits[checked:], visible[t:, start:])
         kv.compact([start + i for i in verdict.path], start)
         if pv is not None:
             pv.after_refresh(rolled_back=False)
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
-        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=s + n)
+        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=refreshed + s + n)
+
+    def _prompt_attn(self) -> str | None:
+        """The model's prompt attention (``prompt_attention_name``), looked up once."""
+        if self._prompt_attention is False:
+            self._prompt_attention = prompt_attention_name(self.model)
+        return self._prompt_attention
 
     def _prompt_tokens(self, f: int, sync, pv: PartialView | None, head: int) -> int:
         """How many of the first ``head`` tokens forwarded linearly are a long prompt's, prefilled
@@ -235,10 +250,8 @@ class TargetEngine(Engine):
         only for a prompt longer than one chunk (one prefilled with its first tree otherwise), so
         its chunks are the same in its first prefill and in any resend. Tokens from its last
         on (the first round's root, then the generation) take the decoding path."""
-        if self._prompt_attention is False:
-            self._prompt_attention = prompt_attention_name(self.model)
         n = sync.prompt_len - 1
-        if not self._prompt_attention or f != 0 or (pv is not None and pv.pending) or n <= self.linear_chunk:
+        if not self._prompt_attn() or f != 0 or (pv is not None and pv.pending) or n <= self.linear_chunk:
             return 0
         return min(n, head)
 
