@@ -372,9 +372,9 @@ def test_sampled_sessions_in_exact_mode_verify_fully(models):
     assert approx.partial_rounds > 0
 
 
-def test_int8_target_fp64_attention_is_wrapped_too(models):
-    """The fleet's int8 target runs its own float64 attention function: the view wraps it (a
-    whole-prefix view stays bit-identical) and exact mode equals that target's greedy decoding."""
+def int8_target_and_reference(models, context: int, seed: int):
+    """The qwen2 target in the fleet's int8 form, its often-agreeing draft, a prompt and the
+    target's greedy decoding of it (32 tokens, wide margins)."""
     import copy
 
     from specsplit.models.int8 import int8_supported, quantize_int8
@@ -382,10 +382,16 @@ def test_int8_target_fp64_attention_is_wrapped_too(models):
     if not int8_supported():
         pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
     target = quantize_int8(copy.deepcopy(models["qwen2"][0]))
-    often = models["qwen2"][1]
-    prompt = random_prompt(1100, seed=14)
+    prompt = random_prompt(context, seed=seed)
     ref, gap = greedy_cached(target, prompt, 32)
     assert gap >= MARGIN_DEFAULT
+    return target, models["qwen2"][1], prompt, ref
+
+
+def test_int8_target_fp64_attention_is_wrapped_too(models):
+    """The fleet's int8 target runs its own float64 attention function: the view wraps it (a
+    whole-prefix view stays bit-identical) and exact mode equals that target's greedy decoding."""
+    target, often, prompt, ref = int8_target_and_reference(models, 1100, seed=14)
     covering = SpecPVSpec(block_size=16, sink_blocks=2, retrieval_blocks=128, window_blocks=2, buffer_tokens=64,
                           threshold=512, refresh_every=8)
     for spec in (TINY, covering):
@@ -402,18 +408,9 @@ def test_int8_approximate_mode_refreshes_its_buffer_as_a_prefill(models, monkeyp
     the buffered tokens of a refresh on its prompt attention (float32), not the float64 it verifies
     trees with. Exact mode's re-checks never do. With a view covering the context and margins this
     wide, both still generate what full verification does."""
-    import copy
-
     from specsplit.models.attention import GQA_ATTENTION
-    from specsplit.models.int8 import int8_supported, quantize_int8
 
-    if not int8_supported():
-        pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
-    target = quantize_int8(copy.deepcopy(models["qwen2"][0]))
-    often = models["qwen2"][1]
-    prompt = random_prompt(700, seed=15)
-    ref, gap = greedy_cached(target, prompt, 32)
-    assert gap >= MARGIN_DEFAULT
+    target, often, prompt, ref = int8_target_and_reference(models, 700, seed=15)
     calls, forward_linear = [], TargetEngine.forward_linear
 
     def spy(self, kv, ids, chunk=None, attention=None):

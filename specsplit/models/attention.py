@@ -65,18 +65,24 @@ def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.
     return out.transpose(1, 2).contiguous(), None
 
 
+def register_gqa_attention() -> str:
+    """Register ``gqa_attention`` with transformers' attention interface (masks built as for eager
+    attention: a float additive mask); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, eager_mask)
+    return GQA_ATTENTION
+
+
 def use_gqa_attention(model) -> bool:
     """Switch ``model`` from sdpa to ``gqa_attention`` (masks built as for eager attention: a
     float additive mask). Only models on sdpa with grouped KV heads change; returns whether
     ``model`` did."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
     cfg = model.config
     heads, kv_heads = getattr(cfg, "num_attention_heads", 0), getattr(cfg, "num_key_value_heads", None)
     if cfg._attn_implementation != "sdpa" or not kv_heads or heads == kv_heads:
         return False
-    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, eager_mask)
-    model.set_attn_implementation(GQA_ATTENTION)
+    model.set_attn_implementation(register_gqa_attention())
     return True

@@ -76,14 +76,9 @@ def prompt_attention_name(model) -> str | None:
     thread: float64 3.36 s, sdpa 0.84 s. None: any other attention (prompts as every forward)."""
     if model.config._attn_implementation != FP64_ATTENTION:
         return None
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from specsplit.models.attention import register_gqa_attention
 
-    from specsplit.models.attention import GQA_ATTENTION, gqa_attention
-
-    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, eager_mask)
-    return GQA_ATTENTION
+    return register_gqa_attention()
 
 
 def use_fp64_attention(model) -> None:
