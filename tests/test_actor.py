@@ -90,3 +90,25 @@ def test_a_session_started_under_load_decodes_plainly_from_round_0(models):
     assert done.token_ids == greedy_reference(target, prompt, n)[0]
     drafted = [m.round for m in d_rpc.requests if isinstance(m, DraftRequest)]
     assert 0 not in drafted, drafted
+
+
+def test_plain_rounds_under_load_still_verify_prompt_lookup_nodes(models):
+    """Under load plain decoding calls no draft, yet a prompt that repeats itself still gets prompt
+    lookup's free candidates verified (a lone forward here: the cost model keeps at least one),
+    and the output is still the target's greedy decoding."""
+    from schemas import DraftRequest, VerifyRequest
+    from tests.test_costmodel_load import _speculated
+
+    target, often, _ = models["qwen2"]
+    cost = _speculated((100.0, 13.0), draft_busy_ms=550.0, tokens=7, rate=0.0046)
+    cost.active_sessions = 3  # this session makes four: plain decoding pays
+    d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompt, n, out = [3, 14, 15, 92, 65, 35] * 3, 12, []
+    req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
+    policy = ActorPolicy(tree=SPEC, lookup_max_tokens=8)
+    done = asyncio.run(SessionActor(req, d_rpc, t_rpc, policy, out.append, cost).run())
+    assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    assert not [m for m in d_rpc.requests if isinstance(m, DraftRequest)]
+    trees = [m.tree for m in t_rpc.requests if isinstance(m, VerifyRequest)]
+    assert trees[0].token_ids == [35, 3, 14, 15, 92, 65, 35, 3, 14][:trees[0].num_nodes] and trees[0].num_nodes > 1
+    assert done.drafted_tokens == sum(t.num_nodes - 1 for t in trees)

@@ -187,3 +187,32 @@ def test_a_cheap_draft_keeps_speculating_under_load():
     cm = _speculated((100.0, 13.0), draft_busy_ms=20.0, tokens=7, rate=0.012)  # 350 tok/s of drafts
     cm.active_sessions = 16  # plain: 16 / 295 ms = 54 tok/s
     assert not cm.plain_pays()
+
+
+def test_plain_rounds_keep_the_lookup_nodes_that_pay_for_their_share_of_the_forward():
+    """Plain decoding under load calls no draft, but prompt lookup's candidates cost nothing to
+    draft: a lookup node is verified when its measured acceptance beats its share of the batched
+    forward (here 3.75 ms per token against a batch delivering 16 tokens per ~306 ms: ~0.2)."""
+    line = (234.0, 3.75)  # bench load's batched verify: 16 sessions x 1 / 2 nodes = 294 / 354 ms
+    chain = FlatTree(token_ids=[1, 2, 3, 4], parents=[-1, 0, 1, 2], draft_logprobs=[0.0] * 4)
+    lookup = {1, 2, 3}
+    good, poor = warmed(line, 16, round_tokens=4.0), warmed(line, 16, round_tokens=4.0)
+    rate = good.rate
+    for cm, accepted in ((good, [1, 2]), (poor, [])):
+        for _ in range(20):
+            cm.observe_plain(1, 12.0)  # plain rounds deliver 1 token each, 12 ms besides the forward
+            cm.observe_round(chain, accepted, lookup)
+    assert good.rate == rate and abs(good.round_tokens - 1.0) < 0.05  # the speculative rate is left alone
+    assert abs(good.plain_overhead_ms - 12.0) < 1e-9 and good.overhead_ms == 5.0
+    assert good.choose(chain, 1, lookup, plain=True).nodes == [0, 1, 2]  # 95 % each; the third 5 %
+    assert poor.choose(chain, 1, lookup, plain=True).nodes == [0]
+    # the same measured acceptance, priced at the speculative rounds' delivery (4 tokens each):
+    # nodes look 4x dearer, and a 60 % lookup node no longer pays
+    stale = warmed(line, 16, round_tokens=4.0)
+    for _ in range(20):
+        stale.observe_round(chain, [1], lookup)
+        stale.observe_round(chain, [], lookup)
+    assert stale.choose(chain, 1, lookup, plain=True).nodes == [0]
+    for _ in range(20):
+        stale.observe_plain(1, 12.0)
+    assert stale.choose(chain, 1, lookup, plain=True).nodes == [0, 1]

@@ -149,10 +149,15 @@ class SessionActor:
                 spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             sync_tokens = len(self.cur.target_sync().append_token_ids)
             plain = self.cost is not None and self.sampling.greedy and self.cost.plain_pays()
-            if confirm or plain:  # confirm provisional tokens that would end the generation, or
-                # the load makes plain decoding deliver more: no draft call, a root-only tree (from
-                # round 0 on: a new session under load then skips the draft's prompt prefill)
+            if confirm:  # confirm provisional tokens that would end the generation: a root-only tree
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
+            elif plain:  # the load makes plain decoding deliver more: no draft call (from round 0 on:
+                # a new session under load then skips the draft's prompt prefill), the root and
+                # whatever prompt-lookup nodes pay for their share of the batched forward
+                plan = plan_round(root_only(self.cur.committed[-1]), self.cur.committed, spec, self.sampling,
+                                  cost=self.cost, lookup_max_tokens=self.policy.lookup_max_tokens,
+                                  lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens,
+                                  plain=True)
             else:
                 drafted = await self._draft(rnd, spec, timing)
                 plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
@@ -175,7 +180,7 @@ class SessionActor:
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
             if self.metrics is not None:
                 self.metrics.observe_round(count, self.cur.rolled_back, timing.wall_ms / 1e3)
-            self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new))
+            self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new), plain)
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           tree_nodes=tree.num_nodes, plain=plain, batch_size=reply.batch_size,
                           batch_tokens=reply.batch_tokens,
@@ -199,17 +204,28 @@ class SessionActor:
         if self.metrics is not None:
             self.metrics.generated.inc(new_tokens)
 
-    def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool, new_tokens: int) -> None:
+    def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool, new_tokens: int,
+               plain: bool = False) -> None:
         """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction.
         A round the model does not model (the prompt's prefill, a resend) enters the prediction
         with its measured time and tokens, so ``predicted_tok_s`` is end to end like the measured
-        rate it is compared with."""
+        rate it is compared with. A plain round teaches the forward's cost, prompt lookup's
+        acceptance and what plain rounds deliver, never the speculative rate (``observe_plain``)."""
         if self.cost is None:
             return
-        if plan.choice is None:  # a root-only round (plain decoding, a confirmation): its forward still prices tokens
+        if plan.choice is None or plain:  # a confirmation, or plain decoding (root and lookup nodes)
             if clean:
                 self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
                                           reply.batch_tokens, reply.batch_size)
+            if plain and plan.choice is not None:
+                self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
+                if clean:
+                    self.predicted_tokens += plan.choice.expected_tokens
+                    self.predicted_ms += plan.choice.expected_ms
+                    self.cost.observe_plain(new_tokens, timing.wall_ms - reply.verify_ms)
+                else:
+                    self.predicted_tokens += new_tokens
+                    self.predicted_ms += timing.wall_ms
             return
         if clean and timing.drafted is not None:
             self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms)

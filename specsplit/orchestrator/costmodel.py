@@ -73,6 +73,9 @@ class CostModel:
     active_sessions: int = 0  # this orchestrator's sessions under way (each actor counts itself)
     spec_tokens: float | None = None
     draft_busy_ms: float | None = None
+    # plain rounds (no draft call; prompt-lookup nodes only): their time besides the verify
+    # forward, kept apart from ``overhead_ms``, which holds a speculative round's draft time
+    plain_overhead_ms: float | None = None
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
@@ -119,6 +122,15 @@ class CostModel:
         self.rate_sessions = _ewma(self.rate_sessions, float(max(1, self.active_sessions)))
         self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
+
+    def observe_plain(self, tokens: int, overhead_ms: float) -> None:
+        """A plain round (no draft call) delivered ``tokens`` and spent ``overhead_ms`` besides
+        its verify forward. It updates what the rest of a forward is expected to deliver
+        (``round_tokens``: the sessions sharing a forward decode plainly together), never
+        ``rate``: that is what speculative rounds deliver, which ``plain_pays`` weighs plain
+        decoding against."""
+        self.round_tokens = _ewma(self.round_tokens, float(tokens))
+        self.plain_overhead_ms = _ewma(self.plain_overhead_ms, max(0.0, overhead_ms))
 
     def observe_speculation(self, tokens: int, draft_busy_ms: float) -> None:
         """A drafted round delivered ``tokens`` and held the draft worker ``draft_busy_ms``."""
@@ -228,16 +240,19 @@ class CostModel:
             cell[1] += 1.0
 
     # ---- the choice ---------------------------------------------------------------------
-    def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset()) -> Choice:
+    def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset(), *,
+               plain: bool = False) -> Choice:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
         expected tokens per millisecond of round time, counting the whole verify forward: the
         tokens the rest of the batch brings and delivers (``load``) are in both sides of the
-        ratio. Alone, at least ``min_nodes`` nodes (when the tree has them)."""
+        ratio. Alone, at least ``min_nodes`` nodes (when the tree has them). ``plain``: a round
+        without a draft call (prompt-lookup nodes under a root), priced with a plain round's
+        overhead."""
         probs = self.node_probs(tree, lookup)
         children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
         for i in range(1, tree.num_nodes):
             children[tree.parents[i]].append(i)
-        overhead = self.overhead_ms or 0.0
+        overhead = (self.plain_overhead_ms if plain else self.overhead_ms) or 0.0
         others_tokens, others_expected = self.load()
         base = sync_tokens + others_tokens  # the forward's tokens besides this tree's
         floor = 0 if self.shared() else self.min_nodes

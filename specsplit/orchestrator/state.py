@@ -196,11 +196,12 @@ class Plan:
 
 def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
                lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
-               sync_tokens: int = 0) -> Plan:
+               sync_tokens: int = 0, plain: bool = False) -> Plan:
     """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
     ends with the tree's root), within the round's depth and ``lookup_max_tokens`` extra nodes;
     then, with a cost model, only the nodes that pay for their verify time. Sampled rounds keep
-    the draft's tree as drawn (dropping drawn children by value would bias the output)."""
+    the draft's tree as drawn (dropping drawn children by value would bias the output).
+    ``plain``: a round that called no draft (``tree`` is its root alone), priced as such."""
     if not sampling.greedy:
         return Plan(tree, frozenset())
     n_draft = tree.num_nodes
@@ -211,6 +212,6 @@ def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: S
     lookup = frozenset(range(n_draft, tree.num_nodes))
     if cost is None:
         return Plan(tree, lookup)
-    choice = cost.choose(tree, sync_tokens, lookup)
+    choice = cost.choose(tree, sync_tokens, lookup, plain=plain)
     index = {old: new for new, old in enumerate(choice.nodes)}
     return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice)
