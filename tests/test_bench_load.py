@@ -41,6 +41,8 @@ def test_bench_load_tiny_end_to_end(tmp_path):
         assert r["identical_to_target_batched"] == 4
         assert r["fleet_new_tokens"] == r["target_batched_new_tokens"] == sum(q["new_tokens"] for q in r["requests"])
     assert data["summary"]["identical_to_target_batched"] == "8/8"
+    # A B A per level, the first system alternating: fleet twice at 1, the target twice at 2
+    assert [(len(r["fleet_passes_tok_s"]), len(r["target_batched_passes_tok_s"])) for r in rows] == [(2, 1), (1, 2)]
     # the fleet's default kernels (the repository's .env) on both sides
     quantize = os.environ.get("SPECSPLIT_TARGET_QUANTIZE") or fleet_defaults(environ={}).get(
         "SPECSPLIT_TARGET_QUANTIZE", "none")
@@ -99,3 +101,23 @@ def test_env_file_defaults_yield_to_the_shell(tmp_path):
     shell = {"SPECSPLIT_Y": "2"}
     assert fleet_defaults(f, environ=shell) == {"SPECSPLIT_TARGET_QUANTIZE": "int8", "SPECSPLIT_X": "a b"}
     assert fleet_defaults("none", environ={}) == {}
+
+
+def test_passes_of_a_level_merge_to_their_mean_wall_and_keep_only_reproduced_tokens():
+    from specsplit.bench.load import Done, Level, make_row
+
+    def level(wall, tokens, latency):
+        return Level([Done(i, t, lat, rounds=4, drafted=6, accepted=3) for i, (t, lat) in enumerate(zip(tokens, latency))],
+                     wall, forwards=10)
+
+    a = level(10.0, [[1, 2], [3, 4]], [4.0, 6.0])
+    b = level(30.0, [[1, 2], [3, 4]], [8.0, 10.0])
+    drifted = level(20.0, [[1, 2], [3, 5]], [6.0, 8.0])  # the second request differs in this pass
+    target = level(16.0, [[1, 2], [3, 4]], [5.0, 5.0])
+    row = make_row(2, [a, b], target)
+    assert row["fleet_tok_s"] == 4 / 20.0 and row["fleet_passes_tok_s"] == [0.4, round(4 / 30.0, 3)]
+    assert row["target_batched_passes_tok_s"] == [0.25] and row["fleet_vs_target_batched"] == 0.8
+    assert row["fleet_p50_latency_s"] == 7.0 and row["identical_to_target_batched"] == 2
+    assert row["fleet_rounds"] == 8  # the first pass's counts, not the passes' sum
+    assert make_row(2, [a, drifted], target)["identical_to_target_batched"] == 1
+    assert make_row(2, a, target)["fleet_tok_s"] == 0.4  # one pass: as before

@@ -12,8 +12,11 @@ in both systems.
 
 At each concurrency C the same prompts (HumanEval, chat-formatted as ``specsplit produce`` does)
 run through both systems, C sessions in flight at once (a new one starts when one finishes); the
-order of the two systems alternates per level. Aggregate tok/s = all new tokens of the level /
-its wall time. Latency: one request's seconds from its start to its last token. Greedy: every
+order of the two systems alternates per level, and by default (``--aba``) the level's first system
+runs again after the second (A B A): these shared machines drift by tens of percent within
+minutes, and a drift that is linear over the level then weighs on both systems alike. Aggregate
+tok/s = all new tokens of the level / its wall time (A: the mean of its two passes' walls; each
+pass's figure is kept as ``*_passes_tok_s``). Latency: one request's seconds from its start to its last token. Greedy: every
 fleet output must equal the batched target's for the same prompt.
 
     specsplit bench load --concurrency 1,4,16 --json runs/load.json          (writes runs/load.png)
@@ -33,7 +36,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specsplit.bench import import_torch_as_users_run_it
@@ -176,7 +179,26 @@ class BatchedTarget:
 
 
 # ---- rows, table, plot --------------------------------------------------------------------
-def make_row(concurrency: int, fleet: Level, target: Level) -> dict:
+def merge_passes(passes: list[Level]) -> Level:
+    """One system's passes over the same prompts at one level as one: the mean wall time and
+    per-request latency, the first pass's tokens and counts; a request whose tokens differ
+    between passes keeps none (so it counts as not identical: greedy decoding is deterministic)."""
+    first = passes[0]
+    if len(passes) == 1:
+        return first
+    done = []
+    for i, d in enumerate(first.done):
+        same = all(p.done[i].token_ids == d.token_ids for p in passes[1:])
+        done.append(replace(d, token_ids=d.token_ids if same else [],
+                            latency_s=sum(p.done[i].latency_s for p in passes) / len(passes)))
+    return Level(done, sum(p.wall_s for p in passes) / len(passes),
+                 round(sum(p.forwards for p in passes) / len(passes)))
+
+
+def make_row(concurrency: int, fleet: Level | list[Level], target: Level | list[Level]) -> dict:
+    fleet_passes = fleet if isinstance(fleet, list) else [fleet]
+    target_passes = target if isinstance(target, list) else [target]
+    fleet, target = merge_passes(fleet_passes), merge_passes(target_passes)
     rounds = sum(d.rounds for d in fleet.done)
     drafted = sum(d.drafted for d in fleet.done)
     accepted = sum(d.accepted for d in fleet.done)
@@ -201,6 +223,8 @@ def make_row(concurrency: int, fleet: Level, target: Level) -> dict:
         "target_batched_forwards": target.forwards,
         "fleet_rounds": rounds, "fleet_drafted": drafted, "fleet_accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "fleet_passes_tok_s": [round(p.tok_s, 3) for p in fleet_passes],
+        "target_batched_passes_tok_s": [round(p.tok_s, 3) for p in target_passes],
         "requests": [{"prompt_index": f.index, "new_tokens": len(f.token_ids), "latency_s": round(f.latency_s, 3),
                       "rounds": f.rounds, "drafted": f.drafted, "accepted": f.accepted,
                       "target_batched_latency_s": round(t.latency_s, 3), "identical": f.token_ids == t.token_ids}
@@ -278,6 +302,8 @@ def parse(argv):
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.add_argument("--keep-logs", action="store_true", help="keep the fleet's logs (kept anyway when the run fails)")
+    p.add_argument("--aba", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each level's first system again after the second (A B A) to cancel the machine's drift")
     args = p.parse_args(argv)
     try:
         args.levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
@@ -302,16 +328,16 @@ def load_prompts(args, codec) -> tuple[list[str], list[list[int]]]:
 def run_levels(args, fleet_client, loop, target: BatchedTarget, prompts, stop_ids) -> list[dict]:
     rows = []
     for k, c in enumerate(args.levels):
-        levels = {}
+        levels: dict[str, list[Level]] = {"fleet": [], "target": []}
         order = ("fleet", "target") if k % 2 == 0 else ("target", "fleet")  # alternate to cancel drift
-        for name in order:
+        for name in (*order, order[0]) if args.aba else order:
             log(f"concurrency {c}: {name} ...")
             if name == "fleet":
-                levels[name] = loop.run_until_complete(
-                    fleet_level(fleet_client, prompts, c, args.max_new_tokens, stop_ids))
+                level = loop.run_until_complete(fleet_level(fleet_client, prompts, c, args.max_new_tokens, stop_ids))
             else:
-                levels[name] = target.level(prompts, c, args.max_new_tokens, stop_ids)
-            log(f"concurrency {c}: {name} {levels[name].tok_s:.2f} tok/s in {levels[name].wall_s:.1f} s")
+                level = target.level(prompts, c, args.max_new_tokens, stop_ids)
+            levels[name].append(level)
+            log(f"concurrency {c}: {name} {level.tok_s:.2f} tok/s in {level.wall_s:.1f} s")
         rows.append(make_row(c, levels["fleet"], levels["target"]))
     return rows
 
