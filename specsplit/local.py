@@ -95,7 +95,8 @@ def generate(
         new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
-            if rnd > 0 and sync_tokens <= 64:  # not the prompt's prefill
+            # not the prompt's prefill, nor a SpecPV partial round (as the orchestrator learns)
+            if rnd > 0 and sync_tokens <= 64 and not v_reply.partial:
                 wall_ms = (time.perf_counter() - t_round) * 1e3
                 cost_model.observe_forward(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms,
                                            v_reply.batch_tokens, v_reply.batch_size)

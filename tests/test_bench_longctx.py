@@ -44,7 +44,22 @@ def test_bench_longctx_smoke(tmp_path, capsys):
         assert rows[(c, "approx")]["prefill_reused"] and rows[(c, "exact")]["prefill_reused"]
         assert rows[(c, "exact")]["prefill_ms"] == rows[(c, "full")]["prefill_ms"]
     assert "full_verify_growth" in data["summary"] and "exact_speedup_at_1280" in data["summary"]
+    assert (data["config"]["tree_budget"], data["config"]["lookup_max_tokens"]) == ("fixed", 0)
     assert "| context | mode |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_longctx_drafts_with_a_cost_model_and_prompt_lookup_on_request(tmp_path):
+    """As the fleet's defaults draft: exact mode still equals full verification."""
+    out = tmp_path / "longctx.json"
+    assert longctx.main(["--preset", "tiny", "--contexts", "1280", "--threshold", "512", "--sink-blocks", "1",
+                         "--retrieval-blocks", "8", "--window-blocks", "2", "--buffer-tokens", "64",
+                         "--max-new-tokens", "24", "--threads", "1", "--tree-budget", "cost",
+                         "--lookup-max-tokens", "8", "--tree", "16,10,2,0.3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert (data["config"]["tree_budget"], data["config"]["lookup_max_tokens"]) == ("cost", 8)
+    assert rows["exact"]["identical_to_full"] and rows["approx"]["partial_rounds"] > 0
 
 
 def test_bench_longctx_leaves_the_environment_alone(tmp_path, monkeypatch):

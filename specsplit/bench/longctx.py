@@ -3,7 +3,9 @@
 Each context is real text: Python standard-library source files from this machine, concatenated
 in a fixed order, then a function to complete; its last N tokens (the target's tokenizer) are
 the prompt. The draft/target pair runs in this process through the same engines the workers use
-(``specsplit.local.generate``), greedy, one mode after another on the same prompt. Per context
+(``specsplit.local.generate``), greedy, one mode after another on the same prompt, every mode with
+the same fixed tree by default (``--tree-budget cost --lookup-max-tokens 8 --tree 16,10,2,0.3``
+drafts as the fleet's defaults do: a cost-model budget per mode, prompt lookup). Per context
 and mode: verify ms per round (prefill round excluded; partial and full rounds apart), tokens
 per round, end-to-end and decode tok/s; for approximate mode, the share of its tokens equal to
 full verification's (position by position) and the first divergence. Prints a markdown table,
@@ -53,6 +55,10 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--tree", default="16,6,2", help="max_nodes,max_depth,branch[,min_path_prob]")
+    p.add_argument("--tree-budget", choices=["cost", "fixed"], default="fixed",
+                   help="cost: each round's nodes and draft depth from a cost model, as the fleet's orchestrator "
+                        "(a fresh one per mode); fixed: the whole tree")
+    p.add_argument("--lookup-max-tokens", type=int, default=0, help="prompt-lookup candidates per round")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sink-blocks", type=int, default=2)
     p.add_argument("--retrieval-blocks", type=int, default=256)
@@ -165,6 +171,7 @@ def run_mode(draft, target, prompt: list[int], mode: str, args, spec, warm: Warm
     rounds), counted instead of this mode's cache-reusing first round."""
     from schemas import SamplingSpec
     from specsplit.local import generate
+    from specsplit.orchestrator.costmodel import CostModel
     from specsplit.orchestrator.state import RoundStats
 
     warm.rounds, warm.first_round_s = [], 0.0
@@ -173,6 +180,8 @@ def run_mode(draft, target, prompt: list[int], mode: str, args, spec, warm: Warm
     t0 = time.perf_counter()
     out = generate(draft, target, prompt, max_new_tokens=args.max_new_tokens, tree=args.tree_spec,
                    sampling=SamplingSpec(), stats=stats, specpv=specpv,
+                   cost_model=CostModel() if args.tree_budget == "cost" else None,
+                   lookup_max_tokens=args.lookup_max_tokens,
                    make_target_engine=warm.make("target"), make_draft_engine=warm.make("draft"))
     wall = time.perf_counter() - t0
     own_prefill_s = warm.first_round_s
