@@ -16,8 +16,8 @@ order of the two systems alternates per level, and by default (``--aba``) the le
 runs again after the second (A B A): these shared machines drift by tens of percent within
 minutes, and a drift that is linear over the level then weighs on both systems alike. Aggregate
 tok/s = all new tokens of the level / its wall time (A: the mean of its two passes' walls; each
-pass's figure is kept as ``*_passes_tok_s``). Latency: one request's seconds from its start to its last token. Greedy: every
-fleet output must equal the batched target's for the same prompt.
+pass's figure is kept as ``*_passes_tok_s``). Latency: one request's seconds from its start to its
+last token. Greedy: every fleet output must equal the batched target's for the same prompt.
 
     specsplit bench load --concurrency 1,4,16 --json runs/load.json          (writes runs/load.png)
     specsplit bench load --preset tiny --concurrency 1,2 --prompts 4 --max-new-tokens 8 --json /tmp/l.json

@@ -213,19 +213,10 @@ class SessionActor:
         acceptance and what plain rounds deliver, never the speculative rate (``observe_plain``)."""
         if self.cost is None:
             return
-        if plan.choice is None or plain:  # a confirmation, or plain decoding (root and lookup nodes)
+        if plan.choice is None:  # a confirmation (root-only): its forward still prices tokens
             if clean:
                 self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
                                           reply.batch_tokens, reply.batch_size)
-            if plain and plan.choice is not None:
-                self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
-                if clean:
-                    self.predicted_tokens += plan.choice.expected_tokens
-                    self.predicted_ms += plan.choice.expected_ms
-                    self.cost.observe_plain(new_tokens, timing.wall_ms - reply.verify_ms)
-                else:
-                    self.predicted_tokens += new_tokens
-                    self.predicted_ms += timing.wall_ms
             return
         if clean and timing.drafted is not None:
             self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms)
@@ -239,6 +230,9 @@ class SessionActor:
         if clean:
             self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
                                       reply.batch_tokens, reply.batch_size)
+            if plain:  # root and lookup nodes, no draft call
+                self.cost.observe_plain(new_tokens, timing.wall_ms - reply.verify_ms)
+                return
             self.cost.observe_overhead(max(0.0, timing.wall_ms - reply.verify_ms))
             self.cost.observe_rate(new_tokens, timing.wall_ms)
             if timing.reused == 0 and timing.drafted is not None:
