@@ -81,10 +81,10 @@ class WorkerSettings(SessionLimitSettings):
     # a target worker verifies the requests queued when a forward starts in ONE forward, up to
     # this many new tokens (sync tokens + tree nodes) per forward; 0: one request per forward
     target_max_batch_tokens: int = Field(default=256, ge=0)
-    # the same for a draft worker (its sessions' trees built in lockstep, one forward per step).
-    # Off by default: an int8 draft (torch.ao, one activation scale per forward) then drafts other
-    # trees depending on which sessions share a forward, so a seeded sampling run's output would
-    # depend on timing (greedy output never changes: the target verifies every token)
+    # the same for a draft worker: greedy sessions' trees built in lockstep, one forward per
+    # step (sampled sessions draft alone, so a seeded run's output never depends on which
+    # sessions shared a forward: engine.draft_batch.batchable). Off by default: under load the
+    # cost model decodes plainly (no draft call) on the CPUs measured, so it has not paid yet
     draft_max_batch_tokens: int = Field(default=0, ge=0)
     # a batching worker holds a forward open for up to this fraction of its recent forward time
     # while sessions it serves are due to send their next request (measured turnaround), so that

@@ -10,7 +10,7 @@ import math
 import time
 
 from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
-from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
+from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
 from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
@@ -96,7 +96,7 @@ def generate(
         if cost_model is not None and plan.choice is not None:
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
             # not the prompt's prefill, nor a SpecPV partial round (as the orchestrator learns)
-            if rnd > 0 and sync_tokens <= 64 and not v_reply.partial:
+            if rnd > 0 and sync_tokens <= SMALL_SYNC and not v_reply.partial:
                 wall_ms = (time.perf_counter() - t_round) * 1e3
                 cost_model.observe_forward(sync_tokens + verify_tree.num_nodes, v_reply.verify_ms,
                                            v_reply.batch_tokens, v_reply.batch_size)

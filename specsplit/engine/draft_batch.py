@@ -8,7 +8,8 @@ alone gives, up to the rounding of forwards of another shape (fp32: ~1e-6 in the
 torch.ao int8 draft's per-forward activation scale: more, so its trees may differ; a draft only
 proposes, the target's output is unchanged). Per request as ``draft`` does: checks before
 anything moves, errors per request. Drafted alone (after the lockstep, in request order): a sync
-longer than one linear chunk (a prompt), GrowRequests, anything else, a session's second request.
+longer than one linear chunk (a prompt), sampled requests (``batchable``), GrowRequests,
+anything else, a session's second request.
 If a batched forward fails for a reason other than the device, the caches are cut back and each
 session still drafting finishes alone.
 """
@@ -27,7 +28,13 @@ from specsplit.errors import DeviceFailure, SpecError
 
 
 def batchable(req: Message) -> bool:
-    return isinstance(req, DraftRequest) and len(req.sync.append_token_ids) + 1 <= LINEAR_CHUNK
+    """A greedy DraftRequest with a short sync. A sampled one drafts alone: its tree is drawn
+    with the request's seed from the draft's probabilities, which another forward shape rounds
+    differently (the int8 draft's per-forward activation scale most of all), so a seeded run's
+    output would depend on which sessions happened to share a forward. A greedy tree only
+    proposes: the target's verdict, hence the output, is the same whatever the draft proposes."""
+    return (isinstance(req, DraftRequest) and req.sampling.greedy
+            and len(req.sync.append_token_ids) + 1 <= LINEAR_CHUNK)
 
 
 @dataclass(slots=True)

@@ -22,13 +22,12 @@ from schemas import (
     GenerateRequest, GrowRequest, Message, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
-from specsplit.orchestrator.costmodel import CostModel, expanded_nodes
+from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
 from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
 RESET_ON = {ErrorCode.NO_WORKER, ErrorCode.INTERNAL}
 FREE_RESENDS = 64  # CACHE_MISS / router-lost resends per request that do not count as attempts
-SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 
 
 def _swallow(task: asyncio.Future) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from schemas import FlatTree, TreeSpec
 
 BINS = 10
+SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 LOOKUP_POSITIONS = 16
 
 
