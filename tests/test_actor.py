@@ -112,3 +112,36 @@ def test_plain_rounds_under_load_still_verify_prompt_lookup_nodes(models):
     trees = [m.tree for m in t_rpc.requests if isinstance(m, VerifyRequest)]
     assert trees[0].token_ids == [35, 3, 14, 15, 92, 65, 35, 3, 14][:trees[0].num_nodes] and trees[0].num_nodes > 1
     assert done.drafted_tokens == sum(t.num_nodes - 1 for t in trees)
+
+
+@pytest.mark.parametrize("budget", ["cost", "fixed"])
+def test_lookup_only_never_calls_the_draft_and_still_equals_greedy(models, budget):
+    """SPECSPLIT_SPECULATOR=lookup: no draft worker at all (no draft, grow or end-session call);
+    greedy rounds verify the root plus prompt lookup's candidates (all of them with a fixed budget,
+    those that pay with the cost model) and the output is the target's greedy decoding; a sampled
+    session decodes plainly, one target-sampled token per round, the same for the same seed."""
+    from schemas import SamplingSpec, VerifyRequest
+    from specsplit.orchestrator.costmodel import CostModel
+
+    target, often, _ = models["qwen2"]
+    prompt, n = [3, 14, 15, 92, 65, 35] * 3, 12
+
+    def run(sampling):
+        d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+        out = []
+        req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC, sampling=sampling)
+        policy = ActorPolicy(tree=SPEC, lookup_max_tokens=8, lookup_only=True, grow=True)
+        cost = CostModel() if budget == "cost" else None
+        done = asyncio.run(SessionActor(req, d_rpc, t_rpc, policy, out.append, cost).run())
+        assert d_rpc.requests == []
+        return done, [m.tree for m in t_rpc.requests if isinstance(m, VerifyRequest)]
+
+    done, trees = run(SamplingSpec())
+    assert done.finish_reason == "length" and done.token_ids == greedy_reference(target, prompt, n)[0]
+    assert trees[0].token_ids == [35, 3, 14, 15, 92, 65, 35, 3, 14][:trees[0].num_nodes] and trees[0].num_nodes > 1
+    if budget == "fixed":
+        assert trees[0].num_nodes == 5  # the whole chain, within SPEC's depth 4
+    sampled = SamplingSpec(temperature=0.8, top_p=0.95, seed=11)
+    done, trees = run(sampled)
+    assert len(done.token_ids) == n and done.rounds == n and all(t.num_nodes == 1 for t in trees)
+    assert run(sampled)[0].token_ids == done.token_ids

@@ -57,6 +57,9 @@ def parse(argv):
     p.add_argument("--tree-budget", choices=["cost", "fixed"], default="cost",
                    help="the fleet's per-round tree budget: a cost model, or the whole tree")
     p.add_argument("--lookup-max-tokens", type=int, default=8, help="prompt-lookup tokens per tree (0: off)")
+    p.add_argument("--speculator", choices=["draft", "lookup"], default="draft",
+                   help="the fleet's candidates (SPECSPLIT_SPECULATOR): the draft worker's trees plus prompt "
+                        "lookup, or prompt lookup alone (no draft worker is started)")
     p.add_argument("--target-quantize", choices=["none", "int8"], default="int8",
                    help="the fleet's target kernels; the target and assisted rows use the same ones")
     p.add_argument("--tree", default="16,10,2,0.3", help="max_nodes,max_depth,branch[,min_path_prob] of the fleet's trees")
@@ -86,6 +89,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_TARGET_THREADS": args.target_threads, "SPECSPLIT_PREFILL_THREADS": args.prefill_threads,
            "SPECSPLIT_DRAFT_QUANTIZE": args.draft_quantize, "SPECSPLIT_TARGET_QUANTIZE": args.target_quantize,
            "SPECSPLIT_TREE_BUDGET": args.tree_budget, "SPECSPLIT_LOOKUP_MAX_TOKENS": args.lookup_max_tokens,
+           "SPECSPLIT_SPECULATOR": args.speculator,
            "SPECSPLIT_DRAFT_ENGINE": args.draft_engine or args.engine, "SPECSPLIT_TARGET_ENGINE": args.engine,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
@@ -135,7 +139,8 @@ def main(argv=None) -> int:
             from schemas import SamplingSpec
             from specsplit.launch import Fleet
 
-            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(1, 1)
+            drafts = 0 if args.speculator == "lookup" else 1
+            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(drafts, 1)
             log(f"fleet starting (logs in {tmp})")
         hf = llama_target = None
         if args.engine == "llamacpp" and "target" in systems:
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
                 hf.packed_target = load_model(paths.target, dtype=args.target_dtype)[0]
                 log(f"target_packed: {pack_linear_weights(hf.packed_target)} Linear layers packed")
         if fleet is not None:
-            fleet.wait_ready(timeout_s=900)
+            fleet.wait_ready(drafts=0 if args.speculator == "lookup" else 1, timeout_s=900)
             runner = FleetRunner(fleet.orchestrator, codec.stop_token_ids,
                                  SamplingSpec(temperature=args.temperature, seed=args.seed))
             runner.start()

@@ -58,6 +58,8 @@ class ActorPolicy:
     grow_fraction: float = 0.9  # of the previous round's verify time
     grow_width: int = 4
     specpv: SpecPVSpec | None = None  # the fleet's default for requests without their own (None: off)
+    # no draft worker: every round is plain (its root, plus prompt-lookup nodes when greedy)
+    lookup_only: bool = False
 
 
 @dataclass
@@ -147,12 +149,15 @@ class SessionActor:
             if self.cost is not None and self.sampling.greedy:
                 spec = self.cost.draft_spec(spec)  # how deep drafting pays this round
             sync_tokens = len(self.cur.target_sync().append_token_ids)
-            plain = self.cost is not None and self.sampling.greedy and self.cost.plain_pays()
+            plain = self.policy.lookup_only or (self.cost is not None and self.sampling.greedy
+                                                 and self.cost.plain_pays())
             if confirm:  # confirm provisional tokens that would end the generation: a root-only tree
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
-            elif plain:  # the load makes plain decoding deliver more: no draft call (from round 0 on:
-                # a new session under load then skips the draft's prompt prefill), the root and
-                # whatever prompt-lookup nodes pay for their share of the batched forward
+            elif plain and not self.sampling.greedy:  # lookup only: a sampled session decodes plainly
+                plan = Plan(root_only(self.cur.committed[-1]), frozenset())
+            elif plain:  # no draft call (lookup only, or the load makes plain decoding deliver more:
+                # from round 0 on, so a new session under load skips the draft's prompt prefill),
+                # the root and whatever prompt-lookup nodes pay for their share of the forward
                 plan = plan_round(root_only(self.cur.committed[-1]), self.cur.committed, spec, self.sampling,
                                   cost=self.cost, lookup_max_tokens=self.policy.lookup_max_tokens,
                                   lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens,
@@ -343,7 +348,8 @@ class SessionActor:
 
     async def _end_sessions(self) -> None:
         msg = EndSession(session_id=self.sid)
-        calls = [rpc.call(msg, session_id=self.sid, timeout_s=2.0) for rpc in (self.draft_rpc, self.target_rpc)]
+        rpcs = (self.target_rpc,) if self.policy.lookup_only else (self.draft_rpc, self.target_rpc)
+        calls = [rpc.call(msg, session_id=self.sid, timeout_s=2.0) for rpc in rpcs]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, Exception) and not isinstance(r, (RpcError, asyncio.CancelledError)):

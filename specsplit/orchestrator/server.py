@@ -39,7 +39,7 @@ class Orchestrator:
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
-            specpv=settings.specpv_spec(),
+            specpv=settings.specpv_spec(), lookup_only=settings.speculator == "lookup",
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.owners: dict[str, bytes] = {}  # running session -> the producer connection that started it (bounded with sessions)
