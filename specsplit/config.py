@@ -162,10 +162,10 @@ class OrchestratorSettings(SessionLimitSettings):
     # where a round's candidates come from: "draft" (the draft worker's tree, plus prompt lookup)
     # or "lookup" (prompt lookup alone, no draft call: every round verifies its root plus the
     # lookup candidates that pay, like vLLM's "ngram" speculator and llama.cpp's lookup decoding;
-    # sampled sessions decode plainly). For machines where a draft token costs too much of a
-    # target token for drafting to pay (measured: the AVX2 2-core box, 50-55 %); no draft worker
-    # is then needed (`honcho start -c draft=0`), and the target may take every core
-    # (SPECSPLIT_TARGET_THREADS)
+    # sampled sessions decode plainly). For targets whose forward of a few tokens costs about
+    # what one token's does (GPUs; not measured here), or when no draft model fits; measured
+    # slower than drafting on the AVX2 2-core box (README). No draft worker is then needed
+    # (`honcho start -c draft=0`), and the target may take every core (SPECSPLIT_TARGET_THREADS)
     speculator: Literal["draft", "lookup"] = "draft"
     grow: bool = True
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
