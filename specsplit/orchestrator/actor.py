@@ -151,9 +151,8 @@ class SessionActor:
             sync_tokens = len(self.cur.target_sync().append_token_ids)
             plain = self.policy.lookup_only or (self.cost is not None and self.sampling.greedy
                                                  and self.cost.plain_pays())
-            if confirm:  # confirm provisional tokens that would end the generation: a root-only tree
-                plan = Plan(root_only(self.cur.committed[-1]), frozenset())
-            elif plain and not self.sampling.greedy:  # lookup only: a sampled session decodes plainly
+            if confirm or (plain and not self.sampling.greedy):  # a root-only tree: confirming provisional
+                # tokens that would end the generation, or a sampled session decoding plainly (lookup only)
                 plan = Plan(root_only(self.cur.committed[-1]), frozenset())
             elif plain:  # no draft call (lookup only, or the load makes plain decoding deliver more:
                 # from round 0 on, so a new session under load skips the draft's prompt prefill),
