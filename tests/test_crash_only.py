@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,7 +86,10 @@ def _two_free_ports() -> int:
 
 
 # ---------------------------------------------------------------------------- the honcho fleet
-def _honcho_fleet(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], dict]:
+def _honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2",
+                  **settings: str) -> tuple[subprocess.Popen, dict[str, int], dict]:
+    """``honcho start`` of the repository's Procfile and .env (tiny fp32 pair, free ports), with
+    ``concurrency`` as honcho's -c and ``settings`` (SPECSPLIT_*) over the .env's."""
     names = ["draft_fe", "draft_be", "target_fe", "target_be"]
     ports = dict(zip(names, free_ports(len(names))))
     ports["orch"] = _two_free_ports()
@@ -97,7 +101,7 @@ def _honcho_fleet(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], dict]:
         "SPECSPLIT_DRAFT_QUANTIZE": "none", "SPECSPLIT_TARGET_QUANTIZE": "none", "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
         "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"], "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
         "SPECSPLIT_TARGET_BACKEND": addr["target_be"], "SPECSPLIT_ORCHESTRATOR": addr["orch"],
-        "SPECSPLIT_ORCHESTRATOR_COUNT": "2", "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2",
+        "SPECSPLIT_ORCHESTRATOR_COUNT": "2", "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2", **settings,
     }
     lines = [ln for ln in (REPO / ".env").read_text().splitlines()
              if not ln.strip().startswith("#") and "=" in ln and ln.split("=", 1)[0].strip() not in overrides]
@@ -109,7 +113,7 @@ def _honcho_fleet(tmp: Path) -> tuple[subprocess.Popen, dict[str, int], dict]:
     log = open(tmp / "honcho.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "honcho", "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / "fleet.env"),
-         "-d", str(REPO), "-c", "draft=2,target=2,orchestrator=2"],
+         "-d", str(REPO), "-c", concurrency],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     produce_env = {**env, **overrides}
@@ -257,3 +261,50 @@ def test_router_away_10s_then_back_run_finishes_fast_and_exact(tmp_path, target_
     finally:
         codes = fleet.stop()
     assert all(c == 0 for c in codes.values()), codes
+
+
+@pytest.mark.timeout(300)  # ~40 s on an idle 2-core box
+def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_target(tmp_path, target_model):
+    """SPECSPLIT_SPECULATOR=lookup started as the README says (`honcho start -c draft=0`): no draft
+    worker at all; a kill -9 of a target worker's process mid-stream costs a resend, not an answer,
+    and honcho keeps the fleet up and restarts the slot."""
+    proc, ports, env = _honcho_fleet(tmp_path, "draft=0,target=2,orchestrator=1", SPECSPLIT_SPECULATOR="lookup",
+                                     SPECSPLIT_ORCHESTRATOR_COUNT="1")
+    try:
+        # two target workers and the target router's two admissions; the draft router stays empty
+        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp_path),
+              120, "fleet ready")
+        # repetitive prompts: prompt lookup finds candidates, so rounds verify more than the root
+        prompts = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]
+        (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+        rounds_before = _log(tmp_path).count("round_done")
+        out, err = open(tmp_path / "produce.out", "wb"), open(tmp_path / "produce.err", "wb")
+        producer = subprocess.Popen(
+            [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp_path / "prompts.txt"), "--json",
+             "--concurrency", "8", "--max-new-tokens", "300", "--chat", "off", "--wait-s", "60"],
+            env=env, stdout=out, stderr=err, start_new_session=True)
+        out.close()
+        err.close()
+        _wait(lambda: _log(tmp_path).count("round_done") > rounds_before + 16 or producer.poll() is not None,
+              60, "the prompts are being served")
+        assert producer.poll() is None, "the run ended before the kill"
+        os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
+        rc = producer.wait(timeout=150)
+        assert rc == 0, (tmp_path / "produce.err").read_text()[-3000:]
+        assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp_path)[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / "produce.out").read_text().splitlines()]
+        assert len(rows) == len(prompts)
+        for r in rows:
+            ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
+            assert r["token_ids"] == ref, r["index"]
+            assert r["finish_reason"] == "stop" or r["new_tokens"] == 300
+        assert sum(r["drafted_tokens"] for r in rows) > 0  # lookup candidates were verified
+        log = _log(tmp_path)
+        assert "role_died" in log, log[-3000:]
+        assert not re.search(r"(?m)^\S+ draft\.\d+ +\|", log), "honcho started a draft worker"
+        _wait(lambda: _worker_pid(proc.pid, "target.1"), 30, "target.1 restarted")
+    finally:
+        _stop_honcho(proc)
+    assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
+    for name, port in ports.items():
+        assert port_is_free(port), f"{name} port {port} still bound"
