@@ -61,22 +61,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, json=settings.log_json)
     log = get_logger("brokers", service=settings.service)
-    try:
+    try:  # once: a Router owns a zmq context
         router = build_router(settings)
     except SecretError as exc:
         log.error("fleet_secret_unavailable", error=str(exc))
         return 2
+    except CurveError as exc:
+        log.error("router_curve_refused", error=str(exc))
+        print(f"invalid router settings: {exc}", file=sys.stderr)
+        return 2
+    # the handler takes the event's lock: the main thread only ever reads it (is_set), never
+    # waits on it, so a signal cannot arrive while that thread holds the lock (a deadlock)
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        router = build_router(settings)
-    except CurveError as exc:
-        log.error("router_curve_refused", error=str(exc))
-        print(f"invalid router settings: {exc}", file=sys.stderr)
-        return 2
     serve_metrics(router_registry(router, metrics), metrics, f"router_{settings.service}", log)
     try:
         router.run(stop)

@@ -49,6 +49,21 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass  # not Linux: the child outlives a killed supervisor (honcho's killpg still reaches it)
 
 
+def sleep_unless(event: threading.Event, seconds: float, step_s: float = 0.05) -> bool:
+    """``event.wait(seconds)`` for a main thread whose signal handler sets ``event``: it sleeps
+    in slices and only reads the flag. ``Event.wait`` holds the event's lock for a moment, and a
+    handler that runs then (signal handlers run in the main thread, between any two bytecodes)
+    blocks in ``Event.set`` on that same lock for good (Python's docs: no locks in signal
+    handlers). True when the event was set."""
+    deadline = time.monotonic() + seconds
+    while not event.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(step_s, left))
+    return True
+
+
 def backoff_delay(restarts_in_a_row: int, base_s: float, max_s: float) -> float:
     """Delay before the n-th consecutive restart (n >= 1): base, 2 base, 4 base, ... capped."""
     return min(max_s, base_s * (2 ** max(0, restarts_in_a_row - 1)))
@@ -112,7 +127,7 @@ class Supervisor:
             delay = backoff_delay(in_a_row, self.s.supervise_backoff_s, self.s.supervise_backoff_max_s)
             self.restarts += 1
             self._log("role_died", rc=rc, uptime_s=round(uptime, 2), restarts=self.restarts, backoff_s=delay)
-            if self.stop.wait(delay):
+            if sleep_unless(self.stop, delay):
                 self._log("role_stopped", rc=rc, restarts=self.restarts)
                 return 0
 

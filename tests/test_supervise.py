@@ -12,12 +12,55 @@ from pathlib import Path
 import pytest
 
 from specsplit.launch import free_ports, port_is_free
-from specsplit.supervise import backoff_delay
+from specsplit.supervise import backoff_delay, sleep_unless
 from tests.conftest import wait_until
 
 
 def test_backoff_doubles_and_caps():
     assert [backoff_delay(n, 0.5, 3.0) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+_WAITER = """
+import signal, sys, threading, time
+from specsplit.supervise import sleep_unless
+ev = threading.Event()
+signal.signal(signal.SIGUSR1, lambda *_: ev.set())  # what every role's SIGTERM handler does
+print("ready", flush=True)
+end = time.monotonic() + 3.0
+while time.monotonic() < end:
+    {wait}
+print("done", flush=True)
+"""
+
+
+# with "ev.wait(0.001)" instead the child hung or died of the handler's recursion in 6 of 6 runs
+def test_a_main_thread_waiting_for_its_stop_event_never_deadlocks_its_signal_handler():
+    """Roles set a threading.Event from their SIGTERM handler, which runs in the main thread; a
+    main thread inside Event.wait holds the event's lock, and a handler run then blocks on it for
+    good. The roles' waits (worker reconnect back-off, supervisor back-off) only read the flag."""
+    proc = subprocess.Popen([sys.executable, "-c", _WAITER.format(wait="sleep_unless(ev, 0.001)")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.002)
+        assert proc.wait(timeout=10) == 0 and proc.stdout.read().strip() == "done"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sleep_unless_returns_when_set_or_after_its_time():
+    import threading
+
+    ev = threading.Event()
+    t0 = time.monotonic()
+    assert sleep_unless(ev, 0.2) is False and 0.2 <= time.monotonic() - t0 < 1.0
+    threading.Timer(0.1, ev.set).start()
+    t0 = time.monotonic()
+    assert sleep_unless(ev, 5.0) is True and time.monotonic() - t0 < 1.0
 
 
 def _children(pid: int) -> list[int]:

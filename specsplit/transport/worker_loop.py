@@ -62,6 +62,7 @@ from schemas.messages import (
     WorkerHello,
 )
 from specsplit.logs import get_logger
+from specsplit.supervise import sleep_unless
 from specsplit.transport.batching import Gather, take_batch, verify_tokens
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 from specsplit.transport.worker_batching import EngineBatching, _Job, scoped_session_id
@@ -205,7 +206,7 @@ class WorkerLoop(EngineBatching, RouterHandshake):
                     break
                 delay = self.heartbeat_s if heard else min(delay * 2, self.reconnect_max_s)
                 self.log.warning("router_silent_reconnecting", backoff_s=delay)
-                if stop_event.wait(delay):
+                if sleep_unless(stop_event, delay):  # the SIGTERM handler sets it
                     break
         finally:
             engine_stopped = self._stop_engine(wait_s=0.0 if rc == 1 else self.drain_timeout_s)
