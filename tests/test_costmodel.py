@@ -4,6 +4,8 @@ choosing nodes never changes greedy output."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import random
 
 from schemas import FlatTree, GenerateRequest, SamplingSpec, TreeSpec
@@ -54,6 +56,34 @@ def test_acceptance_is_calibrated_from_observations():
     for _ in range(50):
         cm.observe_round(CHAIN, [1, 2, 3], {3, 4, 5})  # lookup tail: first accepted, then rejected
     assert cm.lookup_prob(0) > 0.9 and cm.lookup_prob(1) < 0.1
+
+
+def test_expected_tokens_of_a_chain_match_what_it_delivers():
+    """A node is on the accepted path only when every node above it is: a chain whose steps are
+    each accepted with probability c delivers c + c^2 + ... tokens, and the calibrated model must
+    expect that (not c per node: deep trees would look worth drafting and predictions run high)."""
+    rng = random.Random(0)
+    n = 8
+    for c in (0.6, 0.8, 0.9):
+        chain = FlatTree(token_ids=list(range(n + 1)), parents=[-1, *range(n)],
+                         draft_logprobs=[0.0] + [math.log(c)] * n)
+        cm, delivered = CostModel(), 0
+        for _ in range(2000):
+            accepted = list(itertools.takewhile(lambda _: rng.random() < c, range(1, n + 1)))
+            delivered += len(accepted)
+            cm.observe_round(chain, accepted, set())
+        expected = sum(cm.node_probs(chain, set())[1:])
+        true = sum(c ** k for k in range(1, n + 1))
+        assert abs(delivered / 2000 - true) < 0.15 * true  # the simulation itself
+        assert abs(expected - delivered / 2000) < 0.1 * true, (c, expected, delivered / 2000)
+    # the same for a prompt-lookup chain, calibrated by position
+    lookup, cm, delivered = set(range(1, n + 1)), CostModel(), 0
+    chain = FlatTree(token_ids=list(range(n + 1)), parents=[-1, *range(n)], draft_logprobs=[0.0] * (n + 1))
+    for _ in range(2000):
+        accepted = list(itertools.takewhile(lambda _: rng.random() < 0.7, range(1, n + 1)))
+        delivered += len(accepted)
+        cm.observe_round(chain, accepted, lookup)
+    assert abs(sum(cm.node_probs(chain, lookup)[1:]) - delivered / 2000) < 0.25
 
 
 def test_select_nodes_keeps_a_valid_tree():

@@ -190,6 +190,9 @@ class SessionActor:
                           draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),
                           transport_ms=round(max(0.0, timing.wall_ms - timing.draft_ms - timing.verify_ms), 2),
                           draft_reused=timing.reused, min_path_prob=spec.min_path_prob,
+                          # what the cost model expected of this round (predicted_tok_s, per round)
+                          **({"expected_tokens": round(plan.choice.expected_tokens, 2),
+                              "expected_ms": round(plan.choice.expected_ms, 1)} if plan.choice else {}),
                           **({"partial": reply.partial, "rolled_back": self.cur.rolled_back,
                               "provisional": self.cur.provisional} if self.specpv else {}))
             if done:
