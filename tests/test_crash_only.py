@@ -124,6 +124,24 @@ def _log(tmp: Path) -> str:
     return (tmp / "honcho.log").read_text(errors="replace")
 
 
+def _produce(tmp: Path, env: dict, prompts: list[str], *, max_new_tokens: int, rounds: int) -> subprocess.Popen:
+    """``specsplit produce --json`` of ``prompts`` (all at once) into tmp/produce.out and .err,
+    returned once the fleet has logged ``rounds`` more rounds (or the producer ended)."""
+    (tmp / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    rounds_before = _log(tmp).count("round_done")
+    out, err = open(tmp / "produce.out", "wb"), open(tmp / "produce.err", "wb")
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp / "prompts.txt"), "--json",
+         "--concurrency", str(len(prompts)), "--max-new-tokens", str(max_new_tokens), "--chat", "off",
+         "--wait-s", "60"],
+        env=env, stdout=out, stderr=err, start_new_session=True)
+    out.close()
+    err.close()
+    _wait(lambda: _log(tmp).count("round_done") > rounds_before + rounds or producer.poll() is not None,
+          60, "the prompts are being served")
+    return producer
+
+
 def _stop_honcho(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -143,19 +161,8 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
     try:
         _wait(lambda: _log(tmp_path).count("worker_admitted") >= 8 and _log(tmp_path).count("orchestrator_started") >= 2,
               120, "fleet ready")  # each worker logs worker_admitted, and each router too: 4 + 4
-        (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-        rounds_before = _log(tmp_path).count("round_done")
         t0 = time.monotonic()
-        out = open(tmp_path / "produce.out", "wb")
-        err = open(tmp_path / "produce.err", "wb")
-        producer = subprocess.Popen(
-            [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp_path / "prompts.txt"), "--json",
-             "--concurrency", "16", "--max-new-tokens", "600", "--chat", "off", "--wait-s", "60"],
-            env=env, stdout=out, stderr=err, start_new_session=True)
-        out.close()
-        err.close()
-        _wait(lambda: _log(tmp_path).count("round_done") > rounds_before + 32 or producer.poll() is not None,
-              60, "the prompts are being served")
+        producer = _produce(tmp_path, env, PROMPTS, max_new_tokens=600, rounds=32)
         killed, killed_at = [], {}
         for slot in ("target.1", "draft.2", "router_target.1", "orchestrator.1"):
             time.sleep(1.5)
@@ -276,17 +283,7 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
               120, "fleet ready")
         # repetitive prompts: prompt lookup finds candidates, so rounds verify more than the root
         prompts = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]
-        (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-        rounds_before = _log(tmp_path).count("round_done")
-        out, err = open(tmp_path / "produce.out", "wb"), open(tmp_path / "produce.err", "wb")
-        producer = subprocess.Popen(
-            [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp_path / "prompts.txt"), "--json",
-             "--concurrency", "8", "--max-new-tokens", "300", "--chat", "off", "--wait-s", "60"],
-            env=env, stdout=out, stderr=err, start_new_session=True)
-        out.close()
-        err.close()
-        _wait(lambda: _log(tmp_path).count("round_done") > rounds_before + 16 or producer.poll() is not None,
-              60, "the prompts are being served")
+        producer = _produce(tmp_path, env, prompts, max_new_tokens=300, rounds=16)
         assert producer.poll() is None, "the run ended before the kill"
         os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
         rc = producer.wait(timeout=150)
