@@ -81,6 +81,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def fleet_drafts(args) -> int:
+    """Draft workers the bench's fleet starts: none for prompt lookup alone."""
+    return 0 if args.speculator == "lookup" else 1
+
+
 def fleet_env(args, model_settings) -> dict:
     n, d, b, *rest = args.tree.split(",")
     env = {"SPECSPLIT_TREE_MAX_NODES": n, "SPECSPLIT_TREE_MAX_DEPTH": d, "SPECSPLIT_TREE_BRANCH": b,
@@ -139,8 +144,7 @@ def main(argv=None) -> int:
             from schemas import SamplingSpec
             from specsplit.launch import Fleet
 
-            drafts = 0 if args.speculator == "lookup" else 1
-            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(drafts, 1)
+            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(fleet_drafts(args), 1)
             log(f"fleet starting (logs in {tmp})")
         hf = llama_target = None
         if args.engine == "llamacpp" and "target" in systems:
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
                 hf.packed_target = load_model(paths.target, dtype=args.target_dtype)[0]
                 log(f"target_packed: {pack_linear_weights(hf.packed_target)} Linear layers packed")
         if fleet is not None:
-            fleet.wait_ready(drafts=0 if args.speculator == "lookup" else 1, timeout_s=900)
+            fleet.wait_ready(drafts=fleet_drafts(args), timeout_s=900)
             runner = FleetRunner(fleet.orchestrator, codec.stop_token_ids,
                                  SamplingSpec(temperature=args.temperature, seed=args.seed))
             runner.start()
