@@ -44,7 +44,9 @@ def target_model(tiny_paths):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_paths):
-    f = Fleet.create(tmp_path_factory.mktemp("fleet"), SPECSPLIT_RPC_TIMEOUT_S=10)
+    # tiny models verify in ~4 ms: growth's default budget (0.9x the last verify) leaves room for
+    # no draft forward, and test_g2 would hang on chance; 4x (the setting's bound) lets it grow
+    f = Fleet.create(tmp_path_factory.mktemp("fleet"), SPECSPLIT_RPC_TIMEOUT_S=10, SPECSPLIT_GROW_FRACTION=4.0)
     f.start(drafts=2, targets=2)
     try:
         f.wait_ready(drafts=2, targets=2)
@@ -198,14 +200,19 @@ def test_f_sampling_reproducible_through_fleet(fleet):
 def test_g2_tree_growth_is_reused_and_exact(fleet, target_model):
     """The default orchestrator grows each greedy tree while it is verified; one session at a
     time (so growth is not pre-empted by other requests), the output is still exactly greedy and
-    some rounds start from the grown tree."""
+    some rounds start from the grown tree. Growth races the verify (a few ms on tiny models), so
+    prompts run until one round has re-rooted a grown tree (at least 4, at most 16: ~30 % of
+    rounds do with the fleet's growth budget, so 16 prompts without one means growth is broken)."""
     before = fleet.log("orchestrator").count("round_done")
-    for p in prompts(4, seed=8):
+    done: list[str] = []
+    for k, p in enumerate(prompts(16, seed=8)):
         r = asyncio.run(generate_all(fleet.orchestrator, [p], 48))[0]
         assert r.token_ids == greedy_reference(target_model, p, 48)[0]
-    rounds = fleet.log("orchestrator").split("\n")
-    done = [line for line in rounds if "round_done" in line][before:]
-    assert done and any("draft_reused=" in line and "draft_reused=0 " not in line for line in done), done[:5]
+        done = [line for line in fleet.log("orchestrator").split("\n") if "round_done" in line][before:]
+        if k >= 3 and any("draft_reused=0 " not in line for line in done):
+            break
+    assert done and all("draft_reused=" in line for line in done), done[:5]
+    assert any("draft_reused=0 " not in line for line in done), done[:5]
 
 
 def test_h_many_concurrent_sessions_on_one_loop(fleet):
