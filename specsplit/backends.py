@@ -37,6 +37,54 @@ def default_threads(service: str) -> int:
     return draft if service == "draft" else max(1, cores - draft)
 
 
+class ThreadChooser:
+    """Per forward size, the torch thread count whose forwards measurably run faster: the role's
+    share of the cores or every core.
+
+    A worker's share (``default_threads``) keeps a verifying target and a growing draft off each
+    other's cores. When the other role is idle (plain decoding under load, a lookup-only fleet,
+    a draft on another host) that share leaves cores unused; when it is busy, more threads than
+    free cores make every parallel region wait for a descheduled thread. Neither process knows
+    what the other is doing, so each measures: forwards are bucketed by new tokens (powers of
+    two, up to ``PREFILL_TOKENS``: larger forwards are prompts and take every core), each option
+    keeps an exponential average of its ms per forward per bucket, the faster one runs, and the
+    other is tried every ``explore_every`` forwards of the bucket so that a change of regime (the
+    other role starts or stops) is noticed. Bounded: a handful of buckets times two options."""
+
+    def __init__(self, options: tuple[int, ...], *, min_observations: int = 2, explore_every: int = 8,
+                 decay: float = 0.6):
+        self.options = tuple(dict.fromkeys(options))  # distinct, in order
+        self.min_observations, self.explore_every, self.decay = min_observations, explore_every, decay
+        self._ms: dict[tuple[int, int], float] = {}  # (bucket, threads) -> average ms
+        self._seen: dict[tuple[int, int], int] = {}
+        self._forwards: dict[int, int] = {}  # bucket -> forwards chosen
+
+    @staticmethod
+    def bucket(new_tokens: int) -> int:
+        return max(1, new_tokens).bit_length()  # 1: 1 token, 2: 2-3, 3: 4-7, ... 7: 64
+
+    def choose(self, new_tokens: int) -> int:
+        b = self.bucket(new_tokens)
+        n = self._forwards[b] = self._forwards.get(b, 0) + 1
+        for threads in self.options:  # every option measured first
+            if self._seen.get((b, threads), 0) < self.min_observations:
+                return threads
+        ranked = sorted(self.options, key=lambda th: self._ms[(b, th)])
+        return ranked[1] if n % self.explore_every == 0 and len(ranked) > 1 else ranked[0]
+
+    def observe(self, new_tokens: int, threads: int, ms: float) -> None:
+        key = (self.bucket(new_tokens), threads)
+        if threads not in self.options or ms <= 0:
+            return
+        old = self._ms.get(key)
+        self._ms[key] = ms if old is None else self.decay * old + (1.0 - self.decay) * ms
+        self._seen[key] = self._seen.get(key, 0) + 1
+
+    def table(self) -> dict[str, float]:
+        """'bucket/threads' -> average ms (for logs and tests)."""
+        return {f"{b}/{th}": round(ms, 2) for (b, th), ms in sorted(self._ms.items())}
+
+
 class CpuBackend(Backend):
     """Threads follow the forward: ``threads`` for tree-sized forwards, ``prefill_threads`` for
     forwards of more than ``PREFILL_TOKENS`` new tokens."""
@@ -44,8 +92,12 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, threads: int, prefill_threads: int, *, quantize: str = "none", pack_weights: bool = True,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, adaptive_threads: bool = False):
         self.threads, self.prefill_threads = threads, prefill_threads
+        # tree-sized forwards on the role's share or on every core, whichever measures faster
+        self.chooser = (ThreadChooser((threads, prefill_threads))
+                        if adaptive_threads and prefill_threads != threads else None)
+        self._running = threads
         self.quantize, self.pack_weights = quantize, pack_weights
         self.batch_invariant = batch_invariant  # int8: a token's logits independent of the forward's shape
         self.packed_layers = 0
@@ -57,9 +109,17 @@ class CpuBackend(Backend):
         return requested
 
     def before_forward(self, new_tokens: int) -> None:
-        want = self.prefill_threads if new_tokens > PREFILL_TOKENS else self.threads
+        if new_tokens > PREFILL_TOKENS:
+            want = self.prefill_threads
+        else:
+            want = self.chooser.choose(new_tokens) if self.chooser is not None else self.threads
+        self._running = want
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
+
+    def after_forward(self, new_tokens: int, ms: float) -> None:
+        if self.chooser is not None and new_tokens <= PREFILL_TOKENS:
+            self.chooser.observe(new_tokens, self._running, ms)
 
     def prepare(self, model):
         """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with
@@ -90,7 +150,7 @@ class CpuBackend(Backend):
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
                 "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
-                "gqa_attention": self.gqa_attention,
+                "gqa_attention": self.gqa_attention, "adaptive_threads": self.chooser is not None,
                 "omp": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
 
 
@@ -158,4 +218,5 @@ def build_backend(service: str, device: str, settings) -> Backend:
         # the target's tokens must equal its own greedy decoding whatever the tree's shape; a
         # draft only proposes, so it skips the float64 attention
         batch_invariant=service == "target",
+        adaptive_threads=settings.adaptive_threads,
     )

@@ -101,6 +101,11 @@ class WorkerSettings(SessionLimitSettings):
     # bf16/fp16 Linear weights reordered once into oneDNN's layout (bit-identical, ~1.4x faster
     # target forwards on CPU; see specsplit.models.packing)
     pack_weights: bool = True
+    # CPU: each tree-sized forward runs on the role's threads or on every core (the prefill
+    # threads), whichever the worker measures faster for forwards of that size
+    # (backends.ThreadChooser): every core when the other role idles, the role's share when it
+    # computes beside it
+    adaptive_threads: bool = False
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch).
     # These are on the round's critical path (the target waits for them), while growth expands the
     # same nodes during the next verify at no wait; a re-rooted tree always has the bonus node's

@@ -208,6 +208,59 @@ def test_forwards_use_prefill_threads_for_long_inputs():
     assert seen == [(102, 2), (3, 1)]
 
 
+def test_thread_chooser_runs_the_faster_option_and_notices_a_change_of_regime():
+    """Per forward size, the option measured faster runs; the other is retried now and then, so
+    when the cores free up (or fill) the choice follows within a few forwards."""
+    from specsplit.backends import ThreadChooser
+
+    chooser = ThreadChooser((1, 2), explore_every=4)
+    cost = {1: 100.0, 2: 60.0}  # the other role idle: every core is faster
+
+    def run(n: int, tokens: int = 20) -> list[int]:
+        picked = []
+        for _ in range(n):
+            threads = chooser.choose(tokens)
+            chooser.observe(tokens, threads, cost[threads])
+            picked.append(threads)
+        return picked
+
+    first = run(24)
+    assert first[:4] == [1, 1, 2, 2]  # each option measured first
+    assert first[8:].count(2) >= 12 and 1 in first[8:]  # mostly the faster one, the other tried
+    cost[2] = 150.0  # the other role computes beside it: more threads than free cores
+    after = run(24)
+    assert after[-16:].count(1) >= 12, after
+    assert chooser.choose(1) == 1 and chooser.choose(2) == 1  # other sizes are measured apart
+    assert set(chooser.table()) >= {"5/1", "5/2"}
+
+
+def test_adaptive_threads_time_tree_forwards_and_leave_prompts_on_every_core():
+    from specsplit.backends import CpuBackend, build_backend
+    from specsplit.config import WorkerSettings
+
+    assert build_backend("target", "cpu", WorkerSettings()).chooser is None  # off unless set
+    backend = build_backend("target", "cpu", WorkerSettings(adaptive_threads=True, target_threads=1,
+                                                            prefill_threads=2))
+    assert backend.chooser is not None and backend.describe()["adaptive_threads"]
+    assert CpuBackend(threads=2, prefill_threads=2, adaptive_threads=True).chooser is None  # nothing to choose
+    eng = TargetEngine(tiny_model("qwen2", seed=4), EngineLimits(max_sessions=2, max_session_tokens=256),
+                       backend=CpuBackend(threads=1, prefill_threads=2, pack_weights=False, adaptive_threads=True))
+    before = torch.get_num_threads()
+    try:
+        prompt = [random.Random(1).randrange(128) for _ in range(100)]
+        r = eng.handle(VerifyRequest(session_id="p", round=0, sync=CacheSync(base_len=0, append_token_ids=prompt),
+                                     tree=FlatTree(token_ids=[3, 4], parents=[-1, 0])))
+        assert isinstance(r, VerifyReply)
+        for rnd in range(1, 6):
+            r = eng.handle(VerifyRequest(session_id="p", round=rnd, sync=CacheSync(base_len=r.cache_len),
+                                         tree=FlatTree(token_ids=[r.bonus_token_id, 5, 6], parents=[-1, 0, 0])))
+            assert isinstance(r, VerifyReply)
+    finally:
+        torch.set_num_threads(before)
+    timed = eng.backend.chooser.table()
+    assert set(timed) == {"2/1", "2/2"}, timed  # 3-token forwards on both options; the prompt not timed
+
+
 def test_non_cpu_backends_never_touch_threads():
     """The engine itself sets no thread counts: only the CPU backend policy does."""
     from specsplit.backends import CudaBackend

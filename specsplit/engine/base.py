@@ -73,6 +73,10 @@ class Backend:
     def before_forward(self, new_tokens: int) -> None:
         """Called before each forward of ``new_tokens`` tokens."""
 
+    def after_forward(self, new_tokens: int, ms: float) -> None:
+        """Called after each forward of ``new_tokens`` tokens with its wall time (its logits
+        are on the host or were waited for: a CPU forward is synchronous)."""
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (for honest timings)."""
 
@@ -184,6 +188,7 @@ class Engine:
         t = len(token_ids)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         self.backend.before_forward(t)
+        t0 = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None],
@@ -193,7 +198,9 @@ class Engine:
             logits_to_keep=keep,
             **model_kwargs,
         )
-        return out.logits[0, -keep:].float()  # [keep, V]
+        logits = out.logits[0, -keep:].float()  # [keep, V]
+        self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
+        return logits
 
     def batched_forward_supported(self) -> bool:
         """Whether ``forward_segments`` can run on this model (its attention takes custom masks)."""
@@ -212,6 +219,7 @@ class Engine:
         batch = flatten(segments, self.dtype, self.device)
         t = batch.input_ids.shape[1]
         self.backend.before_forward(t)
+        t0 = time.perf_counter()
         placeholder = torch.zeros(1, 1, t, 0, dtype=self.dtype, device=self.device)  # passed through, unread
         with using_attention(self.model, self._segment_attention):
             out = self.model(
@@ -223,6 +231,7 @@ class Engine:
                 **{PLAN_KWARG: batch.plan},
             )
         logits = out.logits[0].float()  # [K, V]
+        self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
         return list(logits.split([s.keep for s in segments]))
 
     def forward_one(self, seg: Segment) -> torch.Tensor:
