@@ -5,8 +5,10 @@ The target is loaded as its worker runs it (the role's CPU backend: int8 and flo
 by default) and driven through ``TargetEngine.handle`` as the worker does: the prompt (random
 token ids) is prefilled once, then each measured request re-verifies the same tree on it (its
 sync crops the cache back first): a chain of ``--tree-nodes`` nodes and a 1-node decoding step,
-``--repeat`` of each per block, blocks alternating over ``--malloc`` policies so that the
-machine's drift hits them alike:
+``--repeat`` of each per block, blocks alternating over ``--malloc`` policies (and over
+``--attention`` functions: ``blocked``, the float32 batch-invariant attention the int8 target runs
+where its check passes, and ``fp64``, the float64 one it had) so that the machine's drift hits
+them alike:
 - ``default``: the process as started (glibc's dynamic policy);
 - ``glibc``: glibc's policy once warm (buffers over 32 MB mapped afresh and unmapped on free);
 - ``keep``: freed buffers up to ``--keep-mb`` reused (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD).
@@ -16,6 +18,7 @@ the heap with free regions that large, so the two measured alike (``ops/results/
 Prints a markdown table and writes JSON with --json.
 
     python ops/verify_cost.py --context 16896 --malloc glibc,keep --json FILE
+    python ops/verify_cost.py --context 8192 --attention fp64,blocked --json FILE
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3, help="blocks per policy, alternating")
     p.add_argument("--malloc", default="default", help="comma list of default, glibc, keep (see above)")
     p.add_argument("--keep-mb", type=int, default=256)
+    p.add_argument("--attention", default="", help="comma list of blocked, fp64 (empty: as the target loads)")
     p.add_argument("--quantize", choices=["none", "int8"], default="int8",
                    help="the target's Linear layers (int8: as the repository's .env runs the fleet)")
     p.add_argument("--json", dest="json_path")
@@ -90,12 +94,21 @@ def main() -> None:
     prefill_s = time.perf_counter() - t0
     print(f"prefilled {a.context} tokens in {prefill_s:.0f} s; threads {backend.threads}", flush=True)
     kept = CacheSync(base_len=a.context - 1, prompt_len=len(prompt))
-    policies = a.malloc.split(",")
+    from specsplit.models.blocked import BLOCKED_ATTENTION
+    from specsplit.models.int8 import FP64_ATTENTION, use_fp64_attention
+
+    loaded = model.config._attn_implementation
+    names = {"blocked": BLOCKED_ATTENTION, "fp64": FP64_ATTENTION}
+    if "fp64" in a.attention:
+        use_fp64_attention(model)  # registers it
+    variants = [(m, att) for m in a.malloc.split(",") for att in (a.attention.split(",") if a.attention else [""])]
+    policies = [f"{m}/{att}" if att else m for m, att in variants]
     samples = {(pol, kind): [] for pol in policies for kind in trees}
     rnd = 1
     for _ in range(a.blocks):
-        for pol in policies:
-            _policy(pol, a.keep_mb)
+        for pol, (malloc, att) in zip(policies, variants):
+            _policy(malloc, a.keep_mb)
+            model.set_attn_implementation(names[att] if att else loaded)
             for kind, tree in trees.items():
                 request(rnd, kept, tree)  # warm: the policy's first request settles the heap
                 rnd += 1
@@ -103,7 +116,7 @@ def main() -> None:
                     samples[(pol, kind)].append(request(rnd, kept, tree))
                     rnd += 1
             print(pol, {k: round(statistics.median(samples[(pol, k)][-a.repeat:])) for k in trees}, flush=True)
-    rows = [{"malloc": pol, "request": kind, "context": a.context, "nodes": len(trees[kind].token_ids),
+    rows = [{"malloc": pol.split("/")[0], "attention": pol.split("/")[1] if "/" in pol else loaded, "request": kind, "context": a.context, "nodes": len(trees[kind].token_ids),
              "median_ms": statistics.median(v), "min_ms": min(v), "samples": len(v)}
             for (pol, kind), v in samples.items()]
     print("\n| request | context | nodes | " + " | ".join(f"{pol} ms" for pol in policies) + " |")

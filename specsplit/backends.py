@@ -102,6 +102,7 @@ class CpuBackend(Backend):
         self.batch_invariant = batch_invariant  # int8: a token's logits independent of the forward's shape
         self.packed_layers = 0
         self.gqa_attention = False
+        self.attention: str | None = None  # the registered attention function the prepared model runs
 
     def load_dtype(self, requested: str) -> str:
         """The dtype to load in: as requested (``prepare`` makes an int8 model float32 layer by
@@ -122,8 +123,9 @@ class CpuBackend(Backend):
             self.chooser.observe(new_tokens, self._running, ms)
 
     def prepare(self, model):
-        """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with
-        float64 attention where ``batch_invariant``) and/or packed weights; a draft (not
+        """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with a
+        batch-invariant attention where ``batch_invariant``: ``specsplit.models.blocked``, or float64
+        where this machine fails its check) and/or packed weights; a draft (not
         ``batch_invariant``) on sdpa gets ``specsplit.models.attention.gqa_attention``."""
         torch.set_num_threads(self.threads)
         if self.quantize == "int8":
@@ -136,6 +138,7 @@ class CpuBackend(Backend):
             from specsplit.models.attention import use_gqa_attention
 
             self.gqa_attention = use_gqa_attention(model)
+        self.attention = model.config._attn_implementation
         return model
 
     def int8_kernel(self) -> str | None:
@@ -150,7 +153,7 @@ class CpuBackend(Backend):
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
                 "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
-                "gqa_attention": self.gqa_attention, "adaptive_threads": self.chooser is not None,
+                "gqa_attention": self.gqa_attention, "attention": self.attention, "adaptive_threads": self.chooser is not None,
                 "omp": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
 
 

@@ -67,14 +67,17 @@ def fp64_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 def prompt_attention_name(model) -> str | None:
-    """The attention a model on ``fp64_attention`` prefills long prompts with: the registered name
+    """The attention a model on ``fp64_attention`` (or ``specsplit.models.blocked``'s attention,
+    which computes short contexts the same way) prefills long prompts with: the registered name
     of ``specsplit.models.attention.gqa_attention`` (float32; sdpa with ``enable_gqa`` for chunks
     of more than 16 tokens). float64 keeps a token's attention output the same in a decoding step,
     a prefill and a tree, which a prompt does not need: it is always prefilled the same way
     (``TargetEngine``: the same chunks from position 0, and only the prompt's tokens), so its
     cache is the same every time. At 16K cached tokens and a 1024-token chunk, one layer on 1
     thread: float64 3.36 s, sdpa 0.84 s. None: any other attention (prompts as every forward)."""
-    if model.config._attn_implementation != FP64_ATTENTION:
+    from specsplit.models.blocked import BLOCKED_ATTENTION
+
+    if model.config._attn_implementation not in (FP64_ATTENTION, BLOCKED_ATTENTION):
         return None
     from specsplit.models.attention import register_gqa_attention
 
@@ -238,7 +241,9 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
     ~5 GB instead of ~11 GB).
 
     ``batch_invariant`` (a target, which must equal its own greedy decoding whatever the tree's
-    shape): ``RowInt8Linear`` layers and ``fp64_attention``. Otherwise (a draft, which only
+    shape): ``RowInt8Linear`` layers and a batch-invariant attention
+    (``specsplit.models.blocked.use_invariant_attention``: blocked float32 where this machine's
+    kernels pass its check, else ``fp64_attention``). Otherwise (a draft, which only
     proposes): torch.ao dynamic int8 with one activation scale per forward, the fastest at one
     row (a 896x4864 layer: 0.17 vs 0.22 ms, measured)."""
     if not int8_supported():
@@ -257,5 +262,7 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
                 torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
                 setattr(parent, name, wrapped[0])
     if batch_invariant:
-        use_fp64_attention(model)
+        from specsplit.models.blocked import use_invariant_attention
+
+        use_invariant_attention(model)
     return model.float()

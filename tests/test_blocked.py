@@ -1,0 +1,85 @@
+"""The blocked float32 attention (``specsplit.models.blocked``): every row equals, bit for bit,
+what a decoding step at its position computes, and all of them agree with float64 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.engine.masks import additive_mask, linear_then_tree
+from specsplit.models.attention import grouped_attention
+from specsplit.models.blocked import BLOCK, SHORT, blocked_attention, invariance_holds
+
+SHAPES = [(4, 2, 16), (6, 1, 32), (3, 3, 8), (12, 2, 128)]  # query heads, KV heads, head dim
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def forward(q, k, v, committed: int, n_linear: int, parents: list[int]) -> torch.Tensor:
+    """One forward of n_linear chained tokens then a tree on ``committed`` cached keys: [m, Hq, D]."""
+    m = n_linear + len(parents)
+    vis = torch.ones(m, committed + m, dtype=torch.bool)
+    vis[:, committed:] = linear_then_tree(n_linear, parents, torch.device("cpu"))
+    return blocked_attention(None, q[None], k[None], v[None], additive_mask(vis, torch.float32))[0][0], vis
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_row_of_a_forward_equals_the_decoding_step_at_its_position(shape, threads):
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(sum(shape) + threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # short contexts (float64), across SHORT (rows split), across block boundaries, far above them
+        for committed in (0, 5, SHORT - 7, SHORT + BLOCK - 3, SHORT + 2 * BLOCK + 60, SHORT + 5 * BLOCK):
+            n_linear = int(torch.randint(0, 4, (1,), generator=gen))
+            parents = random_parents(int(torch.randint(1, 20, (1,), generator=gen)), gen)
+            m = n_linear + len(parents)
+            k = torch.randn(kv_heads, committed + m, dim, generator=gen)
+            v = torch.randn(kv_heads, committed + m, dim, generator=gen)
+            q = torch.randn(heads, m, dim, generator=gen)
+            rows, vis = forward(q, k, v, committed, n_linear, parents)
+            for i in range(m):  # the keys row i sees, in position order, as a decoding step's cache
+                idx = vis[i].nonzero().view(-1)
+                one = blocked_attention(None, q[None, :, i:i + 1], k[None][:, :, idx], v[None][:, :, idx], None)[0]
+                assert torch.equal(one[0, 0], rows[i]), (committed, n_linear, parents, i)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_blocked_attention_agrees_with_float64_attention(shape):
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(3)
+    for committed, n_linear, parents in ((0, 0, [-1, 0, 0, 1]), (SHORT + 300, 2, [-1, 0, 1, 1, 0, 4]),
+                                         (SHORT + 2 * BLOCK - 1, 0, list(range(-1, 12)))):
+        m = n_linear + len(parents)
+        k = torch.randn(2, kv_heads, committed + m, dim, generator=gen)  # a batch of two
+        v = torch.randn(2, kv_heads, committed + m, dim, generator=gen)
+        q = torch.randn(2, heads, m, dim, generator=gen)
+        vis = torch.ones(m, committed + m, dtype=torch.bool)
+        vis[:, committed:] = linear_then_tree(n_linear, parents, torch.device("cpu"))
+        mask = additive_mask(vis, torch.float32)
+        got = blocked_attention(None, q, k, v, mask)[0]
+        want = grouped_attention(q, k, v, mask, None, torch.float64)
+        assert got.shape == want.shape == (2, m, heads, dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        causal = blocked_attention(None, q, k, v, None)[0]  # no mask: causal on the cache
+        torch.testing.assert_close(causal, grouped_attention(q, k, v, None, None, torch.float64), rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_whose_far_keys_are_not_a_visible_prefix_is_refused():
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, SHORT + 400, 16), torch.randn(1, 2, SHORT + 400, 16)
+    vis = torch.ones(1, SHORT + 400, dtype=torch.bool)
+    vis[0, 10] = False  # a hole far below the row's position
+    with pytest.raises(ValueError, match="visible prefix"):
+        blocked_attention(None, q, k, v, additive_mask(vis, torch.float32))
+
+
+def test_the_check_a_model_is_switched_on_passes_here():
+    """The start-up check behind ``use_invariant_attention`` holds on this machine for the real
+    target's shapes (Qwen2.5 1.5B: 12 query heads on 2 KV heads of 128) on 1 and 2 threads."""
+    assert invariance_holds(12, 2, 128, (1, 2))
