@@ -219,7 +219,7 @@ def build_backend(service: str, device: str, settings) -> Backend:
         quantize=settings.quantize_for(service),
         pack_weights=settings.pack_weights,
         # the target's tokens must equal its own greedy decoding whatever the tree's shape; a
-        # draft only proposes, so it skips the float64 attention
+        # draft only proposes, so it skips the batch-invariant attention
         batch_invariant=service == "target",
         adaptive_threads=settings.adaptive_threads,
     )

@@ -83,3 +83,61 @@ def test_the_check_a_model_is_switched_on_passes_here():
     """The start-up check behind ``use_invariant_attention`` holds on this machine for the real
     target's shapes (Qwen2.5 1.5B: 12 query heads on 2 KV heads of 128) on 1 and 2 threads."""
     assert invariance_holds(12, 2, 128, (1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_int8_target_tree_logits_equal_decoding_steps_past_a_thousand_tokens():
+    """Real weights (SmolLM2-135M, int8 as a target runs it; 9 query heads on 3 KV heads, so a
+    decoding step's 3 rows are padded): a 16-node tree verified at 1530 cached tokens (past
+    SHORT, straddling the block edge at 1536, on 2 threads) gives every node bit-for-bit the
+    logits that decoding its path one token at a time gives (1 thread)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from specsplit.engine.masks import tree_visibility
+    from specsplit.models.blocked import BLOCKED_ATTENTION
+    from specsplit.models.int8 import int8_supported, quantize_int8
+
+    if not int8_supported():
+        pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
+    out = subprocess.run([sys.executable, "-m", "specsplit", "models", "path", "smollm2"], capture_output=True,
+                         text=True, timeout=900, check=True)
+    model = AutoModelForCausalLM.from_pretrained(json.loads(out.stdout)["target"], dtype=torch.float32)
+    model = quantize_int8(model).eval()
+    assert model.config._attn_implementation == BLOCKED_ATTENTION
+    gen = torch.Generator().manual_seed(5)
+    committed = 1530
+    prompt = torch.randint(100, 20000, (1, committed), generator=gen)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 7, 9, 10, 12]
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    tokens = torch.randint(100, 20000, (1, len(parents)), generator=gen)
+    saved = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(2)
+            cache = DynamicCache()
+            for a in range(0, committed, 512):
+                model(input_ids=prompt[:, a:a + 512], past_key_values=cache, use_cache=True)
+            vis = torch.ones(len(parents), committed + len(parents), dtype=torch.bool)
+            vis[:, committed:] = tree_visibility(parents, torch.device("cpu"))
+            tree = model(input_ids=tokens, position_ids=torch.tensor([[committed + d for d in depth]]),
+                         attention_mask=additive_mask(vis, torch.float32), past_key_values=cache,
+                         use_cache=True).logits[0]
+            torch.set_num_threads(1)
+            for i in range(len(parents)):
+                cache.crop(committed - cache.get_seq_length())  # transformers: a negative count to drop
+                path = [i]
+                while parents[path[-1]] >= 0:
+                    path.append(parents[path[-1]])
+                for k, node in enumerate(reversed(path)):
+                    logits = model(input_ids=tokens[:, node:node + 1], position_ids=torch.tensor([[committed + k]]),
+                                   past_key_values=cache, use_cache=True).logits[0, -1]
+                assert torch.equal(logits, tree[i]), (i, float((logits - tree[i]).abs().max()))
+    finally:
+        torch.set_num_threads(saved)

@@ -35,7 +35,7 @@ def merge_sorted(left: list[int], right: list[int]) -> list[int]:
 
 def _load_as_fleet(service: str, path, model_settings, overrides: dict):
     """(model, tokenizer) with the kernels the fleet's worker would run (the role's backend:
-    int8 and float64 attention for a CPU target by default), so the figures are the fleet's."""
+    int8 and batch-invariant attention for a CPU target by default), so the figures are the fleet's."""
     from specsplit.backends import build_backend
     from specsplit.models import load_model
     from specsplit.workers import WorkerSettings, model_dtype

@@ -12,7 +12,8 @@ stacked into one [G*M, D] x [D, L] product) for forwards of up to ``SMALL_QUERY`
 sdpa with ``enable_gqa`` above that. Neither copies the cache.
 
 ``grouped_attention`` is also the body of the int8 target's float64 attention
-(``specsplit.models.int8.fp64_attention``), which computes in float64 for batch invariance.
+(``specsplit.models.int8.fp64_attention``), which computes in float64 for batch invariance, and of
+``specsplit.models.blocked``'s attention for rows that see at most 1024 keys.
 """
 
 from __future__ import annotations
