@@ -117,20 +117,24 @@ def _retrieved(plan: ViewPlan, layer: int, query: torch.Tensor, keys: torch.Tens
     """The top blocks of one layer for this tree's queries, per KV head, in token order:
     (K, V) [1, Hkv, retrieve * block_size, D]."""
     s = plan.summaries
-    hkv, d = keys.shape[1], keys.shape[-1]
+    hkv = keys.shape[1]
     q = query[0]  # [H, N, D]; query head h reads KV head h // (H // Hkv) (transformers' repeat_kv)
     q = q.reshape(hkv, -1, q.shape[-1])  # [Hkv, G*N, D]
     lo, hi = plan.first_block, plan.first_block + plan.candidates
     kmax, kmin = s.kmax[layer][:, lo:hi], s.kmin[layer][:, lo:hi]  # [Hkv, C, D]
     # Quest's bound of q.k over a block: sum_d max(q_d * Kmax_d, q_d * Kmin_d)
     bound = q.clamp(min=0) @ kmax.transpose(1, 2) + q.clamp(max=0) @ kmin.transpose(1, 2)  # [Hkv, G*N, C]
-    top = bound.amax(dim=1).topk(plan.retrieve, dim=-1).indices.sort(dim=-1).values  # [Hkv, R]
-    bs = plan.block_size
-    offs = torch.arange(bs, device=keys.device)
-    tok = ((top + lo) * bs)[..., None] + offs  # [Hkv, R, bs]
-    tok = tok.reshape(1, hkv, -1, 1)  # [1, Hkv, R*bs, 1]
-    return (keys.gather(2, tok.expand(-1, -1, -1, d)),
-            values.gather(2, tok.expand(-1, -1, -1, values.shape[-1])))
+    top = bound.amax(dim=1).topk(plan.retrieve, dim=-1).indices.sort(dim=-1).values + lo  # [Hkv, R] blocks
+    # whole blocks copied as rows of [blocks, bs * D] (index_select: a memcpy per block, ~3-6x
+    # faster than an element-wise gather of the same tokens, measured at 16K)
+    bs, r = plan.block_size, plan.retrieve
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        dx = x.shape[-1]
+        return torch.stack([x[0, h, : hi * bs].reshape(hi, bs * dx).index_select(0, top[h])
+                            for h in range(hkv)]).view(1, hkv, r * bs, dx)
+
+    return take(keys), take(values)
 
 
 def view_parts(plan: ViewPlan, layer: int, query: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -152,6 +156,8 @@ def view_kv(plan: ViewPlan, layer: int, query: torch.Tensor) -> tuple[torch.Tens
 
 
 def _make_view_attention(base_name: str):
+    last: list = [None]  # (the forward's mask, view_len, the view's mask): one per forward, not per layer
+
     def view_attention(module, query, key, value, attention_mask, *args, specpv_view: ViewPlan | None = None,
                        **kwargs):
         """key/value [1, Hkv, B+N, D]: the buffer and the tree; attention_mask [1, 1, N, B+N]."""
@@ -162,8 +168,13 @@ def _make_view_attention(base_name: str):
         k = torch.cat([*ks, key], dim=2)  # [1, Hkv, view_len + B + N, D]: one copy
         v = torch.cat([*vs, value], dim=2)
         n = query.shape[2]
-        mask = torch.cat([attention_mask.new_zeros((*attention_mask.shape[:2], n, specpv_view.view_len)),
-                          attention_mask], dim=-1)  # [1, 1, N, view_len + B + N]: the whole view is visible
+        held = last[0]
+        if held is not None and held[0] is attention_mask and held[1] == specpv_view.view_len:
+            mask = held[2]  # the same object for every layer (attention functions may plan per mask)
+        else:
+            mask = torch.cat([attention_mask.new_zeros((*attention_mask.shape[:2], n, specpv_view.view_len)),
+                              attention_mask], dim=-1)  # [1, 1, N, view_len + B + N]: the whole view is visible
+            last[0] = (attention_mask, specpv_view.view_len, mask)
         return base(module, query, k, v, mask, *args, **kwargs)
 
     return view_attention
