@@ -55,6 +55,7 @@ def test_blocked_attention_agrees_with_float64_attention(shape):
     heads, kv_heads, dim = shape
     gen = torch.Generator().manual_seed(3)
     for committed, n_linear, parents in ((0, 0, [-1, 0, 0, 1]), (SHORT + 300, 2, [-1, 0, 1, 1, 0, 4]),
+                                         (SHORT - 3, 6, [-1, 0, 0]),  # rows on both sides of SHORT
                                          (SHORT + 2 * BLOCK - 1, 0, list(range(-1, 12)))):
         m = n_linear + len(parents)
         k = torch.randn(2, kv_heads, committed + m, dim, generator=gen)  # a batch of two

@@ -91,13 +91,13 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
         return last[3]
     vis = _visible(attention_mask, m, length, device)
     count = vis.sum(dim=1)  # p + 1 per row
-    if bool((count == 0).any()):
-        raise ValueError("a query row sees no key")
     far = ((count - 1) // BLOCK * BLOCK - BLOCK).clamp_min(0)  # [m]
     prefix = vis.to(torch.int8).cummin(dim=1).values.sum(dim=1)  # leading visible slots per row
     is_short = count <= SHORT
-    far_max, near_start, bad, n_short = (int(x) for x in torch.stack(
-        [far.max(), far.min(), ((far > prefix) & ~is_short).sum(), is_short.sum()]).tolist())
+    far_max, near_start, bad, n_short, blind = (int(x) for x in torch.stack(  # the forward's one host sync
+        [far.max(), far.min(), ((far > prefix) & ~is_short).sum(), is_short.sum(), (count == 0).sum()]).tolist())
+    if blind:
+        raise ValueError("a query row sees no key")
     if n_short:
         short = is_short.nonzero().view(-1) if n_short < m else None
         long = (~is_short).nonzero().view(-1) if n_short < m else None
