@@ -101,6 +101,7 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
     if n_short:
         short = is_short.nonzero().view(-1) if n_short < m else None
         long = (~is_short).nonzero().view(-1) if n_short < m else None
+        # near_visible: the whole visibility here (rows split between the two attentions use it)
         plan = _Plan(length, short if n_short < m else torch.arange(m, device=device), long, 0, 0, None, vis)
         _memo.last = (attention_mask, m, length, plan)
         return plan
@@ -134,12 +135,6 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
     return res if out is None else out.copy_(res)
 
 
-def _causal_rows(m: int, length: int, idx: torch.Tensor, device) -> torch.Tensor:
-    """Rows ``idx`` of a causal forward's mask (m queries on length keys), as an additive mask."""
-    vis = torch.ones(m, length, dtype=torch.bool, device=device).tril(length - m)[idx]
-    return torch.zeros(vis.shape, device=device).masked_fill_(~vis, torch.finfo(torch.float32).min)[None, None]
-
-
 def _scores(q: torch.Tensor, k: torch.Tensor, length: int) -> torch.Tensor:
     """q [r, D] (r >= MIN_ROWS), k [>=L, D] -> scores [J, r, BLOCK] against every slot, the keys
     cut into J blocks (the last one zero-padded): one batched matmul whose items all have one shape."""
@@ -166,10 +161,8 @@ def _one(query, key, value, mask, scaling) -> torch.Tensor:
         if plan.long is None:
             return grouped_attention(query[None], key[None], value[None], mask, scaling, torch.float64)[0]
         out = query.new_empty(m, hq, d)
-        for idx in (plan.short, plan.long):
-            sub = None if mask is None else mask[:, :, idx]
-            out[idx] = _one(query[:, idx], key, value, sub if mask is not None else
-                            _causal_rows(m, length, idx, query.device), scaling)
+        for idx in (plan.short, plan.long):  # each part with its rows of the visibility (a bool mask)
+            out[idx] = _one(query[:, idx], key, value, plan.near_visible[idx][None, None], scaling)
         return out
     rows = m * groups
     q = (query * (d ** -0.5 if scaling is None else scaling)).view(hkv, groups, m, d).transpose(1, 2)
