@@ -118,6 +118,10 @@ class CpuBackend(Backend):
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
 
+    @property
+    def inline_safe(self) -> bool:  # tree-sized forwards on one thread: no OpenMP team
+        return self.threads == 1 and self.chooser is None
+
     def after_forward(self, new_tokens: int, ms: float) -> None:
         if self.chooser is not None and new_tokens <= PREFILL_TOKENS:
             self.chooser.observe(new_tokens, self._running, ms)
@@ -196,6 +200,10 @@ class LlamaCppBackend(Backend):
     def for_role(cls, service: str, settings) -> "LlamaCppBackend":
         return cls(settings.threads_for(service) or default_threads(service),
                    settings.prefill_threads or default_prefill_threads())
+
+    @property
+    def inline_safe(self) -> bool:  # tree-sized decodes on one thread: no OpenMP team
+        return self.threads == 1
 
     def threads_for(self, new_tokens: int) -> int:
         """Called by the engine's context before each decode of ``new_tokens`` tokens."""

@@ -90,9 +90,12 @@ class WorkerSettings(SessionLimitSettings):
     # while sessions it serves are due to send their next request (measured turnaround), so that
     # sessions in lockstep share one forward instead of alternating in groups (transport.batching.Gather)
     batch_hold: float = Field(default=0.3, ge=0, le=1)
-    # small requests (tree-sized forwards that recently took < heartbeat_s / 4) are served on the
-    # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop)
-    inline: bool = True
+    # small requests (tree-sized forwards that recently took < heartbeat_s / 4) served on the
+    # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop).
+    # Unset: only where such a forward runs on one thread (Backend.inline_safe): a multi-thread
+    # forward on a second thread makes libgomp stop spinning (specsplit.compute; measured on the
+    # 2-core box, the 1.5B llama.cpp target's 1-token verify on 2 threads 100-130 ms inline, ~60 not)
+    inline: bool | None = None
     # dynamic int8 Linear layers (CPU backend; torch.ao, fbgemm): a quantized target is its own
     # reference (greedy output = that quantized model's greedy decoding, up to the dynamic
     # activation scale, which depends on how many tokens a forward carries)

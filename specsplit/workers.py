@@ -114,6 +114,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     from brokers.curve import CurveError
     from brokers.settings import MetricsSettings
     from specsplit.engine.base import PREFILL_TOKENS
+    from specsplit.compute import ComputeThread
     from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
     from specsplit.transport.batching import draft_tokens, verify_tokens
     from specsplit.transport.worker_loop import WorkerLoop, small_request
@@ -132,10 +133,15 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     secret = settings.secret()  # before the model loads: a fleet secret that cannot be read is fatal at once
     metrics = WorkerMetrics(service)
     count_restarts(metrics.registry, metrics_settings)
-    engine, hello = build_engine(service, settings, model_settings)
+    # the model loads, and every forward runs, on one thread (specsplit.compute: libgomp stops
+    # spinning once two threads of a process have started OpenMP teams on a small machine)
+    compute = ComputeThread()
+    engine, hello = compute.call(build_engine, service, settings, model_settings)
     metrics.watch_forwards(engine.backend)
     identity = settings.identity(service)
-    log.info("worker_loaded", identity=identity, model=hello.model_id, vocab=hello.vocab_size,
+    # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)
+    inline = settings.inline if settings.inline is not None else engine.backend.inline_safe
+    log.info("worker_loaded", identity=identity, inline=inline, model=hello.model_id, vocab=hello.vocab_size,
              device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
     served: Counter[str] = Counter()
 
@@ -172,8 +178,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
                       heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
                       # socket-thread fast path: tree-sized forwards only, never prefills or growth
-                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if settings.inline else None,
-                      curve=curve, secret=secret,
+                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if inline else None,
+                      curve=curve, secret=secret, compute=compute,
                       # the requests queued when a forward starts share its forwards
                       batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
                       batch_cost=verify_tokens if service == "target" else draft_tokens,

@@ -369,3 +369,46 @@ async def test_worker_reconnects_to_a_restarted_router():
             assert isinstance(reply, VerifyReply)
     finally:
         assert worker.stop() == 0
+
+
+async def test_engine_loop_runs_on_the_compute_thread_that_built_the_engine(router):
+    """A real worker loads its model on a ComputeThread and hands it to the loop: every request
+    is handled on that very thread (one OpenMP master per process, specsplit.compute)."""
+    from specsplit.compute import ComputeThread
+
+    compute = ComputeThread(name="compute-under-test")
+    built_on = compute.call(lambda: threading.get_ident())
+    seen: list[int] = []
+
+    def handler(msg: Message) -> Message:
+        seen.append(threading.get_ident())
+        return EchoHandler()(msg)
+
+    with WorkerThread(router.backend, b"w", handler, compute=compute, **HB):
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
+            for rnd in range(3):
+                assert (await client.call(verify("s", rnd), session_id="s", timeout_s=5)).round == rnd
+    assert seen == [built_on] * 3 and built_on != threading.get_ident()
+
+
+def test_compute_thread_runs_in_order_and_hands_back_results_and_errors():
+    from specsplit.compute import ComputeThread
+
+    compute = ComputeThread()
+    order: list[int] = []
+    tasks = [compute.submit(lambda i=i: order.append(i) or i * i) for i in range(5)]
+    assert [t.result(timeout=5) for t in tasks] == [0, 1, 4, 9, 16] and order == [0, 1, 2, 3, 4]
+    with pytest.raises(ZeroDivisionError):
+        compute.call(lambda: 1 / 0)
+    # a task that submits to its own thread runs at once instead of waiting for itself
+    assert compute.call(lambda: compute.call(lambda: "nested")) == "nested"
+    gate = threading.Event()
+    stuck = compute.submit(gate.wait)
+    stuck.join(0.05)
+    assert stuck.is_alive()
+    with pytest.raises(TimeoutError):
+        stuck.result(timeout=0.01)
+    gate.set()
+    stuck.join(5)
+    assert not stuck.is_alive() and stuck.result() is True
+    compute.close()

@@ -80,6 +80,12 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for the device's queued work (for honest timings)."""
 
+    @property
+    def inline_safe(self) -> bool:
+        """Whether a tree-sized forward starts no OpenMP team, so it may run on a thread other
+        than the worker's compute thread (its socket thread's fast path; ``specsplit.compute``)."""
+        return True
+
 
 def is_device_failure(exc: BaseException) -> bool:
     """A failure of the device rather than of the request: CUDA/accelerator errors, out of memory."""

@@ -61,6 +61,7 @@ from schemas.messages import (
     DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest,
     WorkerHello,
 )
+from specsplit.compute import ComputeThread, Task
 from specsplit.logs import get_logger
 from specsplit.supervise import sleep_unless
 from specsplit.transport.batching import Gather, take_batch, verify_tokens
@@ -104,7 +105,9 @@ class WorkerLoop(EngineBatching, RouterHandshake):
     ``drain_timeout_s``, 2 if the router refused the hello. ``ready`` is set while admitted.
     ``may_inline(msg)`` (None: never) allows the socket-thread fast path for a request; it is
     taken only while the engine is idle and only for kinds whose last handling took under
-    ``inline_max_s`` (default: a quarter of ``heartbeat_s``).
+    ``inline_max_s`` (default: a quarter of ``heartbeat_s``). ``compute`` (a ComputeThread: the
+    one that loaded the model) runs the engine loop; a real worker passes it and no fast path, so
+    every OpenMP team of the process starts from one thread (``specsplit.compute``).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class WorkerLoop(EngineBatching, RouterHandshake):
         batch_cost: Callable[[Message], int | None] = verify_tokens,
         batch_hold: float = 0.0,
         secret: bytes | None = None,
+        compute: ComputeThread | None = None,
     ) -> None:
         if heartbeat_s <= 0 or liveness < 1 or max_queue < 1:
             raise ValueError("heartbeat_s must be > 0, liveness >= 1, max_queue >= 1")
@@ -170,7 +174,8 @@ class WorkerLoop(EngineBatching, RouterHandshake):
         self.log = get_logger("specsplit.worker_loop", service=hello.service, worker=identity.hex())
         self._sock: zmq.Socket | None = None
         self._pair: zmq.Socket | None = None
-        self._engine: threading.Thread | None = None
+        self._engine: threading.Thread | Task | None = None
+        self._compute = compute  # the thread the engine loop runs on (None: a thread of its own)
         self._engine_done = False
         self._draining = False
         self._hello_rid = b""
@@ -192,8 +197,11 @@ class WorkerLoop(EngineBatching, RouterHandshake):
     def run(self, stop_event: threading.Event) -> int:
         """Serve until ``stop_event`` is set; see the class docstring for the return code."""
         self._pair = make_socket(self._ctx, zmq.PAIR, sndhwm=0, rcvhwm=0, bind=self._pair_addr)
-        self._engine = threading.Thread(target=self._engine_main, name="specsplit-engine", daemon=True)
-        self._engine.start()
+        if self._compute is not None:
+            self._engine = self._compute.submit(self._engine_main)
+        else:
+            self._engine = threading.Thread(target=self._engine_main, name="specsplit-engine", daemon=True)
+            self._engine.start()
         delay, rc = self.heartbeat_s, 0
         try:
             while True:
