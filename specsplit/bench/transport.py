@@ -72,7 +72,7 @@ def _worker_proc(conn, backend: str, heartbeat_s: float, secret: bytes) -> None:
 
     stop = _child_setup()
     loop = WorkerLoop(backend, b"bench-worker", make_hello(pid=os.getpid()), EchoHandler(), heartbeat_s=heartbeat_s,
-                      may_inline=small_request, secret=secret)  # as the real workers: a 16-node verify takes the fast path
+                      may_inline=small_request, secret=secret)  # as a real worker whose small forwards run on one thread (the default split: the fast path)
     _report_when_ready(loop.ready, conn, lambda: True)
     sys.exit(loop.run(stop))
 
