@@ -113,8 +113,8 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
 
     from brokers.curve import CurveError
     from brokers.settings import MetricsSettings
-    from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.compute import ComputeThread
+    from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
     from specsplit.transport.batching import draft_tokens, verify_tokens
     from specsplit.transport.worker_loop import WorkerLoop, small_request

@@ -106,8 +106,9 @@ class WorkerLoop(EngineBatching, RouterHandshake):
     ``may_inline(msg)`` (None: never) allows the socket-thread fast path for a request; it is
     taken only while the engine is idle and only for kinds whose last handling took under
     ``inline_max_s`` (default: a quarter of ``heartbeat_s``). ``compute`` (a ComputeThread: the
-    one that loaded the model) runs the engine loop; a real worker passes it and no fast path, so
-    every OpenMP team of the process starts from one thread (``specsplit.compute``).
+    one that loaded the model) runs the engine loop; a real worker passes it, and a fast path only
+    where small forwards start no OpenMP team, so every team of the process starts from one
+    thread (``specsplit.compute``).
     """
 
     def __init__(
