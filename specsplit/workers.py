@@ -55,6 +55,13 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     return engine, hello
 
 
+def log_loaded(log, engine, **fields) -> None:
+    """The ``worker_loaded`` line: ``fields``, the engine's device and dtype, and its backend's
+    description (whose keys win: a GPU backend names its device too)."""
+    log.info("worker_loaded", **{**fields, "device": str(engine.device),
+                                 "dtype": str(engine.dtype).removeprefix("torch."), **engine.backend.describe()})
+
+
 def engine_limits(settings: WorkerSettings):
     from specsplit.engine.base import EngineLimits
 
@@ -141,8 +148,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     identity = settings.identity(service)
     # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)
     inline = settings.inline if settings.inline is not None else engine.backend.inline_safe
-    log.info("worker_loaded", identity=identity, inline=inline, model=hello.model_id, vocab=hello.vocab_size,
-             device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."), **engine.backend.describe())
+    log_loaded(log, engine, identity=identity, inline=inline, model=hello.model_id, vocab=hello.vocab_size)
     served: Counter[str] = Counter()
 
     def device_failed(exc: DeviceFailure):  # never a reply: end, so the router fails the sessions over

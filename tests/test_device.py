@@ -112,3 +112,27 @@ def test_engine_factories_name_their_device(greedy):
                                   tree=TreeSpec(max_nodes=8, max_depth=3, branch=2)))
     assert type(v).__name__ == "VerifyReply"
     assert not audit.undeviced, audit.undeviced
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda", "mps", "llamacpp"])
+def test_worker_loaded_line_for_every_backend(backend_name):
+    """The line a worker logs once its model is loaded, for each backend: a GPU backend's
+    description names its device too, which once made every CUDA worker die at startup
+    (``got multiple values for keyword argument 'device'``), seen on an H200."""
+    from types import SimpleNamespace
+
+    from structlog.testing import capture_logs
+
+    from specsplit.backends import CpuBackend, CudaBackend, LlamaCppBackend, MpsBackend
+    from specsplit.logs import get_logger
+    from specsplit.workers import log_loaded
+
+    backend = {"cpu": lambda: CpuBackend(1, 2), "cuda": lambda: CudaBackend(torch.device("cuda:0")),
+               "mps": lambda: MpsBackend(torch.device("mps")), "llamacpp": lambda: LlamaCppBackend(1, 2)}[backend_name]()
+    device = getattr(backend, "device", torch.device("cpu"))
+    engine = SimpleNamespace(device=device, dtype=torch.bfloat16, backend=backend)
+    with capture_logs() as logs:
+        log_loaded(get_logger("specsplit.worker", service="target"), engine, identity="target-0", inline=True)
+    (line,) = [e for e in logs if e["event"] == "worker_loaded"]
+    assert line["backend"] == backend_name and line["device"] == str(device) and line["dtype"] == "bfloat16"
+    assert line["identity"] == "target-0" and line["inline"] is True
