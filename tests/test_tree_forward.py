@@ -11,7 +11,7 @@ from specsplit.engine.base import Engine, EngineLimits
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.masks import causal, linear_then_tree, positions
 from specsplit.tree import depths_of, root_to_leaf_paths
-from tests.conftest import FAMILIES, on_device, tiny_model
+from tests.conftest import FAMILIES, fp32_tolerance, on_device, tiny_model
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:
@@ -56,7 +56,7 @@ def test_tree_forward_matches_each_path(family, attn, device):
             assert kv.length == offset + n
             for path in root_to_leaf_paths(parents):
                 ref = sequential_logits(model, prefix + [tokens[i] for i in path])[offset:]
-                torch.testing.assert_close(logits[path], ref, atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(logits[path], ref, **fp32_tolerance(device))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -78,13 +78,13 @@ def test_compaction_equals_sequential_cache(family, device):
         ref = prefill(ref_engine, prefix + [tokens[i] for i in path])
         assert kv.length == ref.length == len(prefix) + len(path)
         for a, b in zip(kv.layers, ref.layers):
-            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(a.keys, b.keys, **fp32_tolerance(device))
+            torch.testing.assert_close(a.values, b.values, **fp32_tolerance(device))
         # and the compacted cache continues exactly like the sequential one
         nxt = [rng.randrange(128)]  # and the compacted cache continues like the sequential one
         la = tree_logits(engine, kv, nxt, [-1])
         lb = tree_logits(ref_engine, ref, nxt, [-1])
-        torch.testing.assert_close(la, lb, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(la, lb, **fp32_tolerance(device))
 
 
 def test_cache_grows_in_chunks_and_respects_limit():
