@@ -178,12 +178,49 @@ def test_bad_requests_change_nothing_and_sessions_free_their_cells(lm):
         eng.handle(VerifyRequest(session_id=sid, round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
                                  tree=tree, sampling=SamplingSpec()))
     assert len(eng.store) == 3 and "a" not in eng.store
-    for sid in ("c", "d", "e"):
+    for sid in ("c", "d"):
         eng.handle(EndSession(session_id=sid))
-    assert len(eng.pool) == free0
-    with lm.lock:  # every session's sequence is empty; their cells went to the trash sequence
-        assert all(lm.seq_pos_max(s) == -1 for s in range(lm.n_seq) if s != eng.trash)
-        assert lm.seq_pos_max(eng.trash) >= 0
+    with lm.lock:  # ended sessions' sequences are empty; their cells went to the trash sequence
+        live = eng.store.get("e").kv.seq
+        assert all(lm.seq_pos_max(s) == -1 for s in range(lm.n_seq) if s not in (eng.trash, live))
+        assert lm.seq_pos_max(eng.trash) >= 0 and lm.seq_pos_max(live) == held - 1
+    assert eng.idle_clears == 0
+    eng.handle(EndSession(session_id="e"))  # the last one: nothing live, the trash is cleared too
+    assert len(eng.pool) == free0 and eng.idle_clears == 1
+    with lm.lock:
+        assert all(lm.seq_pos_max(s) == -1 for s in range(lm.n_seq))
+
+
+def test_a_session_after_an_idle_clear_verifies_as_in_a_fresh_context(gguf):
+    """Sessions that come and go one at a time (a bench, a lone user) leave no trash in front of
+    the next: its verification is bit-identical to the same request's on a fresh context. (Flash
+    attention's tiled path, for 64+ query rows, tiles the cache in 64 cells from cell 0: a prompt
+    of 100 tokens placed after another session's 600 trash cells rounded up to 0.25 logit apart.)"""
+    lm = LlamaCppModel(gguf, n_ctx=4096, n_seq=16, threads=2, prefill_threads=2)
+    try:
+        limits = EngineLimits(max_sessions=3, max_session_tokens=1024)
+        tree = FlatTree(token_ids=[PROMPT[-1], 5, 6, 7], parents=[-1, 0, 1, 0])
+        start = VerifyRequest(session_id="x", round=0, tree=tree, sampling=SamplingSpec(),
+                              sync=CacheSync(base_len=0, append_token_ids=(PROMPT[::-1] * 8)[:100]))
+        fresh = LlamaTargetEngine(lm, limits)  # (clears the context)
+        ref = fresh.handle(start)
+        with lm.lock:
+            ref_logits = lm.decode([7], [ref.cache_len], [[fresh.store.get("x").kv.seq]], [0])
+        fresh.handle(EndSession(session_id="x"))
+        eng = LlamaTargetEngine(lm, limits)
+        other = eng.handle(VerifyRequest(session_id="y", round=0, tree=tree, sampling=SamplingSpec(),
+                                         sync=CacheSync(base_len=0, append_token_ids=(PROMPT * 40)[:600])))
+        assert isinstance(other, VerifyReply)
+        eng.handle(EndSession(session_id="y"))
+        assert eng.idle_clears == 1
+        got = eng.handle(start)
+        assert (got.accepted_token_ids, got.bonus_token_id, got.cache_len) == (
+            ref.accepted_token_ids, ref.bonus_token_id, ref.cache_len)
+        with lm.lock:
+            logits = lm.decode([7], [got.cache_len], [[eng.store.get("x").kv.seq]], [0])
+        assert np.array_equal(logits, ref_logits)  # the same cells: the same rounding, bit for bit
+    finally:
+        lm.close()
 
 
 def test_replies_report_their_own_forward(lm):
