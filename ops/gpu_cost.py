@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from bench_batch_verify import requests as batch_requests  # (ops/ is the script's directory)
+
 
 def build(config_dir: str, device: str, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -61,7 +63,7 @@ def main() -> None:
     p.add_argument("--json", dest="json_path")
     a = p.parse_args()
 
-    from schemas import CacheSync, DraftRequest, ErrorReply, FlatTree, TreeSpec, VerifyReply, VerifyRequest
+    from schemas import CacheSync, DraftRequest, ErrorReply, FlatTree, TreeSpec, VerifyRequest
     from specsplit.backends import build_backend
     from specsplit.config import WorkerSettings
     from specsplit.engine.base import EngineLimits
@@ -90,7 +92,8 @@ def main() -> None:
             raise SystemExit(f"engine answered {reply.code}: {reply.message}")
         return reply
 
-    limits = EngineLimits(max_sessions=max(ks) + 2, session_ttl_s=1e9, max_tree_nodes=max(max(nodes), 16), max_tree_depth=max(max(nodes), 16),
+    widest = max(max(nodes), 16)
+    limits = EngineLimits(max_sessions=max(ks) + 2, session_ttl_s=1e9, max_tree_nodes=widest, max_tree_depth=widest,
                           max_session_tokens=max(max(contexts), 2 * a.batch_context) + 4 * max(nodes))
     engine = TargetEngine(model, limits, backend=backend)
     for ctx in contexts:
@@ -110,17 +113,9 @@ def main() -> None:
             save()
         engine.store.end_session("v")
 
-    tree_parents = [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, 16)]
     for k in ks:
         eng = TargetEngine(model, limits, backend=backend)
-        reqs = []
-        for i in range(k):
-            prompt = [rng.randrange(vocab) for _ in range(int(a.batch_context * rng.uniform(0.75, 1.25)))]
-            r = ok(eng.handle(VerifyRequest(session_id=f"b{i}", round=0, sync=CacheSync(base_len=0, append_token_ids=prompt),
-                                            tree=FlatTree(token_ids=[rng.randrange(vocab)], parents=[-1]))))
-            assert isinstance(r, VerifyReply)
-            reqs.append(VerifyRequest(session_id=f"b{i}", round=1, sync=CacheSync(base_len=r.cache_len),
-                                      tree=FlatTree(token_ids=[rng.randrange(vocab) for _ in range(16)], parents=tree_parents)))
+        reqs = batch_requests(eng, k, a.batch_context, 16, rng)  # what ops/bench_batch_verify.py sends
         batched = timed(lambda: [ok(x) for x in eng.verify_batch(reqs)], a.repeats)
         alone = timed(lambda: [ok(eng.handle(r)) for r in reqs], max(3, a.repeats // 4))
         row = {"k": k, "nodes_each": 16, "context": a.batch_context, "batched": batched, "one_at_a_time": alone,
