@@ -17,7 +17,9 @@ sequences (a bitset). Visibility in a llama.cpp batch is "same sequence and not 
 - draft: every forwarded tree node owns a sequence = its parent's cells + its own, so a node
   forwarded later sees exactly its ancestors; a re-rooted tree hands the path to the main sequence.
 
-Positions are ``cache_len + depth`` as in the torch engines. Exactness: llama.cpp's kernels are not
+Positions are ``cache_len + depth`` as in the torch engines. A target verifies the rounds of
+several sessions in one decode (``verify_batch``: each token carries its own session's sequences,
+so the shared decode computes what each round alone would, up to the kernels' shape rounding). Exactness: llama.cpp's kernels are not
 batch-invariant (a multi-token forward may round differently from one-token decodes: the weight
 GEMMs, and the flash-attention kernel's tiled / split-KV paths), so a llama.cpp target's output
 equals its own plain greedy decoding except where the two top logits are within that rounding. Sequence ids come from a bounded pool
@@ -39,6 +41,7 @@ from specsplit.engine.base import LINEAR_CHUNK, EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.store import Session, SessionStore
 from specsplit.engine.target import TargetEngine
+from specsplit.engine.target_batch import verify_alone, verify_batch
 from specsplit.engine.llamacpp_model import (  # noqa: F401 (greedy_decode, MAX_SEQ: re-exported)
     MAX_SEQ, LlamaCppModel, LlamaOutOfCells, SeqPool, greedy_decode,
 )
@@ -188,7 +191,7 @@ class _LlamaEngineMixin:
             except LlamaOutOfCells:
                 if self.trash is not None:
                     self._collect()
-                    raise SpecError(ErrorCode.CACHE_MISS, "the worker's cache was collected; resend with base_len 0")
+                    raise _cache_miss()
                 if self.store.evict_oldest(keep=lambda s: s.kv is kv) is None:
                     raise SpecError(ErrorCode.OVERLOADED, "the worker's KV cache is full", retryable=True)
 
@@ -250,12 +253,125 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
     def committed_len(session) -> int:
         return session.kv.prefix
 
+    def batched_forward_supported(self) -> bool:
+        return True  # sessions share a decode through their own sequences (verify_members)
+
     def verify_batch(self, requests) -> list:
-        """One at a time (the context's sessions could share a decode; not built yet)."""
-        return [self.handle(r) for r in requests]
+        """Replies in order; the sessions that allow it share one decode (``target_batch``'s
+        rules, ``verify_members``). Under the context's lock, as ``handle``."""
+        with self.lm.lock:
+            try:
+                return verify_batch(self, requests)
+            finally:
+                self._clear_if_idle()
+
+    def verify_members(self, members, replies: list, t0: float) -> None:
+        """Several sessions' syncs and trees in one llama_decode: each token carries its own
+        session's sequences, so it sees only its session's prefix and tree ancestors (the unified
+        cache's visibility rule), exactly what its request alone would decode. Members are grouped
+        into decodes of at most ``n_batch`` tokens; a member that fits no group, or finds no free
+        sequences for its tree, is verified alone after the groups."""
+        groups: list[list] = [[]]
+        used, later = 0, []
+        for m in members:
+            size = len(m.req.sync.append_token_ids) + m.layout.num_nodes
+            if size > self.lm.n_batch:
+                later.append(m)
+                continue
+            if used + size > self.lm.n_batch:
+                groups.append([])
+                used = 0
+            groups[-1].append(m)
+            used += size
+        for group in groups:
+            group = [m for m in group if not self._gone(m, replies)]
+            if len(group) == 1:
+                verify_alone(self, group[0], replies, t0)
+            elif group:
+                later += self._verify_group(group, replies, t0)
+        for m in later:
+            if not self._gone(m, replies):
+                verify_alone(self, m, replies, t0)
+
+    @staticmethod
+    def _gone(m, replies: list) -> bool:
+        """A member whose session was dropped meanwhile (a collection, or evicted by a later
+        member's new session: its sequence may already serve another) is answered CACHE_MISS."""
+        if not m.session.kv.closed:
+            return False
+        replies[m.index] = _cache_miss().to_reply(m.req.session_id, m.req.round)
+        return True
+
+    def _verify_group(self, group, replies: list, t0: float) -> list:
+        """One decode for ``group``'s rounds; returns the members left to verify alone."""
+        planned, later = [], []
+        for m in group:
+            try:
+                planned.append((m, self.guarded(m.session, lambda m=m: self._plan(m.session.kv, m.req, m.layout))))
+            except SpecError as exc:
+                if exc.code is ErrorCode.OVERLOADED:  # no free sequences now: alone, after this decode
+                    later.append(m)
+                else:
+                    replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+        tokens, pos, seqs, outputs = [], [], [], []
+        for _, plan in planned:
+            outputs += [len(tokens) + len(plan.lin) + i for i in range(plan.layout.num_nodes)]
+            tokens += plan.tokens
+            pos += plan.positions
+            seqs += plan.seqs
+        if not planned:
+            return later
+        try:
+            logits = self.lm.decode(tokens, pos, seqs, outputs)
+        except LlamaOutOfCells:
+            self._collect()  # every session dropped: each member resends its context
+            for m, _ in planned:
+                replies[m.index] = _cache_miss().to_reply(m.req.session_id, m.req.round)
+            return later
+        except Exception as exc:  # nothing was decoded (llama_decode restores the cache on failure)
+            self.log.warning("batch_forward_failed", sessions=len(planned), error=f"{type(exc).__name__}: {exc}"[:500],
+                             action="verify each alone")
+            for m, plan in planned:
+                self._release(m.session.kv, plan)
+                m.session.kv.crop_to(m.req.sync.base_len)
+            return later + [m for m, _ in planned]
+        row = 0
+        for m, plan in planned:
+            lg = torch.from_numpy(logits[row:row + plan.layout.num_nodes])
+            row += plan.layout.num_nodes
+
+            def settle(m=m, plan=plan, lg=lg) -> Outcome:
+                try:
+                    verdict = self._settle(m.session.kv, m.req, plan, lg)
+                finally:
+                    self._release(m.session.kv, plan)
+                m.session.last_round = m.req.round
+                return Outcome(verdict, forward_tokens=len(plan.tokens))
+
+            try:
+                out = self.guarded(m.session, settle)
+                replies[m.index] = self.reply_for(m.req, out, self.committed_len(m.session), t0,
+                                                  batch_tokens=len(tokens), batch_size=len(planned))
+            except SpecError as exc:
+                replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+        return later
 
     def _round(self, session: Session, req, layout: TreeLayout) -> Outcome:
         kv: LlamaKV = session.kv
+        plan = self._plan(kv, req, layout)
+        try:
+            logits = torch.from_numpy(self._retry_out_of_cells(
+                kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs,
+                                           list(range(len(plan.lin), len(plan.tokens))))))  # [N, V]
+            verdict = self._settle(kv, req, plan, logits)
+        finally:
+            self._release(kv, plan)
+        return Outcome(verdict, forward_tokens=len(req.sync.append_token_ids) + layout.num_nodes)
+
+    def _plan(self, kv: LlamaKV, req, layout: TreeLayout) -> "_Planned":
+        """Before the round's decode: the cache cropped to the sync's base, a sync too long for
+        one decode with the tree committed ahead in chunks, and a scratch sequence (a copy of the
+        main one) per leaf of the tree; the decode's tokens, positions and sequences."""
         kv.crop_to(req.sync.base_len)
         lin = list(req.sync.append_token_ids)
         n = layout.num_nodes
@@ -265,29 +381,50 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
             head, lin = lin[:len(lin) - room], lin[len(lin) - room:]
             self.forward_linear(kv, head)
         scratch = self._take_seqs(kv, len(leaves))
-        try:
-            start = kv.prefix + len(lin)  # the root's position
-            for s in scratch:
-                self.lm.seq_cp(kv.seq, s)
-            tokens = [*lin, *req.tree.token_ids]
-            pos = [*range(kv.prefix, start), *(start + d for d in layout.depths)]
-            seqs = [[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)]
-            outputs = list(range(len(lin), len(lin) + n))
-            logits = torch.from_numpy(self._retry_out_of_cells(
-                kv, lambda: self.lm.decode(tokens, pos, seqs, outputs)))  # [N, V]
-            kv.prefix = kv.length = start
-            visible = torch.from_numpy(_ancestor_matrix(layout))  # [N, N]
-            verdict: Verdict = self.decide(req, layout, logits, visible)
-            deepest = verdict.path[-1]
-            path_seq = scratch[below[deepest][0]]
-            self.lm.seq_cp(path_seq, kv.seq, start, start + len(verdict.path))  # root + accepted nodes
-            kv.prefix = kv.length = start + len(verdict.path)
-        finally:
-            if not kv.closed:  # (a collection cleared everything)
-                for s in scratch:
-                    kv.drop(s)
-                    self.pool.give(s)
-        return Outcome(verdict, forward_tokens=len(req.sync.append_token_ids) + n)
+        for s in scratch:
+            self.lm.seq_cp(kv.seq, s)
+        start = kv.prefix + len(lin)  # the root's position
+        return _Planned(
+            lin=lin, layout=layout, scratch=scratch, below=below, start=start,
+            tokens=[*lin, *req.tree.token_ids],
+            positions=[*range(kv.prefix, start), *(start + d for d in layout.depths)],
+            seqs=[[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)])
+
+    def _settle(self, kv: LlamaKV, req, plan: "_Planned", logits: torch.Tensor) -> Verdict:
+        """After the decode (the sync's tokens are committed): the verdict from the tree's logits
+        [N, V], and the accepted path's cells handed to the main sequence."""
+        kv.prefix = kv.length = plan.start
+        visible = torch.from_numpy(_ancestor_matrix(plan.layout))  # [N, N]
+        verdict: Verdict = self.decide(req, plan.layout, logits, visible)
+        path_seq = plan.scratch[plan.below[verdict.path[-1]][0]]
+        self.lm.seq_cp(path_seq, kv.seq, plan.start, plan.start + len(verdict.path))  # root + accepted nodes
+        kv.prefix = kv.length = plan.start + len(verdict.path)
+        return verdict
+
+    def _release(self, kv: LlamaKV, plan: "_Planned") -> None:
+        if not kv.closed:  # (a collection cleared everything)
+            for s in plan.scratch:
+                kv.drop(s)
+                self.pool.give(s)
+        plan.scratch = []
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One round's decode inputs on a llama target (``LlamaTargetEngine._plan``)."""
+
+    lin: list[int]  # sync tokens in the decode (committed to the main sequence by it)
+    layout: TreeLayout
+    scratch: list[int]  # a sequence per leaf
+    below: list[list[int]]  # per node: the leaves (indices into scratch) under it
+    start: int  # the root's position
+    tokens: list[int]
+    positions: list[int]
+    seqs: list[list[int]]
+
+
+def _cache_miss() -> SpecError:
+    return SpecError(ErrorCode.CACHE_MISS, "the worker's cache was collected; resend with base_len 0")
 
 
 def _ancestor_matrix(layout: TreeLayout) -> np.ndarray:

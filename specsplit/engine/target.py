@@ -20,7 +20,7 @@ from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
 from specsplit.engine.sampling import make_generator
 from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
-from specsplit.engine.target_batch import verify_batch
+from specsplit.engine.target_batch import fused, verify_batch
 from specsplit.engine.verify import Outcome, Verdict, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
 from specsplit.models.int8 import prompt_attention_name
@@ -108,6 +108,11 @@ class TargetEngine(Engine):
         """Replies to ``requests`` in order, verifying the trees of the sessions that allow it in
         ONE forward; see ``specsplit.engine.target_batch``."""
         return verify_batch(self, requests)
+
+    def verify_members(self, members, replies: list, t0: float) -> None:
+        """Verify ``target_batch``'s members (2+, sessions locked, checks passed) in one forward
+        and set each one's reply; an engine whose forward differs overrides this."""
+        fused(self, members, replies, t0)
 
     # ---- one round ---------------------------------------------------------------------
     def _round(self, session, req: VerifyRequest, layout: TreeLayout) -> Outcome:

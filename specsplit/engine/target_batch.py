@@ -61,9 +61,9 @@ def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
     members = _lock_members(engine, requests, fused, replies, later)
     try:
         if len(members) == 1:
-            _alone(engine, members[0], replies, t0)
+            verify_alone(engine, members[0], replies, t0)
         elif members:
-            _fused(engine, members, replies, t0)
+            engine.verify_members(members, replies, t0)
     finally:
         for m in members:
             m.session.lock.release()
@@ -84,7 +84,8 @@ def _lock_members(engine, requests, indices: list[int], replies: list, later: li
     return members
 
 
-def _alone(engine, m: _Member, replies: list, t0: float) -> None:
+def verify_alone(engine, m: _Member, replies: list, t0: float) -> None:
+    """One member verified by itself (its session stays locked); a refusal becomes its reply."""
     try:
         out = engine.run_locked(m.session, m.req, m.layout)
         replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0)
@@ -92,7 +93,8 @@ def _alone(engine, m: _Member, replies: list, t0: float) -> None:
         replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
 
 
-def _fused(engine, members: list[_Member], replies: list, t0: float) -> None:
+def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
+    """The torch engines' ``verify_members``: the members' segments in one ``forward_segments``."""
     for m in members:
         sync, kv = m.req.sync, m.session.kv
         kv.crop_to(sync.base_len)
@@ -109,7 +111,7 @@ def _fused(engine, members: list[_Member], replies: list, t0: float) -> None:
                            action="verify each alone")
         for m in members:  # what the forward appended is dropped: each starts from its base again
             m.session.kv.crop_to(m.req.sync.base_len)
-            _alone(engine, m, replies, t0)
+            verify_alone(engine, m, replies, t0)
         return
     tokens = sum(len(m.segment.token_ids) for m in members)  # the shared forward's, every member's reply says
     for m, lg in zip(members, logits):
