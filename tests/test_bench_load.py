@@ -103,7 +103,7 @@ def test_env_file_defaults_yield_to_the_shell(tmp_path):
     assert fleet_defaults("none", environ={}) == {}
 
 
-def test_passes_of_a_level_merge_to_their_mean_wall_and_keep_only_reproduced_tokens():
+def test_passes_of_a_level_merge_to_their_mean_wall_and_mark_what_was_not_reproduced():
     from specsplit.bench.load import Done, Level, make_row
 
     def level(wall, tokens, latency):
@@ -119,5 +119,8 @@ def test_passes_of_a_level_merge_to_their_mean_wall_and_keep_only_reproduced_tok
     assert row["target_batched_passes_tok_s"] == [0.25] and row["fleet_vs_target_batched"] == 0.8
     assert row["fleet_p50_latency_s"] == 7.0 and row["identical_to_target_batched"] == 2
     assert row["fleet_rounds"] == 8  # the first pass's counts, not the passes' sum
-    assert make_row(2, [a, drifted], target)["identical_to_target_batched"] == 1
+    mixed = make_row(2, [a, drifted], target)
+    assert mixed["identical_to_target_batched"] == 1
+    assert mixed["fleet_tok_s"] == round(4 / 15.0, 3)  # a request not reproduced still produced its tokens
+    assert [r["identical"] for r in mixed["requests"]] == [True, False]
     assert make_row(2, a, target)["fleet_tok_s"] == 0.4  # one pass: as before

@@ -235,6 +235,10 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None, llama_t
             answers[name] = calls[name](ids)
         row = R.make_row(args.offset + i, text, len(ids), {n: answers[n] for n in systems},
                          greedy=args.temperature == 0)
+        if row.get("identical_to_target") is False and llama_target is not None:
+            row["divergence"] = llama_target.divergence(ids, answers["target"].token_ids,
+                                                        answers["specsplit"].token_ids, row["first_divergence"])
+            log(f"prompt {args.offset + i}: {row['divergence']['cause']}")
         rows.append(row)
         log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
             + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else "")

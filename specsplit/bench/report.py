@@ -69,6 +69,9 @@ def summarize(rows: list[dict]) -> dict:
         ident = [r["identical_to_target"] for r in rows if "identical_to_target" in r]
         if ident:
             out["identical_to_target"] = f"{sum(ident)}/{len(ident)}"
+        causes = [r["divergence"] for r in rows if "divergence" in r]
+        if causes:  # each divergence from the target's greedy decoding, with its cause
+            out["divergences_named"] = f"{sum(c['named'] for c in causes)}/{len(causes)}"
     return out
 
 
@@ -91,7 +94,10 @@ def markdown(rows: list[dict], summary: dict) -> str:
                  + f" | {summary.get('mean_accepted', '-')} | {summary.get('identical_to_target', '-')} |"
                  + (f" {summary['llamacpp_identical_to_target']} |" if llama else ""))
     ratios = ", ".join(f"{k} = {v}x" for k, v in summary.items() if k.startswith("speedup"))
-    return "\n".join(lines) + (f"\n\n{ratios}\n" if ratios else "\n")
+    causes = [f"- prompt {r['prompt_index']}, token {r['divergence']['position']}: {r['divergence']['cause']}"
+              for r in rows if "divergence" in r]
+    return ("\n".join(lines) + (f"\n\n{ratios}\n" if ratios else "\n")
+            + ("\ndivergences from the target's greedy decoding:\n" + "\n".join(causes) + "\n" if causes else ""))
 
 
 def write_json(path: str, config: dict, rows: list[dict], summary: dict) -> None:

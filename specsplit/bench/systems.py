@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 
 @dataclass
 class Answer:
@@ -120,6 +122,57 @@ class LlamaTargetRunner:
         t0 = time.perf_counter()
         out = greedy_decode(self.lm, ids, max_new, self.stop_ids)
         return Answer(out, time.perf_counter() - t0)
+
+    def divergence(self, ids: list[int], want: list[int], got: list[int], k: int,
+                   widths: tuple[int, ...] = (2, 3, 4, 5, 8, 9, 16)) -> dict:
+        """Why a greedy output ``got`` left the target's own greedy decoding ``want`` at token
+        ``k``: the target's logits there as its plain decoding computed them (the prompt, then one
+        token per decode), the margin of its token over the one the fleet took, and the token a
+        forward of each of ``widths`` tokens puts first at the same position (the fleet verifies
+        the newest token with its tree's other nodes in one forward; later rows do not change an
+        earlier row's attention, only the kernels' shapes). Names the cause: the kernels' shape
+        rounding when some width picks the fleet's token; a near-tie (within ~1 logit) otherwise
+        (the fleet's cached K/V came from multi-token forwards too); else unexplained."""
+        if k >= min(len(want), len(got)):  # the same tokens until one output stopped
+            return {"position": k, "named": False, "cause": "one output ended here (a stop token), the other went on"}
+        lm, a, b = self.lm, want[k], got[k]
+        ctx = [*ids, *want[:k]]
+        filler = ([*got[k:], *want[k:], *ctx] * max(widths))[:max(widths)]  # any tokens: row 0 cannot see them
+        with lm.lock:
+            lm.lib.llama_memory_clear(lm.mem, True)
+            try:
+                logits = None
+                head = ids if k else ids[:-1]
+                for s in range(0, len(head), lm.n_batch):
+                    part = head[s:s + lm.n_batch]
+                    logits = lm.decode(part, list(range(s, s + len(part))), [[0]] * len(part), [len(part) - 1])
+                if k:
+                    for j in range(len(ids), len(ctx)):
+                        logits = lm.decode([ctx[j]], [j], [[0]], [0])
+                else:  # the plain decoding's prompt forward held the last prompt token too
+                    logits = lm.decode(ids[-1:], [len(ids) - 1], [[0]], [0])
+                lone = logits[0]
+                last = len(ctx) - 1
+                shapes = {}
+                for w in widths:
+                    lm.seq_rm(0, last, -1)
+                    row = lm.decode([ctx[-1], *filler[:w - 1]], list(range(last, last + w)), [[0]] * w, [0])[0]
+                    shapes[str(w)] = int(np.argmax(row))
+            finally:
+                lm.lib.llama_memory_clear(lm.mem, True)
+        margin = float(lone[a] - lone[b])
+        flips = [int(w) for w, t in shapes.items() if t == b]
+        if flips:
+            cause = (f"kernel shape rounding: the target's plain decoding puts {a} {margin:.3f} logit above {b}; "
+                     f"a forward of {flips} tokens puts {b} first")
+        elif margin < 1.0:
+            cause = (f"near-tie: {a} is {margin:.3f} logit above {b} in the target's plain decoding, within the "
+                     "kernels' shape rounding (no probed width flips it: the fleet's cached K/V also came from "
+                     "multi-token forwards)")
+        else:
+            cause = f"unexplained: {a} is {margin:.3f} logit above {b}, beyond the kernels' shape rounding"
+        return {"position": k, "target_token": a, "specsplit_token": b, "plain_margin": round(margin, 4),
+                "argmax_by_width": shapes, "named": not cause.startswith("unexplained"), "cause": cause}
 
     def close(self) -> None:
         self.lm.close()
