@@ -19,10 +19,11 @@ sequences (a bitset). Visibility in a llama.cpp batch is "same sequence and not 
 
 Positions are ``cache_len + depth`` as in the torch engines. A target verifies the rounds of
 several sessions in one decode (``verify_batch``: each token carries its own session's sequences,
-so the shared decode computes what each round alone would, up to the kernels' shape rounding). Exactness: llama.cpp's kernels are not
-batch-invariant (a multi-token forward may round differently from one-token decodes: the weight
-GEMMs, and the flash-attention kernel's tiled / split-KV paths), so a llama.cpp target's output
-equals its own plain greedy decoding except where the two top logits are within that rounding. Sequence ids come from a bounded pool
+so the shared decode computes what each round alone would, up to the kernels' shape rounding).
+Exactness: llama.cpp's kernels are not batch-invariant (a multi-token forward may round
+differently from one-token decodes: the weight GEMMs, and the flash-attention kernel's tiled /
+split-KV paths), so a llama.cpp target's output equals its own plain greedy decoding except where
+the two top logits are within that rounding. Sequence ids come from a bounded pool
 (LLAMA_MAX_SEQ = 256 per context); a draft that finds the pool empty stops growing.
 Engines contain no transport and no device policy: threads per forward size come from the
 worker's backend (``threads_for``).
@@ -315,7 +316,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
                     replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
         tokens, pos, seqs, outputs = [], [], [], []
         for _, plan in planned:
-            outputs += [len(tokens) + len(plan.lin) + i for i in range(plan.layout.num_nodes)]
+            outputs += [len(tokens) + i for i in plan.outputs]
             tokens += plan.tokens
             pos += plan.positions
             seqs += plan.seqs
@@ -361,8 +362,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
         plan = self._plan(kv, req, layout)
         try:
             logits = torch.from_numpy(self._retry_out_of_cells(
-                kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs,
-                                           list(range(len(plan.lin), len(plan.tokens))))))  # [N, V]
+                kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs, plan.outputs)))  # [N, V]
             verdict = self._settle(kv, req, plan, logits)
         finally:
             self._release(kv, plan)
@@ -421,6 +421,11 @@ class _Planned:
     tokens: list[int]
     positions: list[int]
     seqs: list[list[int]]
+
+    @property
+    def outputs(self) -> list[int]:
+        """The tree nodes' indices in the decode's tokens (their logits are read)."""
+        return list(range(len(self.lin), len(self.tokens)))
 
 
 def _cache_miss() -> SpecError:
