@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -303,5 +304,64 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
     finally:
         _stop_honcho(proc)
     assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
+    for name, port in ports.items():
+        assert port_is_free(port), f"{name} port {port} still bound"
+
+
+@pytest.mark.timeout(300)
+def test_llamacpp_honcho_fleet_survives_kill9_of_a_target_mid_batch(tmp_path):
+    """The llama.cpp engines started as people start a fleet (`honcho start`, the Procfile, the
+    .env with SPECSPLIT_TARGET_ENGINE=llamacpp; real SmolLM2 GGUF, prompt lookup, no draft worker),
+    8 sessions verified in shared decodes on two target workers; a kill -9 of one target mid-stream
+    costs its sessions a resend, not an answer. llama.cpp's kernels round a multi-token forward
+    differently from a one-token one, so each answer is checked against the target's own greedy
+    decoding with every divergence explained (`LlamaTargetRunner.divergence`: a near-tie or a flip
+    by the forward's shape), not for bit equality."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is a dependency; ops/setup.sh installs it")
+    from specsplit.bench.systems import LlamaTargetRunner
+    from specsplit.models import ModelSettings
+    from specsplit.models.loading import resolve_gguf
+
+    gguf = resolve_gguf("target", ModelSettings(preset="smollm2"))
+    proc, ports, env = _honcho_fleet(tmp_path, "draft=0,target=2,orchestrator=1", SPECSPLIT_PRESET="smollm2",
+                                     SPECSPLIT_TARGET_ENGINE="llamacpp", SPECSPLIT_SPECULATOR="lookup",
+                                     SPECSPLIT_ORCHESTRATOR_COUNT="1")
+    try:
+        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp_path),
+              120, "fleet ready")
+        prompts = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]
+        producer = _produce(tmp_path, env, prompts, max_new_tokens=300, rounds=24)
+        assert producer.poll() is None, "the run ended before the kill"
+        os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
+        rc = producer.wait(timeout=150)
+        assert rc == 0, (tmp_path / "produce.err").read_text()[-3000:]
+        assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp_path)[-3000:]
+        rows = sorted((json.loads(line) for line in (tmp_path / "produce.out").read_text().splitlines()),
+                      key=lambda r: r["index"])
+        assert len(rows) == len(prompts)
+        log = _log(tmp_path)
+        assert "role_died" in log, log[-3000:]
+        assert "request_resent" in log, "no request in flight on the killed target was resent"
+        assert sum(r["drafted_tokens"] for r in rows) > 0  # lookup candidates were verified
+        batched = [int(m) for m in re.findall(r"round_done .* batch_size=(\d+)", log)]
+        assert max(batched) > 1, "no two sessions shared a decode"
+        _wait(lambda: _worker_pid(proc.pid, "target.1"), 30, "target.1 restarted")
+    finally:
+        _stop_honcho(proc)
+    assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
+    reference = LlamaTargetRunner(gguf, threads=1, stop_ids=[])
+    try:
+        for r in rows:
+            assert r["finish_reason"] == "stop" or r["new_tokens"] == 300, r
+            got, ids = r["token_ids"], r["prompt_token_ids"]
+            want = reference.target_alone(ids, len(got)).token_ids
+            if want != got:
+                k = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+                why = reference.divergence(ids, want, got, k)
+                assert why["named"], (r["index"], why)
+                print(f"prompt {r['index']}: diverges at {k}: {why['cause']}")
+    finally:
+        reference.close()
+    print(f"rounds by batch size: {dict(sorted(Counter(batched).items()))}")
     for name, port in ports.items():
         assert port_is_free(port), f"{name} port {port} still bound"
