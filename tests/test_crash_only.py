@@ -271,6 +271,28 @@ def test_router_away_10s_then_back_run_finishes_fast_and_exact(tmp_path, target_
     assert all(c == 0 for c in codes.values()), codes
 
 
+LOOKUP_PROMPTS = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]  # lookup finds candidates
+
+
+def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, rounds: int) -> list[dict]:
+    """A draft-less fleet (two targets, one orchestrator) once ready: ``LOOKUP_PROMPTS`` produced
+    (300 new tokens each), target.1's worker process SIGKILLed after ``rounds`` rounds; the
+    producer must finish and honcho keep running. The produced rows, in prompt order."""
+    # two target workers and the target router's two admissions; the draft router stays empty
+    _wait(lambda: _log(tmp).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp),
+          120, "fleet ready")
+    producer = _produce(tmp, env, LOOKUP_PROMPTS, max_new_tokens=300, rounds=rounds)
+    assert producer.poll() is None, "the run ended before the kill"
+    os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
+    rc = producer.wait(timeout=150)
+    assert rc == 0, (tmp / "produce.err").read_text()[-3000:]
+    assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp)[-3000:]
+    rows = sorted((json.loads(line) for line in (tmp / "produce.out").read_text().splitlines()),
+                  key=lambda r: r["index"])
+    assert len(rows) == len(LOOKUP_PROMPTS)
+    return rows
+
+
 @pytest.mark.timeout(300)  # ~40 s on an idle 2-core box
 def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_target(tmp_path, target_model):
     """SPECSPLIT_SPECULATOR=lookup started as the README says (`honcho start -c draft=0`): no draft
@@ -279,19 +301,7 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
     proc, ports, env = _honcho_fleet(tmp_path, "draft=0,target=2,orchestrator=1", SPECSPLIT_SPECULATOR="lookup",
                                      SPECSPLIT_ORCHESTRATOR_COUNT="1")
     try:
-        # two target workers and the target router's two admissions; the draft router stays empty
-        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp_path),
-              120, "fleet ready")
-        # repetitive prompts: prompt lookup finds candidates, so rounds verify more than the root
-        prompts = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]
-        producer = _produce(tmp_path, env, prompts, max_new_tokens=300, rounds=16)
-        assert producer.poll() is None, "the run ended before the kill"
-        os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
-        rc = producer.wait(timeout=150)
-        assert rc == 0, (tmp_path / "produce.err").read_text()[-3000:]
-        assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp_path)[-3000:]
-        rows = [json.loads(line) for line in (tmp_path / "produce.out").read_text().splitlines()]
-        assert len(rows) == len(prompts)
+        rows = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=16)
         for r in rows:
             ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
             assert r["token_ids"] == ref, r["index"]
@@ -327,18 +337,7 @@ def test_llamacpp_honcho_fleet_survives_kill9_of_a_target_mid_batch(tmp_path):
                                      SPECSPLIT_TARGET_ENGINE="llamacpp", SPECSPLIT_SPECULATOR="lookup",
                                      SPECSPLIT_ORCHESTRATOR_COUNT="1")
     try:
-        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp_path),
-              120, "fleet ready")
-        prompts = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]
-        producer = _produce(tmp_path, env, prompts, max_new_tokens=300, rounds=24)
-        assert producer.poll() is None, "the run ended before the kill"
-        os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
-        rc = producer.wait(timeout=150)
-        assert rc == 0, (tmp_path / "produce.err").read_text()[-3000:]
-        assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp_path)[-3000:]
-        rows = sorted((json.loads(line) for line in (tmp_path / "produce.out").read_text().splitlines()),
-                      key=lambda r: r["index"])
-        assert len(rows) == len(prompts)
+        rows = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=24)
         log = _log(tmp_path)
         assert "role_died" in log, log[-3000:]
         assert "request_resent" in log, "no request in flight on the killed target was resent"
