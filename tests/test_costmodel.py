@@ -46,6 +46,49 @@ def test_free_verification_keeps_everything_and_costly_verification_prunes():
     assert choice.expected_tokens > 2.5 and abs(choice.expected_ms - (50.0 + 100.0 * 3)) < 1e-6
 
 
+
+# root + a likely chain: node path probabilities 0.9, 0.75, 0.6, 0.45, 0.3
+LIKELY = FlatTree(token_ids=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4],
+                  draft_logprobs=[0.0, math.log(0.9), math.log(0.75 / 0.9), math.log(0.6 / 0.75),
+                                  math.log(0.45 / 0.6), math.log(0.3 / 0.45)])
+
+
+def test_each_forward_size_keeps_its_own_measured_cost():
+    """llama.cpp's CPU matmul multiplies rows 4 at a time: a 4-token forward costs what a 3-token
+    one does (ratios measured on the 2-core box). The model prices each size as measured, so the
+    likely chain is verified as root + 3 nodes; the same chain where forwards cost a line
+    through the same 1- to 3-token costs (what the linear fit assumed) stops at root + 2."""
+    stair = {1: 100.0, 2: 160.0, 3: 212.0, 4: 211.0, 5: 267.0, 6: 337.0}
+    cm = CostModel()
+    for _ in range(10):
+        for n, ms in stair.items():
+            cm.observe_verify(n, ms)
+    a, b = cm.verify_line()
+    assert abs(a + 4 * b - stair[4]) > 20.0  # the line misprices the 4-row GEMM
+    for n, ms in stair.items():
+        assert abs(cm.verify_ms(n) - ms) < 0.05 * ms
+    assert cm.choose(LIKELY, 0).nodes == [0, 1, 2, 3]
+    linear = CostModel()
+    for _ in range(10):
+        for n in stair:
+            linear.observe_verify(n, 100.0 + 56.0 * (n - 1))
+    assert linear.choose(LIKELY, 0).nodes == [0, 1, 2]
+
+
+def test_a_size_never_measured_is_priced_between_its_measured_neighbours():
+    cm = CostModel()
+    for _ in range(5):
+        cm.observe_verify(1, 100.0)
+        cm.observe_verify(4, 150.0)
+        cm.observe_verify(8, 400.0)
+    a, b = cm.verify_line()
+    assert a + 3 * b > 155.0  # the line says ~158 ms for 3 tokens: more than 4 tokens measured
+    assert abs(cm.verify_ms(4) - 150.0) < 10.0 and cm.verify_ms(3) <= cm.verify_ms(4) + 1e-9
+    assert cm.verify_ms(1) <= cm.verify_ms(2) <= cm.verify_ms(3)
+    assert cm.verify_ms(4) <= cm.verify_ms(6) <= cm.verify_ms(8)
+    assert cm.verify_ms(100) == a + 100 * b  # past the table: the line
+    assert cm.verify_ms(3.5) == (cm.verify_ms(3) + cm.verify_ms(4)) / 2  # an average load
+
 def test_acceptance_is_calibrated_from_observations():
     cm = CostModel()
     before = cm.accept_prob(0.5)

@@ -4,7 +4,15 @@ A round costs ``overhead + verify(tokens)`` milliseconds and yields ``1 + accept
 model learns, online and shared by every session of an orchestrator (same models, same machine):
 - verify ms as a linear function of the tokens a verify forward carries (sync tokens + tree
   nodes), by exponentially weighted least squares: on a CPU whose GEMMs are compute-bound the
-  slope is large (a 16-node tree costs several 1-node forwards), on a GPU it is near zero;
+  slope is large (a 16-node tree costs several 1-node forwards), on a GPU it is near zero; and,
+  for forwards of up to ``TABLE_TOKENS`` tokens, each size's own measured cost, because kernels
+  are not linear in the rows they multiply: llama.cpp's CPU matmul runs rows 4 at a time through
+  a repacked GEMM and the rest one at a time (measured on the 2-core AVX2 box, 1.5B Q4_K_M,
+  2 threads: 1/2/3/4/5 tokens cost 1/1.6/2.1/2.1/2.7 one-token forwards), so a 4-token verify
+  costs what a 3-token one does and the line (fitted to the small sizes a lone session mostly
+  sends) priced it ~30 % too high. A size never measured is priced by the line, kept between the
+  measured costs of the nearest smaller and larger sizes (a forward never costs less than a
+  smaller one, nor more than a larger one);
 - the round's other time on the critical path (draft, transport), an exponential average;
 - the probability that a drafted node is accepted, calibrated against the draft's own path
   probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), and for prompt-lookup
@@ -43,6 +51,9 @@ from schemas import FlatTree, TreeSpec
 BINS = 10
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 LOOKUP_POSITIONS = 16
+TABLE_TOKENS = 64  # forwards of up to this many tokens keep their own measured cost (``verify_ms``)
+CELL_WEIGHT = 0.15  # a size's cost: exponential average with this weight on the newest forward
+CELL_PRIOR = 1.0  # the line's estimate counts as this many forwards of a size measured few times
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,8 @@ class CostModel:
     decay: float = 0.97  # weight of history per observation (~33 observations' memory)
     min_nodes: int = 1  # never fewer than this many nodes besides the root (1: always speculate)
     _w: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum of w, wx, wy, wxx, wxy
+    # per forward size (tokens 1..TABLE_TOKENS): [average ms, forwards seen (capped)]
+    _cells: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(TABLE_TOKENS + 1)])
     overhead_ms: float | None = None
     _acc: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(BINS)])
     _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
@@ -81,6 +94,10 @@ class CostModel:
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
         _observe(self._w, self.decay, float(tokens), float(ms))
+        if 1 <= tokens <= TABLE_TOKENS:
+            cell = self._cells[tokens]
+            cell[0] = ms if cell[1] <= 0 else (1.0 - CELL_WEIGHT) * cell[0] + CELL_WEIGHT * ms
+            cell[1] = min(cell[1] + 1.0, 1.0 / CELL_WEIGHT)
 
     def observe_forward(self, own_tokens: int, ms: float, batch_tokens: int = 0, batch_size: int = 1) -> None:
         """One clean verify of ``own_tokens`` (sync + nodes) served by a forward of
@@ -184,9 +201,30 @@ class CostModel:
         paying = [p for p in grid if self.accept_prob(p) >= need]  # the lowest path probability that pays
         return spec.model_copy(update={"min_path_prob": paying[0] if paying else 1.0})
 
-    def verify_ms(self, tokens: int) -> float:
+    def verify_ms(self, tokens: float) -> float:
+        """Expected ms of a verify forward of ``tokens`` tokens (fractional: an average load,
+        between the two sizes around it)."""
+        lo = math.floor(tokens)
+        if tokens == lo:
+            return self._size_ms(int(lo))
+        return self._size_ms(lo) + (tokens - lo) * (self._size_ms(lo + 1) - self._size_ms(lo))
+
+    def _size_ms(self, n: int) -> float:
         a, b = self.verify_line()
-        return a + b * tokens
+        line = a + b * n
+        if not 1 <= n <= TABLE_TOKENS:
+            return line
+        cells = self._cells
+        if cells[n][1] > 0:  # measured: its own average, the line weighing in while it is new
+            ms, seen = cells[n]
+            return (seen * ms + CELL_PRIOR * line) / (seen + CELL_PRIOR)
+        below = next((m for m in range(n - 1, 0, -1) if cells[m][1] > 0), 0)
+        above = next((m for m in range(n + 1, TABLE_TOKENS + 1) if cells[m][1] > 0), 0)
+        if above:
+            line = min(line, self._size_ms(above))
+        if below:
+            line = max(line, self._size_ms(below))
+        return line
 
     def observe_overhead(self, ms: float) -> None:
         self.overhead_ms = _ewma(self.overhead_ms, ms)
