@@ -82,8 +82,8 @@ def test_draft_depth_is_priced_at_the_batchs_rate():
 
 def test_the_load_fades_when_the_session_is_alone_again():
     cm = warmed(STEEP, 16)
-    for _ in range(30):
-        cm.observe_forward(3, _ms(STEEP, 3))
+    for i in range(30):  # alone again: forwards of the sizes its trees take
+        cm.observe_forward(1 + i % 6, _ms(STEEP, 1 + i % 6))
         cm.observe_rate(2, 40.0)
     assert not cm.shared() and cm.load()[0] < 0.1
     assert cm.choose(CHAIN, 0).nodes == [0, 1, 2]

@@ -10,9 +10,11 @@ model learns, online and shared by every session of an orchestrator (same models
   a repacked GEMM and the rest one at a time (measured on the 2-core AVX2 box, 1.5B Q4_K_M,
   2 threads: 1/2/3/4/5 tokens cost 1/1.6/2.1/2.1/2.7 one-token forwards), so a 4-token verify
   costs what a 3-token one does and the line (fitted to the small sizes a lone session mostly
-  sends) priced it ~30 % too high. A size never measured is priced by the line, kept between the
-  measured costs of the nearest smaller and larger sizes (a forward never costs less than a
-  smaller one, nor more than a larger one);
+  sends) priced it ~30 % too high. For a session alone, a size never measured is priced at the
+  measured cost of the nearest smaller size, the least it can cost: a size that would pay at that
+  price is tried, and measured, once (priced by the line between the sizes around it, a lone
+  lookup session on that box verified 1, 2 and once 9 tokens, and never tried 3 or 4); in a
+  shared forward, by the line kept between the measured costs of the sizes around it;
 - the round's other time on the critical path (draft, transport), an exponential average;
 - the probability that a drafted node is accepted, calibrated against the draft's own path
   probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), and for prompt-lookup
@@ -176,7 +178,7 @@ class CostModel:
         n = self.active_sessions
         if n < 2 or self.spec_tokens is None or self.draft_busy_ms is None or self._w[0] <= 0:
             return False
-        plain = n / max(1e-9, self.verify_ms(n))
+        plain = n / max(1e-9, self.verify_ms(n, explore=False))
         shared = n if self.rate_sessions is None else min(float(n), self.rate_sessions)
         spec = max(self.spec_tokens / self.draft_busy_ms, shared * (self.rate or 0.0))
         return plain > spec
@@ -201,15 +203,18 @@ class CostModel:
         paying = [p for p in grid if self.accept_prob(p) >= need]  # the lowest path probability that pays
         return spec.model_copy(update={"min_path_prob": paying[0] if paying else 1.0})
 
-    def verify_ms(self, tokens: float) -> float:
+    def verify_ms(self, tokens: float, explore: bool | None = None) -> float:
         """Expected ms of a verify forward of ``tokens`` tokens (fractional: an average load,
-        between the two sizes around it)."""
+        between the two sizes around it). ``explore`` (default: when the forward is expected to
+        serve this session alone) prices a size never measured at the least it can cost."""
+        explore = not self.shared() if explore is None else explore
         lo = math.floor(tokens)
         if tokens == lo:
-            return self._size_ms(int(lo))
-        return self._size_ms(lo) + (tokens - lo) * (self._size_ms(lo + 1) - self._size_ms(lo))
+            return self._size_ms(int(lo), explore)
+        low = self._size_ms(lo, explore)
+        return low + (tokens - lo) * (self._size_ms(lo + 1, explore) - low)
 
-    def _size_ms(self, n: int) -> float:
+    def _size_ms(self, n: int, explore: bool) -> float:
         a, b = self.verify_line()
         line = a + b * n
         if not 1 <= n <= TABLE_TOKENS:
@@ -218,12 +223,20 @@ class CostModel:
         if cells[n][1] > 0:  # measured: its own average, the line weighing in while it is new
             ms, seen = cells[n]
             return (seen * ms + CELL_PRIOR * line) / (seen + CELL_PRIOR)
+        # never measured: exploring, the measured cost of the nearest smaller size, the least it
+        # can cost (a size that would pay at that price gets chosen, and so measured, once;
+        # priced by the line, a lone session never tried a 4-token verify); else the line, kept
+        # between the measured costs of the sizes around it. A shared forward does not explore:
+        # its size is every session's choice, and each pricing its nodes at the smaller batch's
+        # cost kept a batch speculating where plain decoding paid
         below = next((m for m in range(n - 1, 0, -1) if cells[m][1] > 0), 0)
+        if below and explore:
+            return self._size_ms(below, explore)
         above = next((m for m in range(n + 1, TABLE_TOKENS + 1) if cells[m][1] > 0), 0)
         if above:
-            line = min(line, self._size_ms(above))
+            line = min(line, self._size_ms(above, explore))
         if below:
-            line = max(line, self._size_ms(below))
+            line = max(line, self._size_ms(below, explore))
         return line
 
     def observe_overhead(self, ms: float) -> None:
