@@ -55,7 +55,7 @@ LIKELY = FlatTree(token_ids=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4],
 
 def test_each_forward_size_keeps_its_own_measured_cost():
     """llama.cpp's CPU matmul multiplies rows 4 at a time: a 4-token forward costs what a 3-token
-    one does (ratios measured on the 2-core box). The model prices each size as measured, so the
+    one does (ratios measured on a 2-core AVX512 Xeon). The model prices each size as measured, so the
     likely chain is verified as root + 3 nodes; the same chain where forwards cost a line
     through the same 1- to 3-token costs (what the linear fit assumed) stops at root + 2."""
     stair = {1: 100.0, 2: 160.0, 3: 212.0, 4: 211.0, 5: 267.0, 6: 337.0}

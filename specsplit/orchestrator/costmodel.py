@@ -7,7 +7,7 @@ model learns, online and shared by every session of an orchestrator (same models
   slope is large (a 16-node tree costs several 1-node forwards), on a GPU it is near zero; and,
   for forwards of up to ``TABLE_TOKENS`` tokens, each size's own measured cost, because kernels
   are not linear in the rows they multiply: llama.cpp's CPU matmul runs rows 4 at a time through
-  a repacked GEMM and the rest one at a time (measured on the 2-core AVX2 box, 1.5B Q4_K_M,
+  a repacked GEMM and the rest one at a time (measured on a 2-core AVX512 Xeon, 1.5B Q4_K_M,
   2 threads: 1/2/3/4/5 tokens cost 1/1.6/2.1/2.1/2.7 one-token forwards), so a 4-token verify
   costs what a 3-token one does and the line (fitted to the small sizes a lone session mostly
   sends) priced it ~30 % too high. For a session alone, a size never measured is priced at the
