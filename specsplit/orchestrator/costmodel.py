@@ -98,7 +98,7 @@ class CostModel:
         _observe(self._w, self.decay, float(tokens), float(ms))
         if 1 <= tokens <= TABLE_TOKENS:
             cell = self._cells[tokens]
-            cell[0] = ms if cell[1] <= 0 else (1.0 - CELL_WEIGHT) * cell[0] + CELL_WEIGHT * ms
+            cell[0] = _ewma(cell[0] if cell[1] > 0 else None, ms, CELL_WEIGHT)
             cell[1] = min(cell[1] + 1.0, 1.0 / CELL_WEIGHT)
 
     def observe_forward(self, own_tokens: int, ms: float, batch_tokens: int = 0, batch_size: int = 1) -> None:
