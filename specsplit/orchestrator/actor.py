@@ -23,6 +23,7 @@ from schemas import (
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
+from specsplit.orchestrator.ngrams import NgramCache
 from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.transport.rpc import RpcError, RpcRouterLost, RpcTimeout
 
@@ -77,7 +78,7 @@ class SessionActor:
 
     def __init__(self, req: GenerateRequest, draft_rpc, target_rpc, policy: ActorPolicy,
                  emit: Callable[[Message], None], cost: CostModel | None = None, *, metrics=None,
-                 queued_s: float = 0.0):
+                 queued_s: float = 0.0, ngrams: NgramCache | None = None):
         self.req, self.draft_rpc, self.target_rpc = req, draft_rpc, target_rpc
         self.policy, self.emit = policy, emit
         self.sid = req.session_id
@@ -91,6 +92,7 @@ class SessionActor:
         self._last_verify_ms = 0.0
         self._grow_task: asyncio.Future | None = None  # the fire-and-forget GrowRequest in flight
         self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
+        self.ngrams = ngrams  # the orchestrator's cross-session n-gram cache (lookup candidates), or None
         self.predicted_tokens = self.predicted_ms = 0.0  # what the cost model expected of its choices
         self._attempts = 0
         # specsplit.metrics.OrchestratorMetrics (the orchestrator's, shared by its sessions) or None
@@ -127,6 +129,8 @@ class SessionActor:
             )
             if self.metrics is not None:
                 self.metrics.session_done(done)
+            if self.ngrams is not None and self.out:  # what later sessions' lookup may propose
+                self.ngrams.add(list(self.req.prompt_token_ids[-self.ngrams.max_ngram:]) + self.out)
             if failure is not None:  # the producer gets the typed error instead of a done
                 self.emit(ErrorReply.of(failure.code, str(failure), session_id=self.sid, retryable=False))
             else:
@@ -160,12 +164,13 @@ class SessionActor:
                 plan = plan_round(root_only(self.cur.committed[-1]), self.cur.committed, spec, self.sampling,
                                   cost=self.cost, lookup_max_tokens=self.policy.lookup_max_tokens,
                                   lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens,
-                                  plain=True)
+                                  plain=True, ngrams=self.ngrams)
             else:
                 drafted = await self._draft(rnd, spec, timing)
                 plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
                                   lookup_max_tokens=self.policy.lookup_max_tokens,
-                                  lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens)
+                                  lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens,
+                                  ngrams=self.ngrams)
                 self._grow(rnd, timing)
             tree = plan.tree
             reply = await self._verify(rnd, tree, timing, confirm)
@@ -232,7 +237,7 @@ class SessionActor:
         else:
             self.predicted_tokens += new_tokens
             self.predicted_ms += timing.wall_ms
-        self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup))
+        self.cost.observe_round(plan.tree, reply.accepted_nodes, set(plan.lookup), plan.cached)
         if clean:
             self.cost.observe_forward(sync_tokens + plan.tree.num_nodes, reply.verify_ms,
                                       reply.batch_tokens, reply.batch_size)

@@ -17,8 +17,10 @@ model learns, online and shared by every session of an orchestrator (same models
   shared forward, by the line kept between the measured costs of the sizes around it;
 - the round's other time on the critical path (draft, transport), an exponential average;
 - the probability that a drafted node is accepted, calibrated against the draft's own path
-  probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), and for prompt-lookup
-  nodes (no draft probability) by their position in the lookup chain.
+  probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), for prompt-lookup
+  nodes (no draft probability) by their position in the lookup chain, and for the candidates of
+  the cross-session n-gram cache (``specsplit.orchestrator.ngrams``) by position and by the length
+  of the n-gram that proposed them (after 4 tokens of key ~90 % are accepted, after 2 ~70 %).
 Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
 expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
 
@@ -53,6 +55,7 @@ from schemas import FlatTree, TreeSpec
 BINS = 10
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 LOOKUP_POSITIONS = 16
+CACHE_NGRAMS = 8  # n-gram cache candidates: calibrated per key length up to this many tokens
 TABLE_TOKENS = 64  # forwards of up to this many tokens keep their own measured cost (``verify_ms``)
 CELL_WEIGHT = 0.15  # a size's cost: exponential average with this weight on the newest forward
 CELL_PRIOR = 1.0  # the line's estimate counts as this many forwards of a size measured few times
@@ -75,6 +78,9 @@ class CostModel:
     overhead_ms: float | None = None
     _acc: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(BINS)])
     _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
+    # n-gram cache candidates: [key length][position] (key lengths 1..CACHE_NGRAMS)
+    _cache: list[list[list[float]]] = field(default_factory=lambda: [
+        [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)] for _ in range(CACHE_NGRAMS + 1)])
     _draft: list[float] = field(default_factory=lambda: [0.0] * 5)  # draft ms vs expanded nodes, as _w
     rate: float | None = None  # tokens per ms the rounds deliver (exponential average)
     rate_sessions: float | None = None  # sessions under way while ``rate`` was measured (average)
@@ -253,12 +259,22 @@ class CostModel:
         hits, total = self._acc[self._bin(path_prob)]
         return (hits + 2.0 * path_prob) / (total + 2.0)
 
-    def lookup_prob(self, position: int) -> float:
-        hits, total = self._lookup[min(position, LOOKUP_POSITIONS - 1)]
+    def _lookup_cell(self, position: int, ngram: int = 0) -> list[float]:
+        """A lookup node's calibration cell: by position in its chain, and for an n-gram cache
+        candidate (``ngram`` > 0, the length of the n-gram that proposed it) by that length too."""
+        position = min(position, LOOKUP_POSITIONS - 1)
+        if ngram > 0:
+            return self._cache[min(ngram, CACHE_NGRAMS)][position]
+        return self._lookup[position]
+
+    def lookup_prob(self, position: int, ngram: int = 0) -> float:
+        hits, total = self._lookup_cell(position, ngram)
         return (hits + 1.0) / (total + 2.0)
 
-    def node_probs(self, tree: FlatTree, lookup: set[int]) -> list[float]:
-        """Estimated acceptance probability of every node (root: 1)."""
+    def node_probs(self, tree: FlatTree, lookup: set[int], cached: dict[int, int] | None = None) -> list[float]:
+        """Estimated acceptance probability of every node (root: 1). ``cached``: the lookup
+        nodes the n-gram cache proposed, with the length of the n-gram that proposed each."""
+        cached = cached or {}
         probs = [1.0] * tree.num_nodes
         score = [0.0] * tree.num_nodes
         pos = [0] * tree.num_nodes
@@ -266,13 +282,14 @@ class CostModel:
             p = tree.parents[i]
             if i in lookup:
                 pos[i] = pos[p] + 1 if p in lookup else 0
-                probs[i] = min(probs[p], self.lookup_prob(pos[i]))
+                probs[i] = min(probs[p], self.lookup_prob(pos[i], cached.get(i, 0)))
             else:
                 score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
                 probs[i] = min(probs[p], self.accept_prob(math.exp(min(0.0, score[i]))))
         return probs
 
-    def observe_round(self, tree: FlatTree, accepted_nodes: list[int], lookup: set[int]) -> None:
+    def observe_round(self, tree: FlatTree, accepted_nodes: list[int], lookup: set[int],
+                      cached: dict[int, int] | None = None) -> None:
         """Learn from one verified tree: which nodes were on the accepted path. Every node
         counts, also those under a rejected parent (a miss): a cell holds the probability that a
         node with that draft path probability (or lookup position) ends on the accepted path,
@@ -281,6 +298,7 @@ class CostModel:
         it for the node's own: a chain accepted 60 % a step was expected to yield 4.7 tokens of 8
         against the 1.4 it does (deep trees looked worth drafting and predictions ran high)."""
         on_path = set(accepted_nodes)
+        cached = cached or {}
         score = [0.0] * tree.num_nodes
         pos = [0] * tree.num_nodes
         for i in range(1, tree.num_nodes):
@@ -288,7 +306,7 @@ class CostModel:
             hit = 1.0 if i in on_path else 0.0
             if i in lookup:
                 pos[i] = pos[p] + 1 if p in lookup else 0
-                cell = self._lookup[min(pos[i], LOOKUP_POSITIONS - 1)]
+                cell = self._lookup_cell(pos[i], cached.get(i, 0))
             else:
                 score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
                 cell = self._acc[self._bin(math.exp(min(0.0, score[i])))]
@@ -297,14 +315,14 @@ class CostModel:
 
     # ---- the choice ---------------------------------------------------------------------
     def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset(), *,
-               plain: bool = False) -> Choice:
+               plain: bool = False, cached: dict[int, int] | None = None) -> Choice:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
         expected tokens per millisecond of round time, counting the whole verify forward: the
         tokens the rest of the batch brings and delivers (``load``) are in both sides of the
         ratio. Alone, at least ``min_nodes`` nodes (when the tree has them). ``plain``: a round
         without a draft call (prompt-lookup nodes under a root), priced with a plain round's
-        overhead."""
-        probs = self.node_probs(tree, lookup)
+        overhead. ``cached``: as for ``node_probs``."""
+        probs = self.node_probs(tree, lookup, cached)
         children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
         for i in range(1, tree.num_nodes):
             children[tree.parents[i]].append(i)

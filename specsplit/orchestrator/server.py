@@ -26,6 +26,7 @@ from specsplit.metrics import OrchestratorMetrics
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.orchestrator.admission import Admission
 from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.ngrams import NgramCache
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -48,6 +49,9 @@ class Orchestrator:
                                    client_share=settings.orchestrator_client_share)
         # one cost model for all sessions: same models, same machine
         self.cost = CostModel() if settings.tree_budget == "cost" else None
+        # one n-gram cache for all sessions: what earlier answers continued with (lookup candidates)
+        self.ngrams = (NgramCache(settings.lookup_cache_keys)
+                       if settings.lookup_cache_keys > 0 and settings.lookup_max_tokens > 0 else None)
         # served over HTTP by the process's main path (specsplit.cli), never from here
         self.metrics = OrchestratorMetrics(positions=settings.tree_max_depth)
         self.metrics.watch(lambda: len(self.sessions), lambda: self.admission.waiting)
@@ -75,7 +79,8 @@ class Orchestrator:
         await self.target_rpc.start()
         self.log.info("orchestrator_started", frontend=self.frontend, curve=self.curve is not None, grow=s.grow,
                       tree_budget=s.tree_budget,
-                      lookup_max_tokens=s.lookup_max_tokens, tree=s.tree().model_dump(),
+                      lookup_max_tokens=s.lookup_max_tokens, lookup_cache_keys=s.lookup_cache_keys if self.ngrams else 0,
+                      tree=s.tree().model_dump(),
                       specpv=self.policy.specpv.model_dump() if self.policy.specpv else None)
         self.ready.set()
         stopper = asyncio.ensure_future(stop.wait())
@@ -167,7 +172,7 @@ class Orchestrator:
 
         self.metrics.queue_wait.observe(queued_s)
         actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost,
-                             metrics=self.metrics, queued_s=queued_s)
+                             metrics=self.metrics, queued_s=queued_s, ngrams=self.ngrams)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         self.owners[sid] = client

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
 from schemas import SamplingSpec
 from specsplit.orchestrator.costmodel import Choice, CostModel, select_nodes
+from specsplit.orchestrator.ngrams import NgramCache
 from specsplit.tree import depths_of, lookup_continuation, merge_chain
 
 
@@ -186,32 +187,43 @@ def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[in
 
 @dataclass(frozen=True)
 class Plan:
-    """What a round verifies: the tree, which of its nodes came from prompt lookup, and what the
-    cost model expects of it (None without one)."""
+    """What a round verifies: the tree, which of its nodes came from prompt lookup (of those, the
+    ones the cross-session n-gram cache proposed, with the length of the n-gram that proposed
+    each), and what the cost model expects of it (None without one)."""
 
     tree: FlatTree
     lookup: frozenset[int]
     choice: Choice | None = None
+    cached: dict[int, int] = field(default_factory=dict)
 
 
 def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
                lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
-               sync_tokens: int = 0, plain: bool = False) -> Plan:
+               sync_tokens: int = 0, plain: bool = False, ngrams: NgramCache | None = None) -> Plan:
     """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
-    ends with the tree's root), within the round's depth and ``lookup_max_tokens`` extra nodes;
-    then, with a cost model, only the nodes that pay for their verify time. Sampled rounds keep
-    the draft's tree as drawn (dropping drawn children by value would bias the output).
-    ``plain``: a round that called no draft (``tree`` is its root alone), priced as such."""
+    ends with the tree's root) or, where the context has none, the cross-session n-gram cache's
+    (``ngrams``), within the round's depth and ``lookup_max_tokens`` extra nodes; then, with a
+    cost model, only the nodes that pay for their verify time. Sampled rounds keep the draft's
+    tree as drawn (dropping drawn children by value would bias the output). ``plain``: a round
+    that called no draft (``tree`` is its root alone), priced as such."""
     if not sampling.greedy:
         return Plan(tree, frozenset())
     n_draft = tree.num_nodes
+    lengths: list[int] = []
     if lookup_max_tokens > 0 and spec.max_depth >= 1:
-        chain = lookup_continuation(committed, max_tokens=min(lookup_max_tokens, spec.max_depth),
-                                    min_ngram=lookup_min_ngram)
+        most = min(lookup_max_tokens, spec.max_depth)
+        chain = lookup_continuation(committed, max_tokens=most, min_ngram=lookup_min_ngram)
+        if not chain and ngrams is not None:
+            chain, lengths = ngrams.continuation(committed, max_tokens=most)
         tree = merge_chain(tree, chain, max_depth=spec.max_depth, max_nodes=min(256, n_draft + lookup_max_tokens))
     lookup = frozenset(range(n_draft, tree.num_nodes))
+    cached: dict[int, int] = {}
+    if lengths and lookup:  # the chain's token at depth d is chain[d - 1], however much of it merged
+        depths = depths_of(tree.parents)
+        cached = {i: lengths[depths[i] - 1] for i in lookup}
     if cost is None:
-        return Plan(tree, lookup)
-    choice = cost.choose(tree, sync_tokens, lookup, plain=plain)
+        return Plan(tree, lookup, cached=cached)
+    choice = cost.choose(tree, sync_tokens, lookup, plain=plain, cached=cached)
     index = {old: new for new, old in enumerate(choice.nodes)}
-    return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice)
+    return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice,
+                {index[i]: n for i, n in cached.items() if i in index})
