@@ -163,7 +163,7 @@ class OrchestratorSettings(SessionLimitSettings):
     lookup_max_tokens: int = Field(default=8, ge=0, le=64)
     # where the context has no prompt-lookup candidate, the continuation that earlier sessions'
     # answers had after the same 2-4 tokens (specsplit.orchestrator.ngrams: a cross-session
-    # n-gram cache of at most this many n-grams, ~350 bytes each; 0: off, e.g. where clients must
+    # n-gram cache of at most this many n-grams, ~400 bytes each; 0: off, e.g. where clients must
     # not learn from their speed whether others generated the same text)
     lookup_cache_keys: int = Field(default=65536, ge=0, le=16_777_216)
     # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
