@@ -18,7 +18,9 @@ verified round, so a resent request is not counted twice):
 - ``specsplit:spec_decode_num_accepted_tokens_per_pos_total{position="i"}``: accepted tokens at
   depth i + 1 of the tree (sums to the accepted total);
 - ``specsplit:rounds_total``: every verified round (each commits accepted + 1 tokens, so
-  accepted + rounds = tokens committed).
+  accepted + rounds = tokens committed);
+- ``specsplit:lookup_cache_draft_tokens_total`` / ``_accepted_tokens_total``: of those proposed
+  and accepted tokens, the ones the cross-session n-gram cache proposed.
 """
 
 from __future__ import annotations
@@ -80,11 +82,21 @@ class OrchestratorMetrics:
             self.finished.labels(finish_reason=reason)
         self.running = Gauge("specsplit:num_sessions_running", "Sessions drafting/verifying", registry=r)
         self.waiting = Gauge("specsplit:num_sessions_waiting", "Sessions in the admission queue", registry=r)
+        self.cache_draft_tokens = Counter("specsplit:lookup_cache_draft_tokens", "Tokens the cross-session n-gram "
+                                          "cache proposed to the target (verified tree nodes)", registry=r)
+        self.cache_accepted_tokens = Counter("specsplit:lookup_cache_accepted_tokens",
+                                             "Accepted tokens the cross-session n-gram cache proposed", registry=r)
+        self.cache_ngrams = Gauge("specsplit:lookup_cache_ngrams", "N-grams the cross-session cache holds", registry=r)
 
     def watch(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """Gauges read at scrape time (the orchestrator's maps; single-threaded reads of a len)."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+
+    def observe_cache(self, proposed: int, accepted: int) -> None:
+        """A round's n-gram cache candidates: verified, and accepted of those."""
+        self.cache_draft_tokens.inc(proposed)
+        self.cache_accepted_tokens.inc(accepted)
 
     def observe_round(self, count: RoundCount, rolled_back: int, wall_s: float) -> None:
         self.rounds.inc()

@@ -72,6 +72,10 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     assert orch["specsplit:spec_decode_num_draft_tokens_total"] == sum(r.drafted_tokens for r in results)
     assert total(orch, "specsplit:spec_decode_num_accepted_tokens_per_pos_total") == accepted
     assert 0 < orch["specsplit:spec_decode_num_drafts_total"] <= rounds
+    # the n-gram cache holds the finished sessions' answers; its candidates are among the drafted
+    assert orch["specsplit:lookup_cache_ngrams"] > 0
+    assert (orch["specsplit:lookup_cache_accepted_tokens_total"] <= orch["specsplit:lookup_cache_draft_tokens_total"]
+            <= orch["specsplit:spec_decode_num_draft_tokens_total"])
     # the per-request figures that travel in GenerateDone sum to the same counters
     per_pos = [sum(col) for col in zip(*(r.accepted_per_pos + [0] * 64 for r in results))]
     for i, v in enumerate(per_pos[:10]):

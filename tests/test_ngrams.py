@@ -10,6 +10,7 @@ import random
 import pytest
 
 from schemas import FlatTree, GenerateRequest, SamplingSpec, TreeSpec, VerifyRequest
+from specsplit.metrics import OrchestratorMetrics
 from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.ngrams import NgramCache
 from specsplit.orchestrator.state import plan_round, root_only
@@ -117,17 +118,21 @@ def test_later_sessions_verify_what_earlier_answers_continued_with(models):
     target, often, _ = models["llama"]
     prompt, n = [5, 17, 99, 23, 61, 8, 44, 120], 24
     want = greedy_reference(target, prompt, n)[0]
-    cache = NgramCache(10_000)
+    cache, metrics = NgramCache(10_000), OrchestratorMetrics()
     policy = ActorPolicy(tree=SPEC, lookup_max_tokens=8, lookup_only=True)
     d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
     done, cached_nodes = [], []
     for k in range(3):
         req = GenerateRequest(session_id=f"s{k}", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
         t_rpc.requests.clear()
-        done.append(asyncio.run(SessionActor(req, d_rpc, t_rpc, policy, lambda m: None, None, ngrams=cache).run()))
+        done.append(asyncio.run(SessionActor(req, d_rpc, t_rpc, policy, lambda m: None, None, ngrams=cache,
+                                             metrics=metrics).run()))
         trees = [m.tree for m in t_rpc.requests if isinstance(m, VerifyRequest)]
         cached_nodes.append(sum(t.num_nodes - 1 for t in trees))
         assert done[-1].token_ids == want
     assert d_rpc.requests == []
     assert done[2].rounds < done[0].rounds and done[2].rounds < done[1].rounds, [d.rounds for d in done]
     assert done[2].accepted_tokens > done[0].accepted_tokens and cached_nodes[2] > cached_nodes[0]
+    # the cache's own counters: what it proposed and what of it was accepted
+    proposed, accepted = metrics.cache_draft_tokens._value.get(), metrics.cache_accepted_tokens._value.get()
+    assert 0 < accepted <= proposed <= sum(cached_nodes), (accepted, proposed, cached_nodes)

@@ -188,6 +188,8 @@ class SessionActor:
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
             if self.metrics is not None:
                 self.metrics.observe_round(count, self.cur.rolled_back, timing.wall_ms / 1e3)
+                if plan.cached:
+                    self.metrics.observe_cache(len(plan.cached), len(plan.cached.keys() & set(reply.accepted_nodes)))
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new), plain)
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           tree_nodes=tree.num_nodes, plain=plain, batch_size=reply.batch_size,

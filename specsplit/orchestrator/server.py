@@ -55,6 +55,8 @@ class Orchestrator:
         # served over HTTP by the process's main path (specsplit.cli), never from here
         self.metrics = OrchestratorMetrics(positions=settings.tree_max_depth)
         self.metrics.watch(lambda: len(self.sessions), lambda: self.admission.waiting)
+        if self.ngrams is not None:
+            self.metrics.cache_ngrams.set_function(self.ngrams.__len__)
         self.log = get_logger("specsplit.orchestrator")
         self.sock = None
         self.curve = None
