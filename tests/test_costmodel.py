@@ -188,3 +188,31 @@ def test_draft_depth_is_priced_from_measured_costs():
     for _ in range(40):
         cm.observe_round(FlatTree(token_ids=[1, 2], parents=[-1, 0], draft_logprobs=[0.0, -0.69]), [1], set())
     assert cm.draft_spec(spec).min_path_prob <= 0.5 < costly.min_path_prob
+
+
+def test_a_lone_plain_round_forces_a_lookup_node_only_now_and_then():
+    """Alone, a draft round keeps at least one node (the draft was paid for), but a plain round
+    (prompt-lookup candidates under a root, no draft call) verifies a node that does not pay only
+    once in EXPLORE_EVERY rounds that have candidates: enough for lookup's calibration to notice
+    when candidates start to pay, without a wider forward for nothing every round."""
+    from specsplit.orchestrator.costmodel import EXPLORE_EVERY
+
+    chain = FlatTree(token_ids=[1, 2, 3], parents=[-1, 0, 1], draft_logprobs=[0.0] * 3)
+    lookup = {1, 2}
+    cm = CostModel()
+    for _ in range(10):
+        for k in range(1, 5):
+            cm.observe_verify(k, 100.0 + 60.0 * (k - 1))  # a second token costs 0.6 of the first
+    for _ in range(50):
+        cm.observe_round(chain, [], lookup)  # lookup's candidates are never accepted here
+    picks = [len(cm.choose(chain, 1, lookup, plain=True).nodes) for _ in range(3 * EXPLORE_EVERY)]
+    forced = [i for i, n in enumerate(picks) if n > 1]
+    assert forced == [0, EXPLORE_EVERY, 2 * EXPLORE_EVERY] and all(picks[i] == 2 for i in forced), picks
+    assert len(cm.choose(FlatTree(token_ids=[1], parents=[-1]), 1, set(), plain=True).nodes) == 1
+    # a root-only tree did not count: the next chain is the (3 x EXPLORE_EVERY + 1)th chance, forced
+    assert len(cm.choose(chain, 1, lookup, plain=True).nodes) == 2
+    assert all(len(cm.choose(chain, 1, lookup).nodes) == 2 for _ in range(EXPLORE_EVERY))  # drafted: always
+    # where they pay, lookup nodes are verified every round
+    for _ in range(200):
+        cm.observe_round(chain, [1, 2], lookup)
+    assert all(len(cm.choose(chain, 1, lookup, plain=True).nodes) == 3 for _ in range(EXPLORE_EVERY))

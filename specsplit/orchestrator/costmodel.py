@@ -31,7 +31,12 @@ per round. ``choose`` then maximizes the tokens per millisecond of the whole for
 pays only while its acceptance probability beats (ms per token) x (tokens per ms the whole batch
 delivers). A lone session on a steep (CPU) line keeps a few likely nodes; sixteen sharing the
 forward each go to a root-only tree (plain decoding) unless their nodes are near-certain; on a
-flat (GPU) line every node still pays. ``min_nodes`` only holds for a session expected alone.
+flat (GPU) line every node still pays. ``min_nodes`` only holds for a session expected alone,
+and in a plain round (no draft call: prompt-lookup candidates under a root) only once in every
+``EXPLORE_EVERY`` rounds that have candidates: a forced lookup node that does not pay costs a
+wider forward for nothing (chat10 through the llama.cpp lookup fleet on a 2-core Xeon: 60 forced
+2-token verifies delivered 1.43 tokens in 145 ms where one token took 86), but lookup's
+calibration still needs a verified node now and then to notice when candidates start to pay.
 Every session re-chooses from the measured state each round, so the batch moves toward the
 best rate together: pricing nodes at the rate the batch now delivers and re-measuring is
 Dinkelbach's iteration for a ratio, which climbs to its maximum (a session over-speculating lowers
@@ -55,6 +60,7 @@ from schemas import FlatTree, TreeSpec
 BINS = 10
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
 LOOKUP_POSITIONS = 16
+EXPLORE_EVERY = 8  # a lone plain round verifies a lookup node that does not pay once in this many
 CACHE_NGRAMS = 8  # n-gram cache candidates: calibrated per key length up to this many tokens
 TABLE_TOKENS = 64  # forwards of up to this many tokens keep their own measured cost (``verify_ms``)
 CELL_WEIGHT = 0.15  # a size's cost: exponential average with this weight on the newest forward
@@ -86,6 +92,7 @@ class CostModel:
     rate_sessions: float | None = None  # sessions under way while ``rate`` was measured (average)
     min_observations: int = 5  # rounds / fresh drafts before the model sets the draft's depth
     _rounds_seen: int = 0
+    _plain_chances: int = 0  # lone plain rounds that had lookup candidates (``EXPLORE_EVERY``)
     # the rest of the verify forward (exponential averages; None: nothing measured, alone)
     others_sessions: float | None = None  # sessions besides this one
     others_tokens: float | None = None  # their new tokens
@@ -319,7 +326,8 @@ class CostModel:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
         expected tokens per millisecond of round time, counting the whole verify forward: the
         tokens the rest of the batch brings and delivers (``load``) are in both sides of the
-        ratio. Alone, at least ``min_nodes`` nodes (when the tree has them). ``plain``: a round
+        ratio. Alone, at least ``min_nodes`` nodes (when the tree has them; in a plain round once
+        in ``EXPLORE_EVERY`` such rounds). ``plain``: a round
         without a draft call (prompt-lookup nodes under a root), priced with a plain round's
         overhead. ``cached``: as for ``node_probs``."""
         probs = self.node_probs(tree, lookup, cached)
@@ -330,6 +338,10 @@ class CostModel:
         others_tokens, others_expected = self.load()
         base = sync_tokens + others_tokens  # the forward's tokens besides this tree's
         floor = 0 if self.shared() else self.min_nodes
+        if floor and plain and tree.num_nodes > 1:
+            self._plain_chances += 1
+            if (self._plain_chances - 1) % EXPLORE_EVERY:  # the first, the (1 + EXPLORE_EVERY)th, ...: forced
+                floor = 0
         chosen, frontier = [0], list(children[0])
         expected = 1.0
         best = Choice([0], expected, overhead + self.verify_ms(base + 1))
