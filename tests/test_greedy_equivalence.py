@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 
@@ -25,7 +26,9 @@ MARGIN = 1e-3  # a greedy step whose top-2 logits are closer than this is a near
 def test_generate_equals_plain_greedy(models, family, draft_kind, device):
     target, often, rarely = (on_device(m, device) for m in models[family])
     draft = often if draft_kind == "often" else rarely
-    rng = random.Random(hash((family, draft_kind)) & 0xFFFF)
+    # a seed fixed across processes (hash() of strings is salted per process: each run drew other
+    # prompts, and one CI run drew 4 near-ties of 20)
+    rng = random.Random(zlib.crc32(f"{family}/{draft_kind}".encode()))
     compared = skipped = 0
     stats = RoundStats()
     for _ in range(N_PROMPTS):
