@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 
@@ -15,6 +14,7 @@ from brokers.metrics import router_registry, serve_metrics
 from brokers.auth import SecretError
 from brokers.router import Router
 from brokers.settings import SERVICES, MetricsSettings, RouterSettings
+from brokers.signals import restore, set_on_stop_signals
 from brokers.logs import configure_logging, get_logger
 
 
@@ -70,13 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("router_curve_refused", error=str(exc))
         print(f"invalid router settings: {exc}", file=sys.stderr)
         return 2
-    # the handler takes the event's lock: the main thread only ever reads it (is_set), never
-    # waits on it, so a signal cannot arrive while that thread holds the lock (a deadlock)
+    # the main thread only ever reads the event (is_set), never waits on it (brokers.signals)
     stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    previous = set_on_stop_signals(stop)
     serve_metrics(router_registry(router, metrics), metrics, f"router_{settings.service}", log)
     try:
         router.run(stop)
@@ -85,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         router.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore(previous)
     return 0
 
 

@@ -76,6 +76,7 @@ class Supervisor:
         self.argv, self.s, self.out = list(argv), settings, out
         self.role = " ".join(argv[:2]) if argv[:1] == ["router"] else (argv[0] if argv else "?")
         self.stop = threading.Event()
+        self._first_signal = threading.Lock()  # taken once, never released
         self.child: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -88,7 +89,10 @@ class Supervisor:
         print(line, file=self.out, flush=True)
 
     def _on_signal(self, signum, frame) -> None:
-        self.stop.set()
+        # a second signal can run this inside the first one's Event.set (brokers.signals): only
+        # the first sets the event, a nested one would wait for the lock that one holds
+        if self._first_signal.acquire(blocking=False):
+            self.stop.set()
         child = self.child
         if child is not None and child.poll() is None:
             try:

@@ -8,7 +8,6 @@ finishes the request in hand and exits 0.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -120,6 +119,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
 
     from brokers.curve import CurveError
     from brokers.settings import MetricsSettings
+    from brokers.signals import set_on_stop_signals
     from specsplit.compute import ComputeThread
     from specsplit.engine.base import PREFILL_TOKENS
     from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
@@ -130,8 +130,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
 
     log = get_logger("specsplit.worker", service=service)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    set_on_stop_signals(stop)
     try:
         curve = settings.curve_keys(client=True)  # before the model loads: a bad key fails in a second
     except CurveError as exc:

@@ -23,8 +23,9 @@ def test_backoff_doubles_and_caps():
 _WAITER = """
 import signal, sys, threading, time
 from specsplit.supervise import sleep_unless
+from brokers.signals import set_on_stop_signals
 ev = threading.Event()
-signal.signal(signal.SIGUSR1, lambda *_: ev.set())  # what every role's SIGTERM handler does
+set_on_stop_signals(ev, (signal.SIGUSR1,))  # what every role does for SIGTERM/SIGINT
 print("ready", flush=True)
 end = time.monotonic() + 3.0
 while time.monotonic() < end:
@@ -50,6 +51,64 @@ def test_a_main_thread_waiting_for_its_stop_event_never_deadlocks_its_signal_han
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+_NESTED = """
+import os, signal, sys, threading, time
+from brokers.signals import set_on_stop_signals
+from specsplit.config import SupervisorSettings
+from specsplit.supervise import Supervisor
+
+
+class SlowEvent(threading.Event):
+    # set() holding the event's lock while the next signal arrives: the handler of a second
+    # SIGTERM that comes within microseconds of the first runs right there, inside this one
+    def set(self):
+        with self._cond:
+            if not getattr(self, "sent", False):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+                for _ in range(10000):  # bytecodes: the nested handler runs here
+                    pass
+            self._flag = True
+            self._cond.notify_all()
+
+
+ev = SlowEvent()
+if sys.argv[1] == "roles":
+    set_on_stop_signals(ev, (signal.SIGUSR1,))
+elif sys.argv[1] == "supervisor":
+    sup = Supervisor(["router", "draft"], SupervisorSettings())
+    sup.stop = ev
+    signal.signal(signal.SIGUSR1, sup._on_signal)
+else:
+    signal.signal(signal.SIGUSR1, lambda *_: ev.set())  # the handler every role had before
+os.kill(os.getpid(), signal.SIGUSR1)
+while not ev.is_set():
+    time.sleep(0.01)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["roles", "supervisor"])
+def test_a_second_stop_signal_inside_the_first_handler_never_deadlocks(handler):
+    """honcho signals the process group and the supervisor forwards the signal as well, so a role
+    gets two SIGTERMs microseconds apart; CPython may run the second handler inside the first
+    one's Event.set, which holds the event's lock. A CI run hung 30 s this way (router draft).
+    The raw ``lambda: ev.set()`` handler must hang here, or this test reproduces nothing."""
+    results = {}
+    for kind in ("raw", handler):
+        proc = subprocess.Popen([sys.executable, "-c", _NESTED, kind], stdout=subprocess.PIPE, text=True)
+        try:
+            out, _ = proc.communicate(timeout=5 if kind == "raw" else 30)
+            results[kind] = (proc.returncode, out.strip())
+        except subprocess.TimeoutExpired:
+            results[kind] = "hung"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert results == {"raw": "hung", handler: (0, "done")}
 
 
 def test_sleep_unless_returns_when_set_or_after_its_time():

@@ -40,9 +40,10 @@ def _child_setup() -> threading.Event:
     from specsplit.logs import configure_logging
 
     configure_logging("WARNING")
+    from brokers.signals import set_on_stop_signals
+
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    set_on_stop_signals(stop)
     return stop
 
 

@@ -1,0 +1,42 @@
+"""Stop signals that set a ``threading.Event``, safely.
+
+CPython runs a Python signal handler in the main thread between any two bytecodes, and that
+includes the bytecodes of a handler already running: a second SIGTERM (honcho signals the whole
+process group and the supervisor forwards its own, so a role gets two within microseconds) can
+run its handler inside the first one's ``Event.set``, which holds the event's lock, and the
+nested ``Event.set`` then waits for that lock for good. Only the first signal sets the event
+here; a nested or later one returns at once (the event stays set). The main thread must still
+only read the event (``is_set``), never ``wait`` on it: see ``specsplit.supervise.sleep_unless``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def once(action):
+    """A signal handler that runs ``action()`` for the first signal only, never nested."""
+    guard = threading.Lock()  # taken once, never released; acquire(False) takes no wait
+
+    def handler(signum, frame) -> None:
+        if guard.acquire(blocking=False):
+            action()
+
+    return handler
+
+
+def set_on_stop_signals(event: threading.Event, signals=STOP_SIGNALS) -> dict:
+    """SIGTERM/SIGINT set ``event`` (main thread only); returns the previous handlers, for
+    ``restore``. Elsewhere than the main thread nothing is installed and ``{}`` is returned."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handler = once(event.set)
+    return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
