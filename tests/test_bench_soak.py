@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 @pytest.mark.timeout(300)
 def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    # warm at session 200, as the issue measures it: the int8 target's oneDNN primitive cache fills
-    # with the forward shapes a fleet meets (on the 2-core Xeon, target RSS 476.5 -> 486.7 MiB from
-    # session 100 to 200, then +2.8 % to 500; with ONEDNN_PRIMITIVE_CACHE_CAPACITY=16: +0.2 %)
+    # warm at session 200, as the issue measures it. The int8 target creates its oneDNN GEMM
+    # primitives as it loads (CpuBackend.warm); before that it met rarer batch sizes all run long
+    # (2-core Xeon: target RSS +2.8 % from session 200 to 500, +0.26 % since)
     rc = soak.main(["--sessions", "500", "--concurrency", "64", "--rss-from", "200", "--sample-every", "100",
                     "--json", str(out)])
     data = json.loads(out.read_text())

@@ -86,6 +86,48 @@ def test_row_buckets_bound_the_gemm_shapes():
     assert len(set(buckets)) <= EXACT_ROWS + 15 + 16
 
 
+_WARM = """
+import ctypes, sys
+import torch
+from specsplit.backends import CpuBackend
+from specsplit.engine.base import PREFILL_TOKENS
+from tests.conftest import tiny_model
+
+backend = CpuBackend(1, 2, quantize="int8")
+model = backend.prepare(tiny_model("llama", seed=0, attn="eager"))
+libc = ctypes.CDLL(None)
+libc.fflush(None)
+print("WARMED", backend.warmed_gemms, flush=True)
+with torch.no_grad():
+    for t in [*range(1, 18), 31, 40, 64, 65, 100, 300, 700, 1000]:
+        backend.before_forward(t)
+        ids = torch.randint(0, model.config.vocab_size, (1, t))
+        model(input_ids=ids, logits_to_keep=t if t <= PREFILL_TOKENS else 1)
+libc.fflush(None)
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.skipif(not onednn_int8_supported(), reason="oneDNN's exact int8 GEMM needs VNNI or AMX")
+def test_a_warmed_int8_model_creates_no_gemm_primitive_while_it_serves(tmp_path):
+    """``CpuBackend.prepare`` creates oneDNN's GEMM primitives for every row bucket and thread
+    count its forwards run (tree-sized on 1 thread, prompts on 2, the lm_head at kept rows), so
+    a serving worker's RSS does not grow as rarer batch sizes first appear (issue 15)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    out = subprocess.run([sys.executable, "-c", _WARM], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "DONE" in out.stdout, out.stderr[-2000:]
+    out = out.stdout
+    before, served = out.split("WARMED", 1)
+    created = [ln for ln in served.splitlines() if "create:cache_miss" in ln and ",matmul," in ln]
+    assert int(served.split()[0]) > 0 and before.count(",matmul,") > 0  # warm_gemms ran, and oneDNN reports
+    assert created == [], created
+
+
 def test_the_exact_kernel_is_the_default_where_there_is_one():
     assert default_kernel() == ("onednn" if onednn_int8_supported() else "fbgemm")
     q = RowInt8Linear(torch.nn.Linear(8, 4))

@@ -159,6 +159,35 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+def row_buckets(lo: int, hi: int) -> list[int]:
+    """The distinct row counts ``row_bucket`` runs GEMMs of ``lo``..``hi`` rows at, ascending."""
+    out, m = [], max(1, lo)
+    while m <= hi:
+        out.append(row_bucket(m))
+        m = out[-1] + 1
+    return out
+
+
+def warm_gemms(layers, rows) -> int:
+    """Create oneDNN's primitives for the int8 GEMMs ``layers`` run at the row counts ``rows``
+    (each distinct weight shape once per row bucket: layers of one shape share a primitive), on
+    the calling thread's torch thread count (part of oneDNN's key). A worker that did not meet
+    every bucket by its warm sample kept creating them later, ~115 KiB each (the tiny soak's
+    target: 145 primitives, a quarter of them first met after 60 % of the run). Zero codes (the
+    zero point) in, nothing kept; returns the GEMMs run."""
+    shapes: dict[tuple[int, int], RowInt8Linear] = {}
+    for layer in layers:
+        if isinstance(layer, RowInt8Linear) and layer.kernel == "onednn":
+            shapes.setdefault((layer.in_features, layer.out_features), layer)
+    buckets = sorted({row_bucket(m) for m in rows})
+    with torch.no_grad():
+        for (k, _), layer in shapes.items():
+            for m in buckets:
+                codes = torch.full((m, k), _CODE_ZERO, dtype=torch.uint8)
+                _onednn_gemm(codes, layer._packed, layer._ones, layer._zeros)
+    return len(shapes) * len(buckets)
+
+
 def _bucketed(codes: torch.Tensor) -> torch.Tensor:
     pad = row_bucket(codes.shape[0]) - codes.shape[0]
     return torch.nn.functional.pad(codes, (0, 0, 0, pad), value=_CODE_ZERO) if pad else codes
