@@ -10,8 +10,11 @@ settings, so the engines stay device-neutral.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import time
+from functools import cache
 
 import torch
 
@@ -86,6 +89,17 @@ class ThreadChooser:
         return {f"{b}/{th}": round(ms, 2) for (b, th), ms in sorted(self._ms.items())}
 
 
+@cache
+def malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
 class CpuBackend(Backend):
     """Threads follow the forward: ``threads`` for tree-sized forwards, ``prefill_threads`` for
     forwards of more than ``PREFILL_TOKENS`` new tokens."""
@@ -93,7 +107,7 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, threads: int, prefill_threads: int, *, quantize: str = "none", pack_weights: bool = True,
-                 batch_invariant: bool = True, adaptive_threads: bool = False):
+                 batch_invariant: bool = True, adaptive_threads: bool = False, trim_every_s: float = 0.0):
         self.threads, self.prefill_threads = threads, prefill_threads
         # tree-sized forwards on the role's share or on every core, whichever measures faster
         self.chooser = (ThreadChooser((threads, prefill_threads))
@@ -105,6 +119,9 @@ class CpuBackend(Backend):
         self.gqa_attention = False
         self.attention: str | None = None  # the registered attention function the prepared model runs
         self.warmed_gemms, self.warm_s = 0, 0.0
+        self.trim_every_s = trim_every_s if malloc_trim() is not None else 0.0
+        self._trimmed_at = time.monotonic()
+        self.trims, self.trim_s, self.trim_max_s = 0, 0.0, 0.0
 
     def load_dtype(self, requested: str) -> str:
         """The dtype to load in: as requested (``prepare`` makes an int8 model float32 layer by
@@ -127,6 +144,25 @@ class CpuBackend(Backend):
     def after_forward(self, new_tokens: int, ms: float) -> None:
         if self.chooser is not None and new_tokens <= PREFILL_TOKENS:
             self.chooser.observe(new_tokens, self._running, ms)
+        if self.trim_every_s and time.monotonic() - self._trimmed_at >= self.trim_every_s:
+            self.trim()
+
+    def trim(self) -> None:
+        """Give the C heap's free pages back to the system (glibc ``malloc_trim``), at most every
+        ``trim_every_s`` seconds, after a forward. A serving worker allocates and frees session KV
+        buffers and batch activations of every size among each other; glibc serves blocks up to
+        its (self-raising) mmap threshold from its heaps, and a free block below a live one is
+        never returned, so without this the 1.5B target's RSS grew from 7.9 to 9.4 GB between
+        session 200 and 1,000 of a soak (256 at a time) while its held KV stayed at 3.5 GB.
+        malloc_trim releases every whole free page inside the heaps (MADV_DONTNEED), and pages
+        come back on first touch, so between trims the heap is reused as before; a fixed low mmap
+        threshold, the other cure, mapped and faulted every activation anew and doubled a
+        250-token prefill."""
+        t0 = time.perf_counter()
+        malloc_trim()(0)
+        took = time.perf_counter() - t0
+        self.trims, self.trim_s, self.trim_max_s = self.trims + 1, self.trim_s + took, max(self.trim_max_s, took)
+        self._trimmed_at = time.monotonic()
 
     def prepare(self, model):
         """The model as this backend runs it: int8 Linear layers (``specsplit.models.int8``; with a
@@ -189,6 +225,8 @@ class CpuBackend(Backend):
                 "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
                 "gqa_attention": self.gqa_attention, "attention": self.attention, "adaptive_threads": self.chooser is not None,
                 "warmed_gemms": self.warmed_gemms, "warm_s": round(self.warm_s, 2),
+                "trim_every_s": self.trim_every_s, "trims": self.trims, "trim_s": round(self.trim_s, 3),
+                "trim_max_ms": round(self.trim_max_s * 1e3, 1),
                 "omp": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
 
 
@@ -261,4 +299,5 @@ def build_backend(service: str, device: str, settings) -> Backend:
         # draft only proposes, so it skips the batch-invariant attention
         batch_invariant=service == "target",
         adaptive_threads=settings.adaptive_threads,
+        trim_every_s=settings.trim_every_s,
     )

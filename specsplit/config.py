@@ -109,6 +109,10 @@ class WorkerSettings(SessionLimitSettings):
     # (backends.ThreadChooser): every core when the other role idles, the role's share when it
     # computes beside it
     adaptive_threads: bool = False
+    # CPU: at most every this many seconds, after a forward, a worker gives its C heap's free
+    # pages back to the system (glibc malloc_trim; backends.CpuBackend.trim), so its RSS follows
+    # what it holds instead of the high-water mark of sessions and batches come and gone. 0: never
+    trim_every_s: float = Field(default=10.0, ge=0, le=3600)
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch).
     # These are on the round's critical path (the target waits for them), while growth expands the
     # same nodes during the next verify at no wait; a re-rooted tree always has the bonus node's

@@ -196,5 +196,6 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     rc = loop.run(stop)
     log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
              kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests,
-             holds=loop.gather.holds if loop.gather else 0, held_s=round(loop.gather.held_s, 3) if loop.gather else 0.0)
+             holds=loop.gather.holds if loop.gather else 0, held_s=round(loop.gather.held_s, 3) if loop.gather else 0.0,
+             **{k: v for k, v in engine.backend.describe().items() if k.startswith("trim")})
     return rc

@@ -20,7 +20,8 @@ def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     out = tmp_path / "soak.json"
     # warm at session 200, as the issue measures it. The int8 target creates its oneDNN GEMM
     # primitives as it loads (CpuBackend.warm); before that it met rarer batch sizes all run long
-    # (2-core Xeon: target RSS +2.8 % from session 200 to 500, +0.26 % since)
+    # (2-core Xeon: target RSS +2.8 % from session 200 to 500, +0.26 % since; the real pair: see
+    # ops/results/soak-qwen-coder-1000x256-heap-trim-*)
     rc = soak.main(["--sessions", "500", "--concurrency", "64", "--rss-from", "200", "--sample-every", "100",
                     "--json", str(out)])
     data = json.loads(out.read_text())
