@@ -166,6 +166,20 @@ class Fleet:
         self.wait_log("router_target", "worker_admitted", targets, timeout_s)
         self.wait_log("orchestrator", "orchestrator_started", 1, timeout_s)
 
+    def restart_orchestrator(self, timeout_s: float = 60.0) -> None:
+        """Stop the orchestrator (SIGTERM, SIGKILL past ``timeout_s``) and start a fresh one on the
+        same address: nothing it learned (the n-gram cache, the cost model) carries over, as
+        after a redeploy. Returns once the new one has started; clients reconnect by themselves."""
+        proc, started = self.procs["orchestrator"], self.log("orchestrator").count("orchestrator_started")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill9("orchestrator")
+        self.spawn("orchestrator", "orchestrator")
+        self.wait_log("orchestrator", "orchestrator_started", started + 1, timeout_s)
+
     def kill9(self, name: str) -> None:
         proc = self.procs[name]
         os.killpg(proc.pid, signal.SIGKILL)

@@ -48,6 +48,8 @@ def test_bench_load_tiny_end_to_end(tmp_path):
         "SPECSPLIT_TARGET_QUANTIZE", "none")
     assert data["config"]["target_backend"]["quantize"] == quantize
     assert data["config"]["distinct_prompts"] == 4
+    # every fleet pass on a fresh orchestrator (nothing memorized from earlier passes): 1 + 3 passes
+    assert data["config"]["orchestrators_started"] == 4
     assert "| concurrency | fleet tok/s | target batched tok/s |" in proc.stdout
     assert out.with_suffix(".png").stat().st_size > 1000
 
