@@ -230,14 +230,13 @@ class CpuBackend(Backend):
                 "omp": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
 
 
-class CudaBackend(Backend):
-    name = "cuda"
+class AcceleratorBackend(Backend):
+    """An accelerator's queue: timings wait for it (``synchronize``); weights load as requested."""
+
+    name = "accelerator"
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
     def load_dtype(self, requested: str) -> str:
         return requested
@@ -249,7 +248,31 @@ class CudaBackend(Backend):
         return {"backend": self.name, "device": str(self.device)}
 
 
-class MpsBackend(CudaBackend):
+class CudaBackend(AcceleratorBackend):
+    """CUDA. Unless ``cudnn_attention``, the process's scaled-dot-product attention never picks
+    cuDNN's kernel (a process-wide switch: a worker process serves one role on one device): with
+    the additive masks of tree forwards it builds an execution plan for every new key length,
+    ~70 ms each on an H200 (torch 2.11), and a session's cache has a new length every round, so
+    the memory-efficient kernel (no per-shape cost, 0.3-3 ms at 4K-64K keys) serves instead.
+    Measured through the engine, a 1.5B verify at 16K cached tokens: 126 ms -> 32 ms
+    (``ops/results/gpu-longctx-*``)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, cudnn_attention: bool = False):
+        super().__init__(device)
+        self.cudnn_attention = cudnn_attention
+        if not cudnn_attention:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def describe(self) -> dict:
+        return super().describe() | {"cudnn_attention": self.cudnn_attention}
+
+
+class MpsBackend(AcceleratorBackend):
     name = "mps"
 
     def synchronize(self) -> None:
@@ -287,7 +310,7 @@ def build_backend(service: str, device: str, settings) -> Backend:
     """The policy for ``service`` on ``device`` from WorkerSettings-like ``settings``."""
     kind = torch.device(device).type
     if kind == "cuda":
-        return CudaBackend(torch.device(device))
+        return CudaBackend(torch.device(device), cudnn_attention=settings.cuda_cudnn_attention)
     if kind == "mps":
         return MpsBackend(torch.device(device))
     return CpuBackend(

@@ -113,6 +113,12 @@ class WorkerSettings(SessionLimitSettings):
     # pages back to the system (glibc malloc_trim; backends.CpuBackend.trim), so its RSS follows
     # what it holds instead of the high-water mark of sessions and batches come and gone. 0: never
     trim_every_s: float = Field(default=10.0, ge=0, le=3600)
+    # CUDA: let torch's scaled-dot-product attention pick cuDNN's kernel. Off by default: for the
+    # additive masks every tree forward passes, cuDNN builds a plan per new key length, and a
+    # serving cache grows by a token or more every round, so nearly every forward paid it
+    # (H200, torch 2.11: ~70 ms per fresh length against 0.3-3 ms for the memory-efficient
+    # kernel at 4K-64K keys; a 1.5B verify at 16K 126 -> 32 ms; backends.CudaBackend)
+    cuda_cudnn_attention: bool = False
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch).
     # These are on the round's critical path (the target waits for them), while growth expands the
     # same nodes during the next verify at no wait; a re-rooted tree always has the bonus node's

@@ -140,3 +140,24 @@ def test_worker_loaded_line_for_every_backend(backend_name):
     (line,) = [e for e in log.lines if e["event"] == "worker_loaded"]
     assert line["backend"] == backend_name and line["device"] == str(device) and line["dtype"] == "bfloat16"
     assert line["identity"] == "target-0" and line["inline"] is True
+
+
+def test_cuda_backend_keeps_attention_off_cudnn(monkeypatch):
+    """A CUDA worker's backend turns torch's cuDNN attention off unless the setting allows it:
+    with a tree's additive mask cuDNN builds a plan for every new key length (~70 ms each on an
+    H200, and a session's cache has a new length every round). Needs no GPU: it is a switch."""
+    from specsplit.backends import build_backend
+    from specsplit.config import WorkerSettings
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        backend = build_backend("target", "cuda:0", WorkerSettings())
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert backend.describe()["cudnn_attention"] is False
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        monkeypatch.setenv("SPECSPLIT_CUDA_CUDNN_ATTENTION", "1")
+        backend = build_backend("draft", "cuda:0", WorkerSettings())
+        assert torch.backends.cuda.cudnn_sdp_enabled() and backend.describe()["cudnn_attention"] is True
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

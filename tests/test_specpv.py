@@ -227,8 +227,8 @@ EXACT_CASES = [  # (family, context, spec, tree)
 
 @pytest.mark.parametrize("family,context,spec,shape", EXACT_CASES,
                          ids=[f"{f}-{c}-{s.retrieval_blocks}x{s.block_size}-{t.branch}" for f, c, s, t in EXACT_CASES])
-def test_exact_mode_equals_plain_greedy(models, family, context, spec, shape):
-    target, often, _ = models[family]
+def test_exact_mode_equals_plain_greedy(models, family, context, spec, shape, device):
+    target, often = (on_device(m, device) for m in models[family][:2])
     prompt = random_prompt(context, seed=context + len(family))
     new = 40
     ref, gap = greedy_cached(target, prompt, new)

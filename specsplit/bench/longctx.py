@@ -118,8 +118,9 @@ class WarmEngines:
     counted in every mode's end-to-end tok/s; at 16K tokens on a 2-core CPU it takes minutes.
     The rest of the session (round, kept draft tree, SpecPV view) starts afresh."""
 
-    def __init__(self, draft_window=None):
+    def __init__(self, draft_window=None, backends: dict | None = None):
         self.draft_window = draft_window  # a DraftWindow (None: the whole context)
+        self.backends = backends or {}  # role -> the engines' Backend (default: the engines' own)
         self.engines: dict[str, object] = {}
         self.rounds: list = []  # (partial, verify_ms, prefill) of the current mode's verifies
         self.first_round_s = 0.0  # wall time of the current mode's first draft + verify
@@ -158,8 +159,9 @@ class WarmEngines:
 
         def make(model, limits):
             if role not in self.engines:
-                self.engines[role] = Warm(model, limits) if role == "target" else \
-                    Warm(model, limits, window=self.draft_window)
+                extra = {"backend": self.backends[role]} if role in self.backends else {}
+                self.engines[role] = Warm(model, limits, **extra) if role == "target" else \
+                    Warm(model, limits, window=self.draft_window, **extra)
             return self.engines[role]
 
         return make
@@ -245,49 +247,12 @@ def summarize(rows: list[dict], contexts: list[int], threshold: int) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if "torch" not in sys.modules:  # the engines here stand for a target worker: its OpenMP wait
-        from specsplit.cli import WORKER_SPINCOUNT
-
-        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
-    args = parse(argv)
-    contexts = sorted({int(c) for c in args.contexts.split(",") if c})
-    modes = [m for m in args.modes.split(",") if m]
-    if not contexts or any(c < 16 for c in contexts) or set(modes) - set(MODES) or not modes:
-        raise SystemExit(f"specsplit bench longctx: --contexts takes token counts >= 16, --modes a comma list of "
-                         f"{', '.join(MODES)}")
-    import torch
-
-    from schemas import SpecPVSpec, TreeSpec
-    from specsplit.engine.draftview import DraftWindow
-    from specsplit.logs import configure_logging
-    from specsplit.workers import WorkerSettings
-    from specsplit.models import ModelSettings, resolve_model_paths
-
-    configure_logging("WARNING")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n, d, b, *rest = args.tree.split(",")
-    args.tree_spec = TreeSpec(max_nodes=int(n), max_depth=int(d), branch=int(b),
-                              min_path_prob=float(rest[0]) if rest else 0.0)
-    spec = SpecPVSpec(block_size=args.block_size, sink_blocks=args.sink_blocks, retrieval_blocks=args.retrieval_blocks,
-                      window_blocks=args.window_blocks, buffer_tokens=args.buffer_tokens, threshold=args.threshold,
-                      refresh_every=args.refresh_every)
-    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
-    paths = resolve_model_paths(ms)
-    quantize = {"draft_quantize": args.draft_quantize, "target_quantize": args.target_quantize}
-    fleet = WorkerSettings()
-    args.draft_window = fleet.draft_window_tokens if args.draft_window is None else args.draft_window
-    args.draft_sink = fleet.draft_sink_tokens if args.draft_sink is None else args.draft_sink
-    window = DraftWindow(sink_tokens=args.draft_sink, window_tokens=args.draft_window)
-    target, tok = _load_as_fleet("target", paths.target, ms, quantize)
-    draft = _load_as_fleet("draft", paths.draft, ms, quantize)[0]
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    prompts = long_prompts(tok, contexts)
-    rows = []
-    for c in contexts:
-        outs, warm, prefill_s = {}, WarmEngines(window), None
+def measure(draft, target, prompts: dict[int, list[int]], modes: list[str], args, spec, window, rows: list,
+            backends: dict | None = None):
+    """Every mode on every context (ascending), rows appended to ``rows``; yields each context
+    once its modes are measured."""
+    for c in sorted(prompts):
+        outs, warm, prefill_s = {}, WarmEngines(window, backends), None
         for mode in modes:
             print(f"context {c}: {mode} ...", file=sys.stderr, flush=True)
             r = run_mode(draft, target, prompts[c], mode, args, spec, warm, prefill_s)
@@ -298,6 +263,58 @@ def main(argv=None) -> int:
             if "full" in outs and row["mode"] != "full":
                 row["same_as_full"], row["first_divergence"] = agreement(outs[row["mode"]], outs["full"])
                 row["identical_to_full"] = outs[row["mode"]] == outs["full"]
+        yield c
+
+
+def settle(args):
+    """(contexts, modes, SpecPVSpec, the draft's DraftWindow) from parsed arguments; sets
+    ``args.tree_spec`` and the draft window's defaults (the fleet's)."""
+    from schemas import SpecPVSpec, TreeSpec
+    from specsplit.engine.draftview import DraftWindow
+    from specsplit.workers import WorkerSettings
+
+    contexts = sorted({int(c) for c in args.contexts.split(",") if c})
+    modes = [m for m in args.modes.split(",") if m]
+    if not contexts or any(c < 16 for c in contexts) or set(modes) - set(MODES) or not modes:
+        raise SystemExit(f"specsplit bench longctx: --contexts takes token counts >= 16, --modes a comma list of "
+                         f"{', '.join(MODES)}")
+    n, d, b, *rest = args.tree.split(",")
+    args.tree_spec = TreeSpec(max_nodes=int(n), max_depth=int(d), branch=int(b),
+                              min_path_prob=float(rest[0]) if rest else 0.0)
+    spec = SpecPVSpec(block_size=args.block_size, sink_blocks=args.sink_blocks, retrieval_blocks=args.retrieval_blocks,
+                      window_blocks=args.window_blocks, buffer_tokens=args.buffer_tokens, threshold=args.threshold,
+                      refresh_every=args.refresh_every)
+    fleet = WorkerSettings()
+    args.draft_window = fleet.draft_window_tokens if args.draft_window is None else args.draft_window
+    args.draft_sink = fleet.draft_sink_tokens if args.draft_sink is None else args.draft_sink
+    return contexts, modes, spec, DraftWindow(sink_tokens=args.draft_sink, window_tokens=args.draft_window)
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" not in sys.modules:  # the engines here stand for a target worker: its OpenMP wait
+        from specsplit.cli import WORKER_SPINCOUNT
+
+        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
+    args = parse(argv)
+    contexts, modes, spec, window = settle(args)
+    import torch
+
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    configure_logging("WARNING")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
+    paths = resolve_model_paths(ms)
+    quantize = {"draft_quantize": args.draft_quantize, "target_quantize": args.target_quantize}
+    target, tok = _load_as_fleet("target", paths.target, ms, quantize)
+    draft = _load_as_fleet("draft", paths.draft, ms, quantize)[0]
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    prompts = long_prompts(tok, contexts)
+    rows = []
+    for c in measure(draft, target, prompts, modes, args, spec, window, rows):
         if args.json_path:  # after every context: a long run that stops keeps what it measured
             write_json(args, spec, paths, rows, summarize(rows, contexts, spec.threshold), done=c == contexts[-1])
     summary = summarize(rows, contexts, spec.threshold)
