@@ -101,3 +101,27 @@ def test_cache_grows_in_chunks_and_respects_limit():
     assert kv.length == 5 and kv.layers[0]._k.shape[2] == 32
     with pytest.raises(CacheFull):
         kv.layers[0].update(*(torch.zeros(1, 2, 40, 16),) * 2)
+
+
+def test_cache_grows_geometrically_and_reserves_little():
+    """A session that decodes a token at a time holds at most an eighth (and a chunk) more than it
+    wrote, and its buffer is reallocated (copied) O(log) times, not once per chunk; a short one
+    reserves one chunk; the limit holds exactly. Fails with fixed 16-token steps (313 copies)."""
+    from specsplit.engine.kvcache import ChunkedLayer, grown_capacity
+
+    layer = ChunkedLayer(max_len=6000, chunk=16)
+    one = torch.zeros(1, 2, 1, 4)
+    copies, cap, worst = 0, 0, 0.0
+    for n in range(1, 5001):
+        layer.update(one, one)
+        copies += layer._k.shape[2] != cap  # a new buffer, the cache copied into it
+        cap = layer._k.shape[2]
+        assert n <= cap <= max(16, n + n // 8 + 16), (n, cap)
+        worst = max(worst, cap / n) if n >= 128 else worst
+    assert copies <= 45, copies
+    assert worst <= 1.25
+    assert torch.equal(layer.keys, torch.zeros(1, 2, 5000, 4))
+    assert grown_capacity(16, 17, 16, 6000) == 32 and grown_capacity(5984, 5990, 16, 6000) == 6000
+    short = ChunkedLayer(max_len=6000, chunk=16)
+    short.update(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4))
+    assert short._k.shape[2] == 16

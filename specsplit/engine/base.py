@@ -36,7 +36,7 @@ class EngineLimits:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_session_tokens: int = 8192  # per-session KV capacity (prompt + generation + tree)
-    cache_chunk: int = 256
+    cache_chunk: int = 64  # KV capacity granularity (tokens); see specsplit.engine.kvcache
     max_tree_nodes: int = 64
     max_tree_depth: int = 16
 
