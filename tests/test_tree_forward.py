@@ -110,17 +110,17 @@ def test_cache_grows_geometrically_and_reserves_little():
     from specsplit.engine.kvcache import ChunkedLayer, grown_capacity
 
     layer = ChunkedLayer(max_len=6000, chunk=16)
-    one = torch.zeros(1, 2, 1, 4)
     copies, cap, worst = 0, 0, 0.0
     for n in range(1, 5001):
-        layer.update(one, one)
+        layer.update(torch.full((1, 2, 1, 4), float(n)), torch.full((1, 2, 1, 4), -float(n)))
         copies += layer._k.shape[2] != cap  # a new buffer, the cache copied into it
         cap = layer._k.shape[2]
         assert n <= cap <= max(16, n + n // 8 + 16), (n, cap)
         worst = max(worst, cap / n) if n >= 128 else worst
     assert copies <= 45, copies
     assert worst <= 1.25
-    assert torch.equal(layer.keys, torch.zeros(1, 2, 5000, 4))
+    written = torch.arange(1, 5001, dtype=torch.float32)[None, None, :, None].expand(1, 2, 5000, 4)
+    assert torch.equal(layer.keys, written) and torch.equal(layer.values, -written)  # every copy kept them
     assert grown_capacity(16, 17, 16, 6000) == 32 and grown_capacity(5984, 5990, 16, 6000) == 6000
     short = ChunkedLayer(max_len=6000, chunk=16)
     short.update(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4))
