@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU checks of a session lent a device machine, as one prepared call (device time is scarce:
+# 15 minutes a session, each start ~1 minute).
+#
+#   ./ops/gpu_check.sh prepare     here: the pure-Python deps and our pinned transformers as wheels
+#                                  for the device's Python 3.12 (the device reaches no network),
+#                                  and the pulled models' config.json (real weights cannot travel:
+#                                  64 MiB), under .whl/ (git-ignored)
+#   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]): installs the
+#                                  wheels, runs the CUDA-parametrized oracles, then SpecPV's verify
+#                                  cost at long contexts (ops/gpu_longctx.py) and the forward costs
+#                                  (ops/gpu_cost.py) on random weights of the real configs; logs and
+#                                  JSON under $OUT. TESTS_S / LONGCTX_S / COST_S bound each part.
+#
+# A stop-37 run of the same steps (H200): 29 oracles in ~95 s, the four-context SpecPV sweep in
+# ~150 s (ops/results/gpu-longctx-h200-*); it found the cuDNN attention planning cost
+# (specsplit.backends.CudaBackend).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(transformers==5.23.0 pyzmq==27.3.0 structlog==26.1.0 pydantic==2.14.4 pydantic_core==2.50.5
+        pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 typing-inspection==0.4.5
+        typing_extensions==4.16.0 pytest==9.2.0 pytest-asyncio==1.5.0 honcho==2.0.0 regex==2026.11.19
+        msgpack==1.2.4 prometheus_client==0.26.0)
+
+case "${1:-}" in
+prepare)
+  set -e
+  mkdir -p .whl/cfg/target .whl/cfg/draft
+  for w in "${WHEELS[@]}"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$w"
+  done
+  . .venv/bin/activate
+  python - <<'EOF'
+import shutil
+from specsplit.models import ModelSettings, resolve_model_paths
+paths = resolve_model_paths(ModelSettings())
+for role in ("target", "draft"):
+    shutil.copy(getattr(paths, role) / "config.json", f".whl/cfg/{role}/config.json")
+EOF
+  du -sh .whl
+  ;;
+run)
+  : "${OUT:?run this on the device machine (its \$OUT collects the results)}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  timeout "${TESTS_S:-150}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" tests/test_device.py \
+    tests/test_tree_forward.py tests/test_specpv.py tests/test_greedy_equivalence.py \
+    2>&1 | tee "$OUT/tests-cuda.log" | tail -8
+  cd ops
+  timeout "${LONGCTX_S:-240}" python3 gpu_longctx.py --device cuda --target-config ../.whl/cfg/target \
+    --draft-config ../.whl/cfg/draft --contexts "${CONTEXTS:-4096,16384,32768,65536}" --max-new-tokens 64 \
+    --tree 16,3,4 --json "$OUT/gpu-longctx.json" 2>&1 | grep -v "^context" | tee "$OUT/gpu-longctx.log" | tail -18
+  timeout "${COST_S:-150}" python3 gpu_cost.py --device cuda --target-config ../.whl/cfg/target \
+    --draft-config ../.whl/cfg/draft --json "$OUT/gpu-cost.json" 2>&1 | tee "$OUT/gpu-cost.log" | tail -25
+  ;;
+*)
+  echo "usage: $0 prepare|run" >&2
+  exit 2
+  ;;
+esac
