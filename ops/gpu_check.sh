@@ -17,21 +17,21 @@
 # (specsplit.backends.CudaBackend).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(transformers==5.23.0 pyzmq==27.3.0 structlog==26.1.0 pydantic==2.14.4 pydantic_core==2.50.5
-        pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 typing-inspection==0.4.5
-        typing_extensions==4.16.0 pytest==9.2.0 pytest-asyncio==1.5.0 honcho==2.0.0 regex==2026.11.19
-        msgpack==1.2.4 prometheus_client==0.26.0)
+# the device's image lacks these or holds other versions; each is pinned to this checkout's venv
+WHEELS=(transformers pyzmq structlog pydantic pydantic_core pydantic-settings python-dotenv annotated-types
+        typing-inspection typing_extensions pytest pytest-asyncio honcho regex msgpack prometheus_client)
 
 case "${1:-}" in
 prepare)
   set -e
   mkdir -p .whl/cfg/target .whl/cfg/draft
-  for w in "${WHEELS[@]}"; do
+  . .venv/bin/activate
+  for name in "${WHEELS[@]}"; do
+    w="$name==$(python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$w"
   done
-  . .venv/bin/activate
   python - <<'EOF'
 import shutil
 from specsplit.models import ModelSettings, resolve_model_paths
