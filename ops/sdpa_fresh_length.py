@@ -32,10 +32,8 @@ for L0 in (4096, 16384, 65536):
             ms, err = [], None
             for i in range(12):
                 L = L0 + base + (i if kind == "fresh" else 0)
-                mask = torch.zeros(1, 1, N, L, dtype=dt, device=dev)
-                mask[..., L - N:] = torch.finfo(dt).min
-                mask[..., L - N:] += torch.triu(torch.full((N, N), torch.finfo(dt).min, device=dev, dtype=dt), 1)
-                mask.clamp_(min=torch.finfo(dt).min)
+                mask = torch.zeros(1, 1, N, L, dtype=dt, device=dev)  # the prefix visible, the new tokens causal
+                mask[..., L - N:] = torch.triu(torch.full((N, N), torch.finfo(dt).min, device=dev, dtype=dt), 1)
                 k, v = K[:, :, :L], V[:, :, :L]
                 sync(); t = time.perf_counter()
                 try:
