@@ -32,7 +32,16 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--target-config", required=True)
     p.add_argument("--draft-config", required=True)
+    p.add_argument("--attention", choices=("grouped", "sdpa"), default="grouped",
+                   help="CUDA: decode steps and trees through grouped matmuls (the workers' default) or sdpa")
+    p.add_argument("--value-chunk", type=int, default=None,
+                   help="grouped attention: keys per chunk of probabilities x values (0: one matmul; "
+                        "default: specsplit.models.attention.ACCEL_VALUE_CHUNK)")
     own, rest = p.parse_known_args()
+    if own.value_chunk is not None:
+        from specsplit.models import attention
+
+        attention.ACCEL_VALUE_CHUNK = own.value_chunk
 
     from specsplit.backends import build_backend
     from specsplit.bench import longctx
@@ -44,13 +53,16 @@ def main() -> None:
     configure_logging("WARNING")
     target = build(own.target_config, own.device, own.dtype)
     draft = build(own.draft_config, own.device, own.dtype)
-    backends = {role: build_backend(role, own.device, WorkerSettings()) for role in ("draft", "target")}
+    settings = WorkerSettings(cuda_grouped_attention=own.attention == "grouped")
+    backends = {role: build_backend(role, own.device, settings) for role in ("draft", "target")}
+    target, draft = backends["target"].prepare(target), backends["draft"].prepare(draft)  # as a worker does
     rng = random.Random(0)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
     ids = [rng.randrange(vocab) for _ in range(max(contexts))]
     prompts = {c: ids[-c:] for c in contexts}
     name = torch.cuda.get_device_name() if own.device.startswith("cuda") else own.device
     out = {"device": own.device, "name": name, "dtype": own.dtype, "torch": torch.__version__,
+           "backend": backends["target"].describe(), "value_chunk": own.value_chunk,
            "weights": "random (the configs' architectures): verify ms are the figures; tokens per round and tok/s "
                       "are not the real pair's",
            "config": {k: v for k, v in vars(args).items() if k != "tree_spec"} | {"spec": spec.model_dump()},

@@ -119,6 +119,11 @@ class WorkerSettings(SessionLimitSettings):
     # (H200, torch 2.11: ~70 ms per fresh length against 0.3-3 ms for the memory-efficient
     # kernel at 4K-64K keys; a 1.5B verify at 16K 126 -> 32 ms; backends.CudaBackend)
     cuda_cudnn_attention: bool = False
+    # CUDA: decode steps and trees (up to 64 new tokens) over 8K+ cached tokens attend through
+    # grouped matmuls (models.attention.gqa_attention) instead of sdpa's memory-efficient kernel,
+    # which runs a few blocks of threads for a few queries (a 1.5B verify at 64K cached tokens on
+    # an H200: 97.8 -> 44.7 ms). Off: every forward through transformers' sdpa
+    cuda_grouped_attention: bool = True
     # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch).
     # These are on the round's critical path (the target waits for them), while growth expands the
     # same nodes during the next verify at no wait; a re-rooted tree always has the bonus node's

@@ -59,13 +59,19 @@ def device(request) -> torch.device:
 
 
 def on_device(model, device):
-    """``model`` itself on CPU, a copy of it on another device (fixtures stay on CPU)."""
+    """``model`` itself on CPU, a copy of it on another device (fixtures stay on CPU) as that
+    device's worker prepares it (CUDA: decode steps and trees through grouped matmuls)."""
     import copy
 
     device = torch.device(device)
     if device.type == "cpu":
         return model
-    return copy.deepcopy(model).to(device)
+    moved = copy.deepcopy(model).to(device)
+    if device.type == "cuda":
+        from specsplit.backends import CudaBackend
+
+        moved = CudaBackend(device).prepare(moved)
+    return moved
 
 
 def tiny_config(family: str, vocab: int = 128, hidden: int = 64, layers: int = 2):

@@ -161,3 +161,70 @@ def test_cuda_backend_keeps_attention_off_cudnn(monkeypatch):
         assert torch.backends.cuda.cudnn_sdp_enabled() and backend.describe()["cudnn_attention"] is True
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_cuda_backend_runs_trees_through_grouped_matmuls(monkeypatch, kv_heads):
+    """A CUDA worker's model attends through ``gqa_attention`` (grouped or not): for a few queries
+    sdpa's masked kernel occupies one block of threads per head, a tenth of an H200 at 64K keys.
+    Decode steps and trees over long caches take the grouped matmuls there while their scores stay
+    bounded; longer forwards and short caches, and every forward on the CPU above 16 queries,
+    stay on sdpa. The setting keeps sdpa."""
+    from specsplit.backends import build_backend
+    from specsplit.config import WorkerSettings
+    from transformers import AutoModelForCausalLM
+
+    from specsplit.models.attention import ACCEL_MAX_SCORES, GQA_ATTENTION, grouped
+    from tests.conftest import tiny_config
+
+    def tiny(kv_heads):
+        cfg = tiny_config("llama")
+        cfg.num_key_value_heads = kv_heads
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        model = tiny(kv_heads)
+        assert model.config._attn_implementation == "sdpa"
+        backend = build_backend("target", "cuda:0", WorkerSettings())
+        assert backend.prepare(model) is model and model.config._attn_implementation == GQA_ATTENTION
+        assert backend.describe()["attention"] == GQA_ATTENTION
+        monkeypatch.setenv("SPECSPLIT_CUDA_GROUPED_ATTENTION", "0")
+        model = tiny(kv_heads)
+        build_backend("target", "cuda:0", WorkerSettings()).prepare(model)
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+    def query(m, heads=12, device="meta"):
+        return torch.empty(1, heads, m, 128, device=device)
+
+    assert grouped(query(1), 8192) and grouped(query(17), 65536) and grouped(query(64), 65536)
+    assert not grouped(query(17), 8191)  # a short cache: sdpa's one kernel costs fewer launches
+    assert not grouped(query(65), 65536)  # a prompt chunk: sdpa's kernel parallelizes over its queries
+    assert not grouped(query(64, heads=64), ACCEL_MAX_SCORES // (64 * 64) + 1)  # scores too large
+    assert grouped(query(16, device="cpu"), 65536) and not grouped(query(17, device="cpu"), 64)
+
+    # on an accelerator (here: meta tensors, shapes only) both paths give [B, M, Hq, D]
+    from specsplit.models.attention import gqa_attention
+
+    layer = model.model.layers[0].self_attn
+    for m, length in ((17, 100), (17, 8192), (1, 8192), (65, 8192)):
+        q, kv = query(m, heads=4, device="meta")[..., :16], torch.empty(1, kv_heads, length, 16, device="meta")
+        out, _ = gqa_attention(layer, q, kv, kv, torch.zeros(1, 1, m, length, device="meta"))
+        assert out.shape == (1, m, 4, 16)
+
+
+@pytest.mark.parametrize("length", [1023, 1024, 3000, 4096])
+def test_values_weighted_in_chunks_equal_one_product(length):
+    """``weighted_values`` with chunks (the accelerators' grouped attention) equals one matmul."""
+    from specsplit.models.attention import weighted_values
+
+    g = torch.Generator().manual_seed(length)
+    probs = torch.rand(1, 2, 17, length, generator=g, dtype=torch.float64).softmax(-1)
+    value = torch.randn(1, 2, length, 8, generator=g, dtype=torch.float64)
+    want = torch.matmul(probs, value)
+    for chunk in (0, 256, 1024, 5000):
+        got = weighted_values(probs, value, chunk)
+        assert got.shape == want.shape and got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

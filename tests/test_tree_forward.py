@@ -43,7 +43,23 @@ def sequential_logits(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_forward_matches_each_path(family, attn, device):
-    model = on_device(tiny_model(family, seed=1, attn=attn), device)
+    check_each_path(on_device(tiny_model(family, seed=1, attn=attn), device), device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_matches_each_path_through_grouped_matmuls_cuda(family, monkeypatch):
+    """CUDA workers attend for trees over long caches through grouped matmuls with the values
+    in chunks (``specsplit.models.attention``); here its thresholds are lowered so that a tiny
+    model's short caches take that path."""
+    from specsplit.models import attention
+
+    monkeypatch.setattr(attention, "ACCEL_MIN_KEYS", 0)
+    monkeypatch.setattr(attention, "ACCEL_VALUE_CHUNK", 8)
+    check_each_path(on_device(tiny_model(family, seed=1), "cuda"), torch.device("cuda"))
+
+
+def check_each_path(model, device) -> None:
     rng = random.Random(7)
     for offset in (0, 1, 9, 33):
         for n in (1, 2, 7, 23, 64):

@@ -11,6 +11,20 @@ queries 3.4 / 1.1 / 0.9 ms; for a 256-token prompt chunk the fused sdpa kernel i
 stacked into one [G*M, D] x [D, L] product) for forwards of up to ``SMALL_QUERY`` tokens and
 sdpa with ``enable_gqa`` above that. Neither copies the cache.
 
+On CUDA (``specsplit.backends.CudaBackend`` switches every sdpa model, grouped or not) the
+grouped matmuls serve forwards of up to ``ACCEL_SMALL_QUERY`` tokens over at least
+``ACCEL_MIN_KEYS`` keys, with probabilities x values split into chunks of ``ACCEL_VALUE_CHUNK``
+keys (``weighted_values``); everything else goes through transformers' own sdpa function (with
+a mask, torch's sdpa takes grouped KV heads only through its math kernel). For a few queries
+against a long cache sdpa's masked kernel runs one block of threads per head and query block:
+a 16-node tree of the 1.5B target on an H200 verified in 97.8 ms at 64K cached tokens with it,
+44.7 ms with one grouped matmul per product (52.8 -> 30.4 at 32K, 31.1 -> 29.2 at 16K; but
+25.9 -> 27.7 at 4K, where more kernel launches cost more than they save). One layer at 64K
+keys, 17 queries: 1.86 ms with one matmul for probabilities x values (a few rows over a 64K
+inner dimension, again a few blocks of threads), 0.48 ms in chunks; one query 2.20 -> 0.43 ms
+(``ops/results/gpu-attention-*``, ``ops/results/gpu-longctx-*-grouped*``). The scores of one
+forward are bounded (``ACCEL_MAX_SCORES`` elements).
+
 ``grouped_attention`` is also the body of the int8 target's float64 attention
 (``specsplit.models.int8.fp64_attention``), which computes in float64 for batch invariance, and of
 ``specsplit.models.blocked``'s attention for rows that see at most 1024 keys.
@@ -23,12 +37,35 @@ import torch.nn.functional as F
 
 GQA_ATTENTION = "specsplit_gqa"
 SMALL_QUERY = 16  # at most this many queries: one grouped matmul; above: sdpa with enable_gqa
+ACCEL_SMALL_QUERY = 64  # the same on an accelerator (its matmuls keep their speed up to this)
+ACCEL_MAX_SCORES = 1 << 27  # ... while the forward's scores [B, Hq, M, L] stay this small (512 MiB in fp32)
+ACCEL_MIN_KEYS = 8192  # ... over at least this many keys (below, sdpa's one kernel launches less)
+ACCEL_VALUE_CHUNK = 1024  # probabilities x values as a batch of matmuls over this many keys each (0: one)
 
 
-def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype: torch.dtype) -> torch.Tensor:
+def weighted_values(probs: torch.Tensor, value: torch.Tensor, chunk: int) -> torch.Tensor:
+    """probs [B, Hkv, R, L] x value [B, Hkv, L, D] -> [B, Hkv, R, D]. With ``chunk``, the keys are
+    split into chunks of ``chunk`` multiplied as one batch and summed in float32 (or wider): a product with
+    a few rows and a long inner dimension otherwise runs on a few blocks of threads."""
+    length = value.shape[2]
+    n = length // chunk if chunk else 0
+    if n < 2:
+        return torch.matmul(probs, value)
+    main = n * chunk
+    parts = torch.matmul(probs[..., :main].unflatten(-1, (n, chunk)).transpose(2, 3),
+                         value[:, :, :main].unflatten(2, (n, chunk)))  # [B, Hkv, n, R, D]
+    out = parts.sum(dim=2, dtype=torch.promote_types(value.dtype, torch.float32))
+    if main < length:
+        out += torch.matmul(probs[..., main:], value[:, :, main:])
+    return out.to(value.dtype)
+
+
+def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype: torch.dtype,
+                      value_chunk: int = 0) -> torch.Tensor:
     """Attention computed in ``compute_dtype``, result in the query's dtype: query [B, Hq, M, D],
     key/value [B, Hkv, L, D], an additive float or bool mask [B|1, 1, M, >=L] or None for causal;
-    returns [B, M, Hq, D]. The query heads of one KV head share one matmul."""
+    returns [B, M, Hq, D]. The query heads of one KV head share one matmul (``value_chunk``:
+    ``weighted_values``)."""
     b, hq, m, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
     groups = hq // hkv
@@ -45,15 +82,32 @@ def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype:
         else:
             scores.add_(mask.to(compute_dtype))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, groups * m, length)
-    out = torch.matmul(probs, value.to(compute_dtype)).view(b, hq, m, d)
+    out = weighted_values(probs, value.to(compute_dtype), value_chunk).view(b, hq, m, d)
     return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def grouped(query: torch.Tensor, length: int) -> bool:
+    """Whether a forward of ``query`` [B, Hq, M, D] over ``length`` keys runs the grouped matmuls."""
+    m = query.shape[2]
+    if query.device.type == "cpu":
+        return m <= SMALL_QUERY
+    return (m <= ACCEL_SMALL_QUERY and length >= ACCEL_MIN_KEYS
+            and query.shape[0] * query.shape[1] * m * length <= ACCEL_MAX_SCORES)
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature; returns ([B, M, Hq, D], None)."""
     m, length = query.shape[2], key.shape[2]
-    if m <= SMALL_QUERY:
-        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype), None
+    if grouped(query, length):
+        chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
+        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk), None
+    if query.device.type != "cpu":
+        # transformers' own: with a mask, torch's sdpa serves grouped KV heads only through its
+        # math kernel (repeat_kv, or one query's heads packed, keeps the memory-efficient one)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if attention_mask is not None:
         mask = attention_mask[..., :length]
     elif m < length:  # causal below cached keys: the last query sees every key (as grouped_attention)
@@ -77,13 +131,13 @@ def register_gqa_attention() -> str:
     return GQA_ATTENTION
 
 
-def use_gqa_attention(model) -> bool:
+def use_gqa_attention(model, *, grouped_only: bool = True) -> bool:
     """Switch ``model`` from sdpa to ``gqa_attention`` (masks built as for eager attention: a
-    float additive mask). Only models on sdpa with grouped KV heads change; returns whether
-    ``model`` did."""
+    float additive mask). Only models on sdpa change, and with ``grouped_only`` only those with
+    grouped KV heads; returns whether ``model`` did."""
     cfg = model.config
     heads, kv_heads = getattr(cfg, "num_attention_heads", 0), getattr(cfg, "num_key_value_heads", None)
-    if cfg._attn_implementation != "sdpa" or not kv_heads or heads == kv_heads:
+    if cfg._attn_implementation != "sdpa" or (grouped_only and (not kv_heads or heads == kv_heads)):
         return False
     model.set_attn_implementation(register_gqa_attention())
     return True
