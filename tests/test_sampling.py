@@ -255,3 +255,24 @@ def test_generate_same_seed_same_output(tiny_pair, sampling):
         assert len(out) == 12
         assert outs.setdefault(seed, out) == out, f"seed {seed} is not reproducible"
     assert len({tuple(o) for o in outs.values()}) >= 3, "different seeds should usually differ"
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_and_nans():
+    """The verify rules' argmax (numpy's on the CPU for float rows) is torch's: the first index of
+    a row's maximum, a NaN counting as the maximum, int64 on the input's device; other dtypes
+    take torch's own."""
+    from specsplit.engine.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.randn(7, 1000, generator=g).to(dtype)
+        x[1, 10] = x[1, 500] = x[1].max() + 1  # a tie: the first wins
+        x[2, 7] = float("nan")
+        x[3, 3] = x[3, 900] = float("nan")  # the first NaN
+        x[4] = float("-inf")
+        x[5, 999] = float("inf")
+        x[6] = 0.0
+        for rows in (x, x[0], x[:, ::2], x.t().contiguous().t()):
+            got = argmax_rows(rows)
+            assert got.dtype == torch.int64 and got.device == rows.device and got.shape == rows.shape[:-1]
+            assert torch.equal(got, rows.argmax(dim=-1)), (dtype, got, rows.argmax(dim=-1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from schemas import SamplingSpec
@@ -19,6 +20,16 @@ from schemas import SamplingSpec
 def prob_dtype(device: torch.device) -> torch.dtype:
     """float64 where the device has it (exact inverse CDFs and residuals), else float32 (MPS)."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64, on ``x``'s device; the first index of a row's maximum, NaN
+    counting as the maximum). For float32/float64 rows on the CPU it is numpy's, which is
+    vectorized where torch 2.13's CPU argmax is not: over a 151,936-token vocabulary 0.013 vs
+    0.28 ms a row (2-core Xeon), ~2 ms of a 16-node verify; elsewhere torch's."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1), dtype=np.int64))
+    return x.argmax(dim=-1)
 
 
 def make_generator(seed: int, round: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:

@@ -17,7 +17,7 @@ import torch
 from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
 from specsplit.engine.base import Engine, is_device_failure
 from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
-from specsplit.engine.sampling import make_generator
+from specsplit.engine.sampling import argmax_rows, make_generator
 from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
 from specsplit.engine.target_batch import fused, verify_batch
@@ -274,7 +274,7 @@ class TargetEngine(Engine):
     def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:
         """logits [C, V] of the rows before C provisional tokens ``expected``: (row, the target's
         token) of the first row whose argmax differs, or None. One host copy."""
-        argmax = logits.argmax(dim=-1)  # [C]
+        argmax = argmax_rows(logits)  # [C]
         wrong = argmax != torch.tensor(expected, dtype=torch.long, device=logits.device)  # [C]
         first = wrong.to(torch.int8).argmax()  # first True (0 when none)
         j, token, any_wrong = torch.stack([first, argmax[first], wrong.any().long()]).tolist()

@@ -41,7 +41,9 @@ def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, visi
     equals the target's argmax at its parent; the deepest accepted node wins (lowest index on
     ties); bonus = argmax there."""
     n, dev = layout.num_nodes, logits.device
-    argmax = logits.argmax(dim=-1)  # [N]
+    if n == 1:  # a root-only tree (plain decoding): the bonus alone, without the tree's dozen small ops
+        return Verdict([0], int(S.argmax_rows(logits[:1])[0]))  # the one host copy
+    argmax = S.argmax_rows(logits)  # [N]
     tokens = torch.tensor(tree.token_ids, dtype=torch.long, device=dev)  # [N]
     parent = torch.tensor([0, *layout.parents[1:]], dtype=torch.long, device=dev)  # [N], root -> itself
     order = torch.arange(n, dtype=torch.long, device=dev)
