@@ -7,16 +7,20 @@
 #                                  and the pulled models' config.json (real weights cannot travel:
 #                                  64 MiB), under .whl/ (git-ignored)
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]): installs the
-#                                  wheels, runs the CUDA-parametrized oracles, then SpecPV's verify
-#                                  cost at long contexts (ops/gpu_longctx.py) and the forward costs
-#                                  (ops/gpu_cost.py) on random weights of the real configs, and one
-#                                  layer's attention (ops/gpu_attention.py); logs and JSON under $OUT.
-#                                  TESTS_S / ATTN_S / LONGCTX_S / COST_S bound each part (0: skip the
-#                                  costs); ATTENTION, CONTEXTS, MODES choose the sweeps.
+#                                  wheels, runs the CUDA-parametrized oracles, one layer's attention
+#                                  (ops/gpu_attention.py), SpecPV's verify cost at long contexts
+#                                  (ops/gpu_longctx.py) with each attention in ATTENTION (default
+#                                  "grouped sdpa"; grouped:N sets the values' chunk) and, with
+#                                  COST_S > 0, the forward costs (ops/gpu_cost.py), on random weights
+#                                  of the real configs; logs and JSON under $OUT. TESTS_S / ATTN_S /
+#                                  LONGCTX_S / COST_S bound each part; CONTEXTS, MODES the sweeps.
 #
 # A stop-37 run of the same steps (H200): 29 oracles in ~95 s, the four-context SpecPV sweep in
 # ~150 s (ops/results/gpu-longctx-h200-*); it found the cuDNN attention planning cost
-# (specsplit.backends.CudaBackend).
+# (specsplit.backends.CudaBackend). Stop 38 (two H200 hosts, one ~25 % slower): 31-34 oracles in
+# 117-130 s, the per-layer probe ~40 s, a full+approx sweep over 4 contexts ~110-150 s per
+# attention; the defaults (oracles, probe, the sweep with grouped and sdpa attention, no forward
+# costs) fit one 600 s call with ~1 minute to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -49,22 +53,22 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  timeout "${TESTS_S:-240}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" tests/test_device.py \
+  timeout "${TESTS_S:-180}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" tests/test_device.py \
     tests/test_tree_forward.py tests/test_specpv.py tests/test_greedy_equivalence.py \
     2>&1 | tee "$OUT/tests-cuda.log" | tail -8
   cd ops
-  timeout "${ATTN_S:-90}" python3 gpu_attention.py cuda "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/gpu-attention.log" | tail -18
+  timeout "${ATTN_S:-60}" python3 gpu_attention.py cuda "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/gpu-attention.log" | tail -18
   # SpecPV's sweep with each attention the workers can run (ATTENTION="grouped sdpa grouped:0": an A/B
   # in one call; grouped:N sets the values' chunk, gpu_longctx.py --value-chunk)
-  for spec in ${ATTENTION:-grouped}; do
+  for spec in ${ATTENTION:-grouped sdpa}; do
     attn=${spec%%:*} chunk=${spec#*:}
     [ "$chunk" = "$spec" ] && chunk=""
-    timeout "${LONGCTX_S:-240}" python3 gpu_longctx.py --device cuda --attention "$attn" ${chunk:+--value-chunk "$chunk"} \
+    timeout "${LONGCTX_S:-150}" python3 gpu_longctx.py --device cuda --attention "$attn" ${chunk:+--value-chunk "$chunk"} \
       --target-config ../.whl/cfg/target --draft-config ../.whl/cfg/draft --contexts "${CONTEXTS:-4096,16384,32768,65536}" \
-      --modes "${MODES:-full,approx,exact}" --max-new-tokens 64 --tree 16,3,4 --json "$OUT/gpu-longctx-${spec/:/-}.json" \
+      --modes "${MODES:-full,approx}" --max-new-tokens 64 --tree 16,3,4 --json "$OUT/gpu-longctx-${spec/:/-}.json" \
       2>&1 | grep -v "^context" | tee "$OUT/gpu-longctx-${spec/:/-}.log" | tail -18
   done
-  [ "${COST_S:-150}" -gt 0 ] && timeout "${COST_S:-150}" python3 gpu_cost.py --device cuda --target-config ../.whl/cfg/target \
+  [ "${COST_S:-0}" -gt 0 ] && timeout "${COST_S}" python3 gpu_cost.py --device cuda --target-config ../.whl/cfg/target \
     --draft-config ../.whl/cfg/draft --json "$OUT/gpu-cost.json" 2>&1 | tee "$OUT/gpu-cost.log" | tail -25
   true
   ;;
