@@ -45,8 +45,8 @@ ACCEL_VALUE_CHUNK = 1024  # probabilities x values as a batch of matmuls over th
 
 def weighted_values(probs: torch.Tensor, value: torch.Tensor, chunk: int) -> torch.Tensor:
     """probs [B, Hkv, R, L] x value [B, Hkv, L, D] -> [B, Hkv, R, D]. With ``chunk``, the keys are
-    split into chunks of ``chunk`` multiplied as one batch and summed in float32 (or wider): a product with
-    a few rows and a long inner dimension otherwise runs on a few blocks of threads."""
+    split into chunks of ``chunk`` multiplied as one batch and summed in float32 (or wider): a
+    product with a few rows and a long inner dimension otherwise runs on a few blocks of threads."""
     length = value.shape[2]
     n = length // chunk if chunk else 0
     if n < 2:
