@@ -145,3 +145,33 @@ def test_lookup_only_never_calls_the_draft_and_still_equals_greedy(models, budge
     done, trees = run(sampled)
     assert len(done.token_ids) == n and done.rounds == n and all(t.num_nodes == 1 for t in trees)
     assert run(sampled)[0].token_ids == done.token_ids
+
+
+def test_sessions_starting_together_leave_the_first_drafted_round_to_one_of_them(models):
+    """A fresh cost model under load: the first session drafts its first rounds (measuring
+    speculation), the one starting beside it decodes plainly until a drafted round is measured,
+    instead of both queueing their prompts on the draft worker; every session leaves the
+    ``speculating`` count as it found it, and both outputs are the target's greedy decoding."""
+    from schemas import DraftRequest
+    from specsplit.orchestrator.costmodel import CostModel
+
+    target, often, _ = models["qwen2"]
+    cost = CostModel()
+    d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompts, n, out = {"a": [3, 14, 15, 92, 65, 35], "b": [2, 71, 82, 81, 82, 84, 59]}, 10, []
+
+    async def both():
+        actors = [SessionActor(GenerateRequest(session_id=sid, prompt_token_ids=p, max_new_tokens=n, tree=SPEC),
+                               d_rpc, t_rpc, ActorPolicy(tree=SPEC), out.append, cost) for sid, p in prompts.items()]
+        return await asyncio.gather(*(a.run() for a in actors))
+
+    done = asyncio.run(both())
+    for d in done:
+        assert d.token_ids == greedy_reference(target, prompts[d.session_id], n)[0]
+    first = {}
+    for m in d_rpc.requests:
+        if isinstance(m, DraftRequest):
+            first.setdefault(m.session_id, m.round)
+    assert first.get("a") == 0, first  # the first session drafts from round 0
+    assert first.get("b", n) >= 1, first  # the second did not draft at round 0 beside it
+    assert cost.speculating == 0 and cost.active_sessions == 0

@@ -216,3 +216,63 @@ def test_plain_rounds_keep_the_lookup_nodes_that_pay_for_their_share_of_the_forw
     for _ in range(20):
         stale.observe_plain(1, 12.0)
     assert stale.choose(chain, 1, lookup, plain=True).nodes == [0, 1]
+
+
+def test_one_session_measures_speculation_while_the_rest_decode_plainly():
+    """Nothing measured about drafted rounds yet: a lone session drafts; under load the first
+    session to get there drafts (and measures) and the others decode plainly meanwhile, instead
+    of every session queueing its prompt on the one draft worker at round 0."""
+    fresh = warmed((100.0, 13.0), sessions=1, own=8)
+    fresh.active_sessions = 16
+    assert not fresh.plain_pays()  # nobody drafting: this session measures
+    fresh.speculating = 1
+    assert fresh.plain_pays()  # somebody measures already
+    fresh.active_sessions = 1
+    assert not fresh.plain_pays()  # alone: always drafts
+
+
+def _lockstep(draft_ms: float) -> CostModel:
+    """The 2-core box under 16 sessions (bench load, the real pair): verify 900 ms for 16 tokens,
+    1190 for 32; drafted rounds delivering 2 tokens from 2-node trees, the draft worker busy only
+    for their draft call, ``draft_ms``."""
+    line = (610.0, 290.0 / 16)
+    cm = warmed(line, sessions=16, own=1)
+    for _ in range(10):
+        cm.observe_speculation(2, draft_ms, draft_ms=draft_ms, nodes=2)
+    cm.rate, cm.rate_sessions, cm.active_sessions = None, None, 16
+    return cm
+
+
+def test_a_cheap_draft_call_does_not_switch_a_batch_that_would_queue_on_it():
+    # one draft worker alone would allow 2 tokens / 100 ms = 20 tok/s > 16 / 900 ms = 17.8 by
+    # plain decoding; but 16 sessions each waiting for 15 other draft calls, then a 32-token
+    # forward, deliver 32 tokens / (1600 + 1190) ms = 11.5 tok/s: plain decoding pays
+    cm = _lockstep(100.0)
+    assert abs(cm.verify_ms(16, explore=False) - 900.0) < 1.0 and abs(cm.verify_ms(32, explore=False) - 1190.0) < 1.0
+    assert cm.plain_pays()
+    # the same without the draft-call measurement (an older peer): the one-worker bound alone
+    legacy = _lockstep(100.0)
+    legacy.draft_call_ms = None
+    assert not legacy.plain_pays()
+    # a draft call of 5 ms (a GPU draft): 32 / (80 + 1190) ms = 25 tok/s, the one worker's 400:
+    # the batch keeps drafting
+    assert not _lockstep(5.0).plain_pays()
+    # measured: 16 drafting sessions at 1.5 tok/s each beat plain decoding whatever the bounds
+    measured = _lockstep(100.0)
+    measured.rate, measured.rate_sessions = 0.0015, 16.0
+    assert not measured.plain_pays()
+
+
+def test_the_speculative_rate_is_credited_for_the_sessions_that_were_drafting():
+    """A drafted round's rate counts for the sessions drafting beside it, not for every session
+    under way: one session measuring speculation among 15 plain ones is not 16 drafting sessions."""
+    cm = _lockstep(100.0)
+    cm.speculating = 1
+    for _ in range(20):
+        cm.observe_rate(2, 1800.0)  # its 2 tokens in 1.8 s, a forward shared with 15 plain rounds
+    assert abs(cm.rate_sessions - 1.0) < 1e-9
+    assert cm.plain_pays()  # 1 x 1.1 tok/s, not 16 x 1.1 = 17.8 ~ plain decoding's 17.8
+    cm.speculating = 16
+    for _ in range(40):
+        cm.observe_rate(2, 1800.0)
+    assert cm.rate_sessions > 15.0

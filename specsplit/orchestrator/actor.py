@@ -95,6 +95,7 @@ class SessionActor:
         self.ngrams = ngrams  # the orchestrator's cross-session n-gram cache (lookup candidates), or None
         self.predicted_tokens = self.predicted_ms = 0.0  # what the cost model expected of its choices
         self._attempts = 0
+        self._drafting = False  # counted in the cost model's ``speculating`` (``_set_drafting``)
         # specsplit.metrics.OrchestratorMetrics (the orchestrator's, shared by its sessions) or None
         self.metrics = metrics
         self.queued_s = queued_s  # time the session waited for admission before this actor ran
@@ -117,6 +118,7 @@ class SessionActor:
             failure = exc
             self.log.warning("session_failed", error=str(exc), code=exc.code.value)
         finally:
+            self._set_drafting(False)
             if self.cost is not None:
                 self.cost.active_sessions -= 1
             done = GenerateDone(
@@ -166,6 +168,7 @@ class SessionActor:
                                   lookup_min_ngram=self.policy.lookup_min_ngram, sync_tokens=sync_tokens,
                                   plain=True, ngrams=self.ngrams)
             else:
+                self._set_drafting(True)
                 drafted = await self._draft(rnd, spec, timing)
                 plan = plan_round(drafted, self.cur.committed, spec, self.sampling, cost=self.cost,
                                   lookup_max_tokens=self.policy.lookup_max_tokens,
@@ -191,6 +194,7 @@ class SessionActor:
                 if plan.cached:
                     self.metrics.observe_cache(len(plan.cached), len(plan.cached.keys() & set(reply.accepted_nodes)))
             self._learn(plan, reply, sync_tokens, timing, clean and rnd > 0, len(new), plain)
+            self._set_drafting(False)
             self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=tree.num_nodes - 1,
                           tree_nodes=tree.num_nodes, plain=plain, batch_size=reply.batch_size,
                           batch_tokens=reply.batch_tokens,
@@ -217,6 +221,13 @@ class SessionActor:
         if self.metrics is not None:
             self.metrics.generated.inc(new_tokens)
 
+    def _set_drafting(self, on: bool) -> None:
+        """Count this session among the cost model's ``speculating`` ones while a drafted round
+        is under way (its draft call to its verdict)."""
+        if self.cost is not None and on != self._drafting:
+            self.cost.speculating += 1 if on else -1
+        self._drafting = on
+
     def _learn(self, plan, reply: VerifyReply, sync_tokens: int, timing: _Timing, clean: bool, new_tokens: int,
                plain: bool = False) -> None:
         """Feed the cost model (shared by the orchestrator's sessions) and keep its prediction.
@@ -232,7 +243,8 @@ class SessionActor:
                                           reply.batch_tokens, reply.batch_size)
             return
         if clean and timing.drafted is not None:
-            self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms)
+            self.cost.observe_speculation(new_tokens, timing.draft_ms + timing.grow_ms, draft_ms=timing.draft_ms,
+                                          nodes=plan.tree.num_nodes)
         if clean:
             self.predicted_tokens += plan.choice.expected_tokens
             self.predicted_ms += plan.choice.expected_ms

@@ -100,8 +100,11 @@ class CostModel:
     # plain decoding under load (``plain_pays``): what a speculative round delivers and how long
     # it holds the draft worker (its draft plus the growth it asks for while the target verifies)
     active_sessions: int = 0  # this orchestrator's sessions under way (each actor counts itself)
+    speculating: int = 0  # of those, the ones in a drafted round now (from its draft call to its verdict)
     spec_tokens: float | None = None
     draft_busy_ms: float | None = None
+    draft_call_ms: float | None = None  # a drafted round's draft call (the draft worker's own ms)
+    spec_nodes: float | None = None  # tokens a drafted round's tree sends to the verify forward
     # plain rounds (no draft call; prompt-lookup nodes only): their time besides the verify
     # forward, kept apart from ``overhead_ms``, which holds a speculative round's draft time
     plain_overhead_ms: float | None = None
@@ -152,7 +155,10 @@ class CostModel:
         if ms <= 0:
             return
         self.rate = _ewma(self.rate, tokens / ms)
-        self.rate_sessions = _ewma(self.rate_sessions, float(max(1, self.active_sessions)))
+        # the sessions that shared the draft worker with this round: those drafting, not those
+        # decoding plainly beside it (one session measuring speculation among 15 plain ones got
+        # 16 x its rate credited, as if all 16 could draft that fast)
+        self.rate_sessions = _ewma(self.rate_sessions, float(max(1, self.speculating)))
         self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
 
@@ -165,11 +171,17 @@ class CostModel:
         self.round_tokens = _ewma(self.round_tokens, float(tokens))
         self.plain_overhead_ms = _ewma(self.plain_overhead_ms, max(0.0, overhead_ms))
 
-    def observe_speculation(self, tokens: int, draft_busy_ms: float) -> None:
-        """A drafted round delivered ``tokens`` and held the draft worker ``draft_busy_ms``."""
+    def observe_speculation(self, tokens: int, draft_busy_ms: float, *, draft_ms: float | None = None,
+                            nodes: int | None = None) -> None:
+        """A drafted round delivered ``tokens`` and held the draft worker ``draft_busy_ms``, of
+        which its draft call took ``draft_ms``; its tree sent ``nodes`` tokens to verify."""
         if draft_busy_ms > 0:
             self.spec_tokens = _ewma(self.spec_tokens, float(tokens))
             self.draft_busy_ms = _ewma(self.draft_busy_ms, draft_busy_ms)
+            if draft_ms is not None:
+                self.draft_call_ms = _ewma(self.draft_call_ms, max(0.0, draft_ms))
+            if nodes is not None:
+                self.spec_nodes = _ewma(self.spec_nodes, float(max(nodes, tokens)))
 
     def plain_pays(self) -> bool:
         """Whether the sessions under way deliver more together by plain decoding (no draft
@@ -187,13 +199,33 @@ class CostModel:
         (bench load, the real pair). Every input is measured (draft
         time, acceptance, the verify line, round rates); a lone session always speculates. The
         estimate favours speculation (nothing else in its round costs), so the switch comes late
-        rather than early, and back as soon as the sessions under way are few."""
+        rather than early, and back as soon as the sessions under way are few.
+
+        The one-worker bound is itself capped by what the sessions' rounds take end to end when
+        they all draft: each round's draft call waits behind the others' (``n`` x the measured
+        draft call), then one forward verifies every session's tree (``n`` x the measured tokens a
+        drafted round sends). Without that cap a cheap draft call (100 ms for a 1-node catch-up)
+        looked like 17 tok/s of speculation for 16 sessions against 17.8 by plain decoding, and
+        every session switched to drafting at once, where their rounds took 2.5-3 s each (draft
+        queue, then a forward they no longer shared): ~10 tok/s (bench load, c=16, the real pair).
+        Until a drafted round has been measured, one session at a time drafts to measure it and
+        the others decode plainly: 16 sessions starting together all drafting at round 0 queued
+        16 prompt prefills on the one draft worker (up to 25 s before a session's second round)."""
         n = self.active_sessions
-        if n < 2 or self.spec_tokens is None or self.draft_busy_ms is None or self._w[0] <= 0:
+        if n < 2:
+            return False
+        if self.spec_tokens is None or self.draft_busy_ms is None:
+            return self.speculating > 0  # nothing measured: one session measures, the rest decode
+        if self._w[0] <= 0:
             return False
         plain = n / max(1e-9, self.verify_ms(n, explore=False))
         shared = n if self.rate_sessions is None else min(float(n), self.rate_sessions)
-        spec = max(self.spec_tokens / self.draft_busy_ms, shared * (self.rate or 0.0))
+        one_worker = self.spec_tokens / self.draft_busy_ms
+        if self.draft_call_ms is not None:
+            lockstep_ms = n * self.draft_call_ms + self.verify_ms(n * (self.spec_nodes or self.spec_tokens),
+                                                                  explore=False)
+            one_worker = min(one_worker, n * self.spec_tokens / max(1e-9, lockstep_ms))
+        spec = max(one_worker, shared * (self.rate or 0.0))
         return plain > spec
 
     def batch_rate(self) -> float | None:
