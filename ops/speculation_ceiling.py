@@ -118,10 +118,10 @@ def main() -> None:
             ms_k = statistics.median(samples[b, k])
             ratio = ms_k / plain
             rows.append({"sessions": b, "tokens_per_session": k, "forward_tokens": b * k,
-                         "forward_ms": round(ms_k, 2), "cost_vs_plain": round(ratio, 3),
+                         "forward_ms": round(ms_k, 3), "cost_vs_plain": round(ratio, 3),
                          "ceiling": round(k / ratio, 3), "break_even_acceptance":
                              None if (be := break_even(ratio, k)) is None else round(be, 3),
-                         "samples_ms": [round(x, 2) for x in samples[b, k]]})
+                         "samples_ms": [round(x, 3) for x in samples[b, k]]})
     print("\n| sessions | tokens each | forward ms | x plain forward | ceiling (all accepted, free draft) | break-even acceptance per node |")
     print("|---|---|---|---|---|---|")
     for r in rows:

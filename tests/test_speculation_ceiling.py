@@ -51,7 +51,11 @@ def test_ceiling_follows_from_measured_costs(tmp_path):
         for r in (r for r in rows if r["sessions"] == b):
             assert len(r["samples_ms"]) == 2 and all(ms > 0 for ms in r["samples_ms"])
             assert r["forward_tokens"] == b * r["tokens_per_session"]
-            assert r["cost_vs_plain"] == pytest.approx(r["forward_ms"] / plain["forward_ms"], rel=2e-3, abs=2e-3)
+            # the JSON keeps ms to 3 decimals and ratios to 3: a tiny model's sub-ms forwards
+            # make that rounding the tolerance
+            ratio = r["forward_ms"] / plain["forward_ms"]
+            slack = 1e-3 + 5e-4 * (1 + ratio) / plain["forward_ms"]
+            assert r["cost_vs_plain"] == pytest.approx(ratio, abs=slack)
             assert r["ceiling"] == pytest.approx(r["tokens_per_session"] / r["cost_vs_plain"], rel=2e-3, abs=2e-3)
         assert data["ceiling"][str(b)] == max(r["ceiling"] for r in rows if r["sessions"] == b)
     assert "| sessions | tokens each |" in proc.stdout
