@@ -66,7 +66,9 @@ def test_a_sixteen_concurrent_prompts_equal_greedy(fleet, target_model):
     for p, r in zip(ps, results):
         ref, _ = greedy_reference(target_model, p, 40)
         assert r.token_ids == ref and r.finish_reason == "length"
-    assert sum(r.accepted_tokens for r in results) > 0
+    # under load the cost model may decode plainly (CostModel.plain_pays), but one session drafts
+    # its first round to measure speculation; acceptance is asserted where sessions run alone (test_c)
+    assert sum(r.drafted_tokens for r in results) > 0
     for name in ("draft0", "draft1", "target0", "target1"):  # sessions were spread over workers
         assert fleet.log(f"router_{name[:-1]}").count("worker_admitted") >= 2
 
@@ -102,6 +104,8 @@ def test_c_late_worker_takes_new_sessions(fleet, target_model):
     results = asyncio.run(one_at_a_time())
     for p, r in zip(ps, results):
         assert r.token_ids == greedy_reference(target_model, p, 12)[0]
+    # a lone session always drafts, and the tiny draft agrees with the target ~85 % of the time
+    assert sum(r.accepted_tokens for r in results) > 0
     from brokers.rendezvous import pick
 
     mine = [r for r in results if pick(r.session_id, [b"draft-0", b"draft-1", b"draft-2"]) == b"draft-2"]
