@@ -142,3 +142,45 @@ def test_real_int8_target_tree_logits_equal_decoding_steps_past_a_thousand_token
                 assert torch.equal(logits, tree[i]), (i, float((logits - tree[i]).abs().max()))
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_batched_forwards_masks_each_get_their_plan_once_and_leave_with_their_mask(monkeypatch):
+    """A batched forward calls every layer once per session with that session's mask: each
+    mask's plan is computed once for all layers (not again whenever another session's mask came
+    in between), the results are those of computing it every time, and a plan leaves the memo
+    when its mask is collected."""
+    import gc
+
+    import specsplit.models.blocked as blocked
+
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    visible = blocked._visible
+    monkeypatch.setattr(blocked, "_visible", lambda *a: calls.append(1) or visible(*a))
+    sessions = []
+    for committed, n in ((5, 3), (SHORT + BLOCK + 9, 4), (SHORT + 3 * BLOCK, 2)):  # short, blocked, blocked
+        vis = torch.ones(n, committed + n, dtype=torch.bool)
+        vis[:, committed:] = linear_then_tree(0, list(range(-1, n - 1)), torch.device("cpu"))
+        sessions.append((torch.randn(4, n, 16, generator=gen), torch.randn(2, committed + n, 16, generator=gen),
+                         torch.randn(2, committed + n, 16, generator=gen), additive_mask(vis, torch.float32)))
+
+    def layer():
+        return [blocked_attention(None, q[None], k[None], v[None], mask)[0] for q, k, v, mask in sessions]
+
+    first = layer()
+    assert len(calls) == len(sessions)
+    for _ in range(3):  # later layers: no plan computed again, the same outputs
+        assert all(torch.equal(a, b) for a, b in zip(layer(), first))
+    assert len(calls) == len(sessions)
+    monkeypatch.setattr(blocked, "MEMO_PLANS", 1)  # the memo at its smallest: the last mask only
+    blocked._memo.plans.clear()
+    assert all(torch.equal(a, b) for a, b in zip(layer(), first))
+    assert len(calls) == 2 * len(sessions)
+    monkeypatch.setattr(blocked, "MEMO_PLANS", 1024)
+    layer()
+    held = len(blocked._memo.plans)
+    assert held >= 1
+    sessions.clear()
+    gc.collect()
+    assert len(blocked._memo.plans) < held and all(
+        entry[0] is None or entry[0]() is not None for entry in blocked._memo.plans.values())
