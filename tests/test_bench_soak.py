@@ -30,7 +30,9 @@ def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     assert rc == 0 and data["ok"]
     assert [s["sessions"] for s in data["samples"]] == [100, 200, 300, 400, 500]
     assert set(soak.CHECKED) <= set(data["rss_ratio"]) and all(r > 0 for r in data["rss_ratio"].values())
-    end = data["samples"][-1]["gauges"]  # nothing in flight: every per-session table is empty again
+    # nothing in flight: every per-session table is empty again, once the last EndSession landed
+    assert data["samples"][-1]["settled_s"] < 15.0
+    end = data["samples"][-1]["gauges"]
     assert end["draft0"]['specsplit:worker_sessions{service="draft"}'] == 0
     assert end["target0"]['specsplit:worker_kv_bytes{service="target"}'] == 0
     assert end["orchestrator"]["specsplit:num_sessions_running"] == 0
@@ -45,6 +47,16 @@ def test_256_concurrent_sessions_complete(tmp_path):
     data = json.loads(out.read_text())
     assert data["completed"] == 256 and data["lost"] == 0 and data["diverged"] == 0, data["lost_examples"]
     assert data["max_in_flight"] == 256  # all of them in flight together
+
+
+def test_a_fleet_is_busy_while_any_session_table_holds_something():
+    idle = {"target0": {'specsplit:worker_sessions{service="target"}': 0.0,
+                        'specsplit:worker_kv_bytes{service="target"}': 0.0},
+            "orchestrator": {"specsplit:num_sessions_running": 0.0}}
+    assert not soak.busy(idle)
+    held = {**idle, "target0": {**idle["target0"], 'specsplit:worker_kv_bytes{service="target"}': 1638400.0}}
+    assert soak.busy(held)
+    assert soak.busy({**idle, "draft0": {"error": "timed out"}})
 
 
 def test_rss_of_this_process_tree():
