@@ -311,7 +311,7 @@ class Router(RouterAuth):
             self._send_error(client_id, _readable_sid(env), _readable_rid(env), ErrorCode.BAD_REQUEST, str(exc))
             return
         if kind is MsgKind.HEARTBEAT:  # a ping, answered by the router itself
-            self._send_client(client_id, pack_frames(Heartbeat(sent_at=time.time()), sid, rid))
+            self._send_client(client_id, pack_frames(self._pong(self._clients.get(client_id, touch=False) is not None), sid, rid))
             return
         if kind is MsgKind.CLIENT_HELLO:
             self._on_client_hello(client_id, env, rid)
@@ -432,6 +432,16 @@ class Router(RouterAuth):
             replaced=adm.replaced, live=len(self.registry),
         )
         self._send_control(worker_id, Heartbeat(sent_at=time.time()), rid)
+
+    def _pong(self, authenticated: bool) -> Heartbeat:
+        """A client's ping answered; to an authenticated client, the tokenizer the live workers
+        serve (they all agree: ``WorkerRegistry.admit``), none while no worker is live."""
+        live = self.registry.live
+        info = self.registry.get(live[0]) if live and authenticated else None
+        if info is None:
+            return Heartbeat(sent_at=time.time())
+        return Heartbeat(sent_at=time.time(), tokenizer_hash=info.hello.tokenizer_hash,
+                         vocab_size=info.hello.vocab_size)
 
     def _ask_hello(self, worker_id: bytes) -> None:
         """Tell an unknown worker (router restarted, or it was expired) to register again;

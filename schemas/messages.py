@@ -345,9 +345,17 @@ class AuthResponse(Message):
 
 
 class Heartbeat(Message):
-    """Liveness beacon between a router and its workers (either direction)."""
+    """Liveness beacon between a router and its workers (either direction), and the ping a client
+    sends a router or an orchestrator. Answering a client's ping, a router names the tokenizer its
+    admitted workers serve (``tokenizer_hash``, ``vocab_size``; empty / 0 while it has no live
+    worker), and an orchestrator passes on what its target router said: a client that turns text
+    into token ids (the HTTP API) checks that it holds the fleet's tokenizer."""
 
     sent_at: float = 0.0
+    tokenizer_hash: str = Field(default="", max_length=128)
+    vocab_size: int = Field(default=0, ge=0, lt=2**31)
+    # an orchestrator's answer: prompt + new tokens it admits for one session (0: not said)
+    max_session_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS * 2)
 
 
 class GenerateRequest(Message):

@@ -3,6 +3,7 @@
     specsplit router draft|target     a session-hash router (brokers)
     specsplit draft | target          a worker (loads its model)
     specsplit orchestrator            the asyncio orchestrator
+    specsplit api                     the OpenAI-compatible HTTP API (127.0.0.1:8000 by default)
     specsplit produce PROMPT...       push prompts, stream answers
     specsplit models pull|path        provision models
     specsplit bench transport|longctx|netem|load|soak|...  benchmarks
@@ -64,6 +65,10 @@ def _role(cmd: str, rest: list[str]) -> int:
         return router_main(rest)
     if cmd in ("draft", "target"):
         return _worker(cmd, rest)
+    if cmd == "api":
+        from specsplit.api.run import api_main
+
+        return api_main(rest)
     return _orchestrator(rest)
 
 
@@ -202,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.config import check_removed_settings
 
     check_removed_settings()
-    if cmd in ("router", "draft", "target", "orchestrator"):
+    if cmd in ("router", "draft", "target", "orchestrator", "api"):
+        if cmd == "api" and ("-h" in rest or "--help" in rest):
+            return _role(cmd, rest)  # usage only: nothing supervised, nothing started
         from specsplit.supervise import supervise
 
         rc = supervise(argv)  # None: this process is the supervised child (or unsupervised)

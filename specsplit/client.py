@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from schemas import (
-    CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
+    Cancel, CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
     TreeSpec, pack_frames, unpack_frames,
 )
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
@@ -125,6 +125,8 @@ class SpecSplitClient:
         self._closing = False
         self.losses = 0
         self._last_heard = 0.0
+        # the orchestrator's last ping answer: the tokenizer its target workers serve ("" unknown)
+        self.fleet: Heartbeat = Heartbeat()
         self.log = get_logger("specsplit.client", orchestrator=addr)
 
     @property
@@ -242,6 +244,8 @@ class SpecSplitClient:
             if self.heartbeat_s and not self.alive:
                 self.alive = True
                 self.log.info("orchestrator_alive")
+            if isinstance(env.msg, Heartbeat):
+                self.fleet = env.msg
             q = self._streams.get(env.request_id)
             if q is not None:
                 q.put_nowait(env.msg)
@@ -289,6 +293,19 @@ class SpecSplitClient:
         finally:
             self._streams.pop(rid, None)
 
+    def _cancel_session(self, sid: str) -> None:
+        """Send Cancel(sid) without waiting (callable from a task being cancelled): dropped when
+        the socket is closed or full, as a lost producer's session is then cancelled by the
+        orchestrator's unreachable-producer rule or finishes on its own."""
+        if self._sock is None or self._closing:
+            return
+        try:
+            rid = (next(self._rids) & (2**64 - 1)).to_bytes(8, "big")
+            sent = self._sock.send_multipart(pack_frames(Cancel(session_id=sid), sid, rid), flags=zmq.NOBLOCK)
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a full queue drops it
+        except zmq.ZMQError as exc:
+            self.log.info("cancel_not_sent", session_id=sid, error=str(exc))
+
     async def generate(
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), session_id: str | None = None,
@@ -327,6 +344,11 @@ class SpecSplitClient:
                         raise OrchestratorLost(self.addr, msg.reason, res.token_ids)
                     elif isinstance(msg, _Refused):
                         raise OrchestratorRefused(msg.reason)
+        except (asyncio.CancelledError, TimeoutError):
+            # the caller gave up (a client disconnected, a deadline passed): stop the session on
+            # the orchestrator and its workers now instead of letting it run to its end
+            self._cancel_session(sid)
+            raise
         finally:
             self._streams.pop(rid, None)
         res.elapsed_s = time.perf_counter() - t0

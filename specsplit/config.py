@@ -7,6 +7,7 @@ Routers: ``brokers.settings.RouterSettings``. Here: workers, the orchestrator an
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
@@ -298,7 +299,51 @@ class ProducerSettings(FleetAddresses):
         return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
 
-ROLES = ("router", "draft", "target", "orchestrator", "produce")
+class ApiSettings(ProducerSettings):
+    """``specsplit api``, the OpenAI-compatible HTTP front door: a producer of the orchestrators
+    (SPECSPLIT_ORCHESTRATOR, _ORCHESTRATOR_COUNT, the SPECSPLIT_PRODUCE_* timeouts and resumes)
+    that serves HTTP. Env: SPECSPLIT_API_HOST, SPECSPLIT_API_PORT, SPECSPLIT_API_KEYS_FILE, ..."""
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    # one API key a line (blank lines and # comments skipped); clients send "Authorization: Bearer
+    # KEY" on /v1/*. Unset: no keys, and then only a loopback api_host is allowed
+    api_keys_file: Path | None = None
+    # the model id clients name (and /v1/models lists); unset: the target model directory's name
+    api_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    # request bodies larger than this get 413 before they are read (default: a full-context
+    # prompt of 131072 tokens as JSON text, escapes included)
+    api_max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1 << 30)
+    api_header_timeout_s: float = Field(default=10.0, gt=0, le=600)  # a request's headers, from connect
+    api_body_timeout_s: float = Field(default=30.0, gt=0, le=600)  # a request's body, once its headers came
+    api_keep_alive_s: float = Field(default=5.0, gt=0, le=600)  # an idle keep-alive connection
+    # how long a request waits for a live orchestrator before 503 (an orchestrator restarting)
+    api_orchestrator_wait_s: float = Field(default=10.0, ge=0, le=600)
+    # the workers provision the models; the API waits this long for the target's tokenizer files
+    api_tokenizer_wait_s: float = Field(default=1800.0, gt=0)
+    api_max_concurrent_requests: int = Field(default=1024, ge=1)  # beyond: 429 at once
+
+    @model_validator(mode="after")
+    def _check_api_bind(self) -> ApiSettings:
+        from brokers.sockets import is_loopback_address
+
+        if not self.api_keys_file and not is_loopback_address(f"tcp://{self.api_host}:{self.api_port}"):
+            raise ValueError(f"SPECSPLIT_API_HOST={self.api_host}: serving beyond loopback requires API keys "
+                             "(SPECSPLIT_API_KEYS_FILE, one key a line)")
+        return self
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys in api_keys_file (empty: no keys); OSError / ValueError when unusable."""
+        if self.api_keys_file is None:
+            return ()
+        keys = tuple(line.strip() for line in self.api_keys_file.expanduser().read_text().splitlines()
+                     if line.strip() and not line.strip().startswith("#"))
+        if not keys:
+            raise ValueError(f"{self.api_keys_file}: no API key in it")
+        return keys
+
+
+ROLES = ("router", "draft", "target", "orchestrator", "produce", "api")
 
 
 def effective_settings(role: str) -> dict:
@@ -337,6 +382,9 @@ def effective_settings(role: str) -> dict:
                               **metrics_effective(role)}}
     if role == "produce":
         return {"produce": ProducerSettings().model_dump(mode="json")}
+    if role == "api":
+        s = ApiSettings()
+        return {"api": s.model_dump(mode="json"), "effective": {"url": f"http://{s.api_host}:{s.api_port}/v1"}}
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
 
 

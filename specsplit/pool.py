@@ -46,10 +46,13 @@ class OrchestratorPool:
     def __init__(self, addrs: list[str], *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
                  chunk_timeout_s: float = 300.0, heartbeat_s: float = 1.0, liveness: int = 3,
                  max_resumes: int = 16, backoff_s: float = 0.2, backoff_max_s: float = 2.0,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, retry_overloaded: bool = True, wait_live_s: float | None = None):
         if not addrs:
             raise ValueError("an orchestrator pool needs at least one address")
         self.timeout_s, self.max_resumes = timeout_s, max_resumes
+        # False: OVERLOADED from every live orchestrator in turn raises (an HTTP API answers 429)
+        self.retry_overloaded = retry_overloaded
+        self.wait_live_s = wait_live_s  # longest wait for a live orchestrator (None: the deadline)
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.clients = [SpecSplitClient(a, ctx=ctx, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s,
                                         heartbeat_s=heartbeat_s, liveness=liveness, curve=curve) for a in addrs]
@@ -80,13 +83,16 @@ class OrchestratorPool:
     async def _pick(self, deadline: float, avoid: SpecSplitClient | None = None) -> SpecSplitClient:
         """The live orchestrator with the fewest open streams, another than ``avoid`` (the one
         that just lost or cancelled the request) when there is one; waits (bounded) for one."""
+        waited_since = None
         while True:
             live = [c for c in self.live if c is not avoid] or self.live
             if live:
                 return min(live, key=lambda c: c.open_streams)
             if all(c.refused for c in self.clients):  # waiting cannot help
                 raise OrchestratorRefused("; ".join(c.refused for c in self.clients))
-            if time.monotonic() >= deadline:
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() >= deadline or (self.wait_live_s is not None and waited_since is not None
+                                                and time.monotonic() - waited_since >= self.wait_live_s):
                 raise NoOrchestrator(f"no orchestrator of {[c.addr for c in self.clients]} answered")
             await asyncio.sleep(0.05)
 
@@ -99,7 +105,7 @@ class OrchestratorPool:
         deadline = time.monotonic() + self.timeout_s
         received: list[int] = []
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
-        resumes, delay, client = 0, self.backoff_s, None
+        resumes, delay, client, overloaded = 0, self.backoff_s, None, 0
 
         def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
             if tokens and not total.first_token_s:
@@ -119,6 +125,9 @@ class OrchestratorPool:
                 why = f"lost: {exc.reason}"
             except GenerationError as exc:
                 if exc.reply.code not in RESUME_ON:
+                    raise
+                overloaded = overloaded + 1 if exc.reply.code == ErrorCode.OVERLOADED else 0
+                if overloaded >= max(1, len(self.live)) and not self.retry_overloaded:
                     raise
                 why = exc.reply.code.value
                 # OVERLOADED: nothing was lost, only the deadline bounds the wait; the others count

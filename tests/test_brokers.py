@@ -19,7 +19,7 @@ from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from brokers.router import Router
 from brokers.settings import RouterSettings, default_addresses
 from schemas.codec import PROTO, MsgKind, decode, pack_frames
-from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, VerifyReply, VerifyRequest
+from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, Heartbeat, VerifyReply, VerifyRequest
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 from specsplit.transport.testing import TEST_SECRET, authed_dealer, make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
@@ -328,6 +328,27 @@ async def test_router_answers_pings(router):
     async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
         reply = await client.ping()
     assert type(reply).__name__ == "Heartbeat"
+
+
+def test_a_ping_names_the_workers_tokenizer_to_authenticated_clients_only(router):
+    """The fleet's tokenizer (what the HTTP API checks its own against) is told to a client that
+    proved the fleet secret, never to anyone who can reach the port."""
+    ctx = zmq.Context.instance()
+    worker = WorkerThread(router.backend, b"w-tok", hello=make_hello(tokenizer_hash="abc123", vocab_size=777),
+                          **HB).start()
+    authed = authed_dealer(ctx, router.frontend)
+    anyone = make_socket(ctx, zmq.DEALER, connect=router.frontend)
+    try:
+        for sock, want in ((authed, ("abc123", 777)), (anyone, ("", 0))):
+            sock.send_multipart(pack_frames(Heartbeat(), "-", b"p1"))
+            assert sock.poll(5000)
+            frames = sock.recv_multipart()
+            pong = decode(frames[1], frames[4])
+            assert isinstance(pong, Heartbeat) and (pong.tokenizer_hash, pong.vocab_size) == want
+    finally:
+        authed.close(linger=0)
+        anyone.close(linger=0)
+        worker.stop()
 
 
 # --------------------------------------------------------------------- processes, imports

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.launch import Fleet, free_ports, port_is_free
+from specsplit.launch import Fleet, port_is_free
 from tests.conftest import greedy_reference, wait_until
+from tests.honcho_fleet import honcho_fleet as _honcho_fleet, honcho_log as _log, stop_honcho as _stop_honcho
+from tests.honcho_fleet import descendants, worker_pid as _worker_pid
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[1]
-CHILD_MARKER = b"SPECSPLIT_SUPERVISED_CHILD=1"
+_wait = wait_until  # (pred, timeout_s, what)
 
 
 @pytest.fixture(scope="module")
@@ -36,93 +37,6 @@ def target_model():
     torch.set_num_threads(1)
     model, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny")).target)
     return model
-
-
-# ---------------------------------------------------------------------------- /proc helpers
-def _procs() -> dict[int, tuple[int, str, bytes]]:
-    """pid -> (ppid, cmdline, environ) of every process we can read."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            env = (d / "environ").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        out[int(d.name)] = (ppid, cmd, env)
-    return out
-
-
-def _descendants(root: int) -> dict[int, tuple[int, str, bytes]]:
-    procs, out, todo = _procs(), {}, [root]
-    while todo:
-        parent = todo.pop()
-        for pid, info in procs.items():
-            if info[0] == parent and pid not in out:
-                out[pid] = info
-                todo.append(pid)
-    return out
-
-
-def _worker_pid(root: int, slot: str) -> int:
-    """The supervised child doing the work of honcho slot ``slot`` ("target.1", ...)."""
-    for pid, (ppid, cmd, env) in _descendants(root).items():
-        if CHILD_MARKER in env.split(b"\0") and f"HONCHO_PROCESS_NAME={slot}".encode() in env.split(b"\0"):
-            assert "-m specsplit" in cmd, cmd
-            return pid
-    raise LookupError(f"no supervised child for {slot}")
-
-
-_wait = wait_until  # (pred, timeout_s, what)
-
-
-def _two_free_ports() -> int:
-    for _ in range(50):
-        p = free_ports(1)[0]
-        if p < 65535 and port_is_free(p + 1):
-            return p
-    raise RuntimeError("no two consecutive free ports")
-
-
-# ---------------------------------------------------------------------------- the honcho fleet
-def _honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2",
-                  **settings: str) -> tuple[subprocess.Popen, dict[str, int], dict]:
-    """``honcho start`` of the repository's Procfile and .env (tiny fp32 pair, free ports), with
-    ``concurrency`` as honcho's -c and ``settings`` (SPECSPLIT_*) over the .env's."""
-    names = ["draft_fe", "draft_be", "target_fe", "target_be"]
-    ports = dict(zip(names, free_ports(len(names))))
-    ports["orch"] = _two_free_ports()
-    ports["orch2"] = ports["orch"] + 1
-    addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
-    overrides = {
-        "SPECSPLIT_PRESET": "tiny", "SPECSPLIT_THREADS": "1", "SPECSPLIT_PREFILL_THREADS": "1",
-        # fp32 both: the exactness oracle (the .env's int8 kernels are their own reference)
-        "SPECSPLIT_DRAFT_QUANTIZE": "none", "SPECSPLIT_TARGET_QUANTIZE": "none", "SPECSPLIT_DRAFT_ROUTER": addr["draft_fe"],
-        "SPECSPLIT_DRAFT_BACKEND": addr["draft_be"], "SPECSPLIT_TARGET_ROUTER": addr["target_fe"],
-        "SPECSPLIT_TARGET_BACKEND": addr["target_be"], "SPECSPLIT_ORCHESTRATOR": addr["orch"],
-        "SPECSPLIT_ORCHESTRATOR_COUNT": "2", "SPECSPLIT_SUPERVISE_BACKOFF_S": "0.2", **settings,
-    }
-    lines = [ln for ln in (REPO / ".env").read_text().splitlines()
-             if not ln.strip().startswith("#") and "=" in ln and ln.split("=", 1)[0].strip() not in overrides]
-    (tmp / "fleet.env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
-    (tmp / "Procfile").write_text((REPO / "Procfile").read_text())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")
-    log = open(tmp / "honcho.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "honcho", "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / "fleet.env"),
-         "-d", str(REPO), "-c", concurrency],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    produce_env = {**env, **overrides}
-    return proc, ports, produce_env
-
-
-def _log(tmp: Path) -> str:
-    return (tmp / "honcho.log").read_text(errors="replace")
 
 
 def _produce(tmp: Path, env: dict, prompts: list[str], *, max_new_tokens: int, rounds: int) -> subprocess.Popen:
@@ -141,16 +55,6 @@ def _produce(tmp: Path, env: dict, prompts: list[str], *, max_new_tokens: int, r
     _wait(lambda: _log(tmp).count("round_done") > rounds_before + rounds or producer.poll() is not None,
           60, "the prompts are being served")
     return producer
-
-
-def _stop_honcho(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 PROMPTS = [f"{'abc xyz '[i % 7:]}{i} def f{i}(x): return x * {i}" + " ." * (i % 5) for i in range(16)]
@@ -200,7 +104,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         for slot, _ in killed:
             _wait(lambda slot=slot: _worker_pid(proc.pid, slot), 30, f"{slot} restarted")
     finally:
-        tree = _descendants(proc.pid)
+        tree = descendants(proc.pid)
         _stop_honcho(proc)
     # honcho itself exits 143 after a SIGTERM (its convention); every role drained and exited 0
     assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
@@ -244,10 +148,19 @@ def test_router_away_10s_then_back_run_finishes_fast_and_exact(tmp_path, target_
         ps = prompts(8, seed=21)
 
         async def run():
-            task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 160))
-            await asyncio.sleep(1.0)
-            assert not task.done(), "the run ended before the router went away"
-            fleet.kill9("router_target")
+            # fault injection on an event, not after a sleep: the router dies from inside the
+            # stream callback once 40 tokens have arrived, so the run is certainly under way
+            streamed, gone = [0], asyncio.Event()
+
+            def on_tokens(tokens: list[int]) -> None:
+                streamed[0] += len(tokens)
+                if streamed[0] >= 40 and not gone.is_set():
+                    fleet.kill9("router_target")
+                    gone.set()
+
+            task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 160, on_tokens=on_tokens))
+            await asyncio.wait_for(gone.wait(), 120)
+            assert streamed[0] < len(ps) * 160, "the run ended before the router went away"
             await asyncio.sleep(10.0)
             fleet.spawn("router_target", "router", "target", "--frontend", fleet.addr("target_fe"),
                         "--backend", fleet.addr("target_be"))

@@ -63,6 +63,10 @@ class Orchestrator:
         self.draft_rpc = self.target_rpc = None
         self.ready = asyncio.Event()
         self._stopping = False
+        # prompt + max_new_tokens a request may ask for (the inverse of session_tokens_needed)
+        extra = session_tokens_needed(GenerateRequest(session_id="-", prompt_token_ids=[0], max_new_tokens=1),
+                                      self.policy.tree, self.policy.lookup_max_tokens)  # prompt 1 + 1 new - 2
+        self.served_tokens = max(0, settings.max_session_tokens + 2 - extra)
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -143,7 +147,12 @@ class Orchestrator:
                 self._send(w.client, GenerateDone(session_id=w.session_id, token_ids=[], finish_reason="cancelled"),
                            w.session_id, rid)
         elif isinstance(msg, Heartbeat):
-            self._send(client, Heartbeat(sent_at=msg.sent_at), env.session_id, env.request_id)
+            fleet = self.target_rpc.fleet_tokenizer if self.target_rpc is not None else Heartbeat()
+            if self.target_rpc is not None and self.target_rpc.router_lost:
+                fleet = Heartbeat()  # no live target router: nothing can be served now
+            pong = Heartbeat(sent_at=msg.sent_at, tokenizer_hash=fleet.tokenizer_hash, vocab_size=fleet.vocab_size,
+                             max_session_tokens=self.served_tokens)
+            self._send(client, pong, env.session_id, env.request_id)
         else:
             err = ErrorReply.of(ErrorCode.BAD_REQUEST, f"the orchestrator does not serve {type(msg).__name__}",
                                 session_id=env.session_id)

@@ -129,6 +129,7 @@ class AsyncRpcClient:
         self._last_heard = time.monotonic()
         self.router_lost = False
         self.router_losses = 0  # times the router was lost (connection dropped or silent)
+        self.fleet_tokenizer: Heartbeat = Heartbeat()  # the router's last ping answer (its workers' tokenizer)
         self.log = get_logger("specsplit.rpc", client=name, addr=addr)
 
     @property
@@ -413,6 +414,8 @@ class AsyncRpcClient:
             # the caller is waiting for exactly this request id: fail it now, not at its timeout
             self.log.warning("bad_reply_body", session_id=sid, kind=kind.name, error=str(exc))
             msg = ErrorReply.of(ErrorCode.INTERNAL, f"malformed reply: {exc}", retryable=False, session_id=sid)
+        if isinstance(msg, Heartbeat) and sid == "-":
+            self.fleet_tokenizer = msg
         fut.set_result(msg)
 
 

@@ -1,0 +1,190 @@
+"""The choices of one HTTP request, each an orchestrator session on the pool, as one stream of
+events: ``Delta(index, text)`` as tokens arrive, then ``Done(index, ...)`` or ``Failed(index,
+error)`` per choice. Text goes through ``textstream.ChoiceText`` (incremental decoding, stop
+strings); a stop string ends its session at once (the pool's client sends Cancel), and so does
+``cancel()`` (the HTTP client went away). No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from schemas import ErrorCode, SamplingSpec
+from specsplit.api.metrics import ApiMetrics
+from specsplit.api.protocol import ApiError
+from specsplit.api.textstream import ChoiceText
+from specsplit.client import GenerationError, GenerationResult, OrchestratorRefused
+from specsplit.pool import NoOrchestrator
+
+
+@dataclass(frozen=True)
+class Job:
+    """One choice to generate: ``index`` in the response's choices."""
+
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingSpec
+    stops: tuple[str, ...] = ()
+    prompt_index: int = 0  # which of the request's prompts (usage counts each prompt once)
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    index: int
+    text: str  # the last of the text (held back until the end)
+    finish_reason: str  # stop | length
+    prompt_index: int
+    prompt_tokens: int
+    completion_tokens: int
+    speculative: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    index: int
+    error: ApiError
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass
+class _Choice:
+    job: Job
+    text: ChoiceText
+    tokens: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+    cut: bool = False  # ended here: a stop string, or the caller cancelled
+    task: asyncio.Task | None = None
+    streamed: list[int] = field(default_factory=list)
+
+
+class Generation:
+    def __init__(self, pool, decode, jobs: list[Job], stop_token_ids: list[int], metrics: ApiMetrics,
+                 arrived: float | None = None) -> None:
+        self.pool, self.metrics, self.stop_token_ids = pool, metrics, list(stop_token_ids)
+        self.arrived = arrived if arrived is not None else time.perf_counter()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops)) for job in jobs]
+        self.open = len(self.choices)
+
+    def start(self) -> Generation:
+        for c in self.choices:
+            self.metrics.waiting.inc()
+            c.task = asyncio.ensure_future(self._run(c))
+        return self
+
+    async def next(self) -> Event | None:
+        """The next event; None once every choice has ended."""
+        if self.open == 0 and self.events.empty():
+            return None
+        ev = await self.events.get()
+        if isinstance(ev, (Done, Failed)):
+            self.open -= 1
+        return ev
+
+    def cancel(self) -> None:
+        """Stop every choice still running now (synchronous: callable while being cancelled)."""
+        for c in self.choices:
+            if c.task is not None and not c.task.done():
+                c.cut = True
+                c.task.cancel()
+
+    async def _run(self, c: _Choice) -> None:
+        job, m = c.job, self.metrics
+        reason = "abort"
+        try:
+            res = await self.pool.generate(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
+                                           stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t))
+            reason = self._finish(c, res)
+        except asyncio.CancelledError:
+            if c.text.stopped:  # our own cut at a stop string: a normal end
+                reason = self._finish(c, None)
+            elif not c.cut:
+                raise
+        except Exception as exc:  # noqa: BLE001  (every failure becomes the choice's typed error)
+            self.events.put_nowait(Failed(job.index, to_api_error(exc)))
+        finally:
+            if c.first_at is None:
+                m.waiting.dec()
+            else:
+                m.running.dec()
+            m.success.labels(finished_reason=reason).inc()
+            m.e2e.observe(time.perf_counter() - self.arrived)
+
+    def _on_tokens(self, c: _Choice, tokens: list[int]) -> None:
+        now, m = time.perf_counter(), self.metrics
+        if c.first_at is None:
+            c.first_at = now
+            m.ttft.observe(now - self.arrived)
+            m.waiting.dec()
+            m.running.inc()
+            rest = len(tokens) - 1
+        else:
+            rest = len(tokens)
+        if rest > 0 and c.last_at is not None:
+            per = (now - c.last_at) / rest
+            for _ in range(rest):
+                m.itl.observe(per)
+        c.last_at = now
+        c.tokens += len(tokens)
+        c.streamed.extend(tokens)
+        m.generation_tokens.inc(len(tokens))
+        delta = c.text.push(tokens)
+        if delta:
+            self.events.put_nowait(Delta(c.job.index, delta))
+        if c.text.stopped and c.task is not None and not c.cut:
+            c.cut = True
+            c.task.cancel()  # ends the session on the orchestrator and the workers (Cancel)
+
+    def _finish(self, c: _Choice, res: GenerationResult | None) -> str:
+        if res is not None and len(res.token_ids) > len(c.streamed):  # tokens that came only with the end
+            self._on_tokens(c, res.token_ids[len(c.streamed):])
+        tail = c.text.finish()
+        reason = "stop" if c.text.stopped or res is None else res.finish_reason
+        spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)
+        self.metrics.prompt_tokens.inc(len(c.job.prompt_ids))
+        self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec))
+        return reason
+
+
+def speculative_figures(res: GenerationResult | None, ttft_s: float | None) -> dict:
+    """The extension field of a choice: how speculation went for its session."""
+    if res is None:  # cut at a stop string before the session's summary arrived
+        return {"rounds": None, "drafted_tokens": None, "accepted_tokens": None, "mean_accepted_length": None,
+                "time_to_first_token_s": ttft_s, "resumes": 0}
+    return {"rounds": res.rounds, "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
+            "mean_accepted_length": round(res.mean_accepted, 4), "time_to_first_token_s": ttft_s,
+            "resumes": res.resumes}
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """A generation's failure as the HTTP error a client expects."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, GenerationError):
+        code, msg = exc.reply.code, exc.reply.message
+        if code == ErrorCode.OVERLOADED:
+            return ApiError(429, f"the fleet is at capacity, retry later: {msg}", type="rate_limit_error",
+                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if code == ErrorCode.BAD_REQUEST:
+            ctx = "limit is" in msg
+            return ApiError(400, msg, param="max_tokens" if ctx else None,
+                            code="context_length_exceeded" if ctx else None)
+        return ApiError(503, f"the fleet could not serve the request: {code.value}: {msg}", type="server_error",
+                        code="service_unavailable")
+    if isinstance(exc, (NoOrchestrator, OrchestratorRefused)):
+        return ApiError(503, f"no orchestrator answered: {exc}", type="server_error", code="service_unavailable")
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, "the generation timed out", type="server_error", code="timeout")
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")

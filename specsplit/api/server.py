@@ -1,0 +1,379 @@
+"""``specsplit api``: the OpenAI-compatible HTTP front door of the fleet (Starlette on uvicorn).
+
+A producer of the orchestrators (``specsplit.pool.OrchestratorPool``: spread over the live ones,
+resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completions``, ``POST
+/v1/chat/completions``, ``GET /health``, ``GET /metrics``. It loads the target's tokenizer only
+(no torch, no weights) and checks it against the tokenizer the orchestrators report
+(``Heartbeat.tokenizer_hash``): another one ends the process with code 2, naming both.
+
+Limits: a body over ``api_max_body_bytes`` gets 413 before it is read; headers must arrive
+within ``api_header_timeout_s`` of connecting (the connection is closed otherwise), a body within
+``api_body_timeout_s`` (408). Beyond ``api_max_concurrent_requests`` generations at once: 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from schemas import SamplingSpec
+from specsplit.api.generation import Done, Failed, Generation, Job
+from specsplit.api.metrics import ApiMetrics
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from specsplit.api.state import ApiState
+
+SEED_MOD = 2**63
+
+
+# ---------------------------------------------------------------------------- request plumbing
+async def read_json(request: Request, state: ApiState):
+    """The body as JSON: 413 past the size limit (by Content-Length before reading, or while
+    reading a chunked body), 408 past the body timeout, 400 when it is not JSON."""
+    limit = state.settings.api_max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(state.settings.api_body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {state.settings.api_body_timeout_s:.0f}s",
+                       code="request_timeout") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def check_key(request: Request, state: ApiState) -> None:
+    if not state.keys:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.keys)
+    if not ok:
+        raise ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", type="authentication_error",
+                       code="invalid_api_key")
+
+
+def sampling_for(req, seed: int | None) -> SamplingSpec:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                        seed=0 if seed is None else seed)
+
+
+def seeds(req, count: int) -> list[int]:
+    """One seed per choice: the request's seed + the choice's index (the same seed and request give
+    the same output), or fresh random ones."""
+    if req.seed is None:
+        return [secrets.randbits(63) for _ in range(count)]
+    return [(req.seed + i) % SEED_MOD for i in range(count)]
+
+
+def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str) -> list[Job]:
+    limit = state.max_model_len()
+    jobs: list[Job] = []
+    all_seeds = seeds(req, len(prompts) * req.n)
+    for p, ids in enumerate(prompts):
+        max_tokens = req.budget if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit or max_tokens < 1:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
+                                f"{len(ids)} prompt tokens and asks for {max_tokens} more",
+                           param=param, code="context_length_exceeded")
+        for j in range(req.n):
+            k = p * req.n + j
+            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p))
+    return jobs
+
+
+# ---------------------------------------------------------------------------- responses
+class Responder:
+    """OpenAI's response and chunk shapes for one request (completion or chat)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list, usage=None, include_usage: bool = False) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or include_usage:
+            out["usage"] = usage
+        return out
+
+    def full(self, done: dict[int, Done], texts: dict[int, str]) -> dict:
+        choices = []
+        for i in sorted(done):
+            d = done[i]
+            if self.chat:
+                c = {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+                     "finish_reason": d.finish_reason}
+            else:
+                c = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": d.finish_reason}
+            choices.append({**c, "speculative": d.speculative})
+        return self._envelope(self.object, choices, usage(done))
+
+    def chunk(self, index: int, text: str | None, finish: Done | None = None, *, first: bool = False,
+              include_usage: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        else:
+            c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
+        if finish is not None:
+            c["finish_reason"] = finish.finish_reason
+            c["speculative"] = finish.speculative
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [c], include_usage=include_usage)
+
+    def usage_chunk(self, done: dict[int, Done]) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], usage(done))
+
+
+def usage(done: dict[int, Done]) -> dict:
+    """OpenAI's usage: each prompt's tokens once (whatever n), every choice's tokens."""
+    prompt = sum({d.prompt_index: d.prompt_tokens for d in done.values()}.values())
+    completion = sum(d.completion_tokens for d in done.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def watch_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (after the body was read)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def run_generation(request: Request, state: ApiState, req, prompts: list[list[int]], chat: bool,
+                         default_max: int | None, param: str) -> Response:
+    jobs = plan_jobs(req, prompts, state, default_max, param)
+    if state.inflight + len(jobs) > state.settings.api_max_concurrent_requests:
+        raise ApiError(429, f"more than {state.settings.api_max_concurrent_requests} requests in flight",
+                       type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if not state.pool.live:
+        raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
+    responder = Responder(chat, state.model_name)
+    gen = Generation(state.pool, state.tokenizer.decode, jobs, state.tokenizer.stop_token_ids, state.metrics)
+    state.inflight += len(jobs)
+    gen.start()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            gen.cancel()
+            state.inflight -= len(jobs)
+
+    if req.stream:
+        try:
+            first = await _first_event(request, gen)
+        except BaseException:
+            release()
+            raise
+        return StreamingResponse(stream_events(gen, first, responder, req, release), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return JSONResponse(await _collect(request, gen, responder))
+    finally:
+        release()
+
+
+async def _first_event(request: Request, gen: Generation):
+    """Wait for the first event before the stream's headers, so a refusal (429, 503) is a status."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    nxt = asyncio.ensure_future(gen.next())
+    try:
+        done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt not in done:
+            raise ClientDisconnect()
+        ev = nxt.result()
+        if isinstance(ev, Failed):
+            raise ev.error
+        return ev
+    finally:
+        watcher.cancel()
+        nxt.cancel()
+
+
+async def _collect(request: Request, gen: Generation, responder: Responder) -> dict:
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    texts: dict[int, str] = {j.index: "" for j in (c.job for c in gen.choices)}
+    done: dict[int, Done] = {}
+    try:
+        while True:
+            nxt = asyncio.ensure_future(gen.next())
+            finished, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in finished:
+                nxt.cancel()
+                raise ClientDisconnect()
+            ev = nxt.result()
+            if ev is None:
+                break
+            if isinstance(ev, Failed):
+                raise ev.error
+            texts[ev.index] += ev.text
+            if isinstance(ev, Done):
+                done[ev.index] = ev
+    finally:
+        watcher.cancel()
+    return responder.full(done, texts)
+
+
+async def stream_events(gen: Generation, first, responder: Responder, req, release):
+    """SSE: one chunk per text delta, a last chunk per choice with its finish reason, the usage
+    chunk when asked, then [DONE]. Leaving early (the client disconnected) cancels every session."""
+    done: dict[int, Done] = {}
+    include = req.include_usage
+    try:
+        if responder.chat:
+            for c in gen.choices:
+                yield sse(responder.chunk(c.job.index, None, first=True, include_usage=include))
+        ev = first
+        while ev is not None:
+            if isinstance(ev, Failed):
+                yield sse(ev.error.body())
+                break
+            if isinstance(ev, Done):
+                done[ev.index] = ev
+                if ev.text:
+                    yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
+                yield sse(responder.chunk(ev.index, None, ev, include_usage=include))
+            elif ev.text:
+                yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
+            ev = await gen.next()
+        if include and len(done) == len(gen.choices):
+            yield sse(responder.usage_chunk(done))
+        yield b"data: [DONE]\n\n"
+    finally:
+        release()
+
+
+# ---------------------------------------------------------------------------- endpoints
+def _state(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    check_key(request, state)
+    req = parse(CompletionRequest, await read_json(request, state))
+    state.check_model(req.model)
+    tok = state.require_ready()
+    prompts = [tok.encode(p) if isinstance(p, str) else state.check_ids(p) for p in req.prompts()]
+    if any(not p for p in prompts):
+        raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
+    return await run_generation(request, state, req, prompts, False, req.max_tokens, "max_tokens")
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    check_key(request, state)
+    req = parse(ChatCompletionRequest, await read_json(request, state))
+    state.check_model(req.model)
+    tok = state.require_ready()
+    if not tok.has_chat_template:
+        raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
+    try:
+        ids = tok.encode_chat(req.turns())
+    except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    return await run_generation(request, state, req, [ids], True, None,
+                                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    check_key(request, state)
+    state.require_ready()
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.started, "owned_by": "specsplit",
+        "max_model_len": state.max_model_len(),
+    }]})
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    ok, why = state.serving()
+    return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---------------------------------------------------------------------------- the app
+def build_app(state: ApiState) -> Starlette:
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else None
+        err = ApiError(exc.status_code, str(exc.detail), code=kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it; the generation was cancelled
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        state.log.exception("api_internal_error", path=request.url.path)
+        err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=state.lifespan,
+                    exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                        ClientDisconnect: on_disconnect, Exception: on_error})
+    app.state.api = state
+    return CountResponses(app, state.metrics)
+
+
+class CountResponses:
+    """ASGI middleware: every HTTP response counted by route and status."""
+
+    def __init__(self, app, metrics: ApiMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.response(scope.get("path", ""), message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

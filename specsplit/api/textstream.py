@@ -1,0 +1,128 @@
+"""Token ids -> text, incrementally, with stop strings: what one choice of a response emits.
+
+``IncrementalDecoder`` turns the token ids of a generation, fed in chunks of any size, into text
+deltas that concatenate to exactly the text the whole sequence decodes to. It decodes a short
+window (a few ids already shown plus the new ones) and holds back text that ends in U+FFFD, so a
+character whose UTF-8 bytes are split over tokens, or over rounds, is never emitted broken.
+``finish`` flushes whatever was held.
+
+``StopMatcher`` cuts the text where the first occurrence of any stop string begins (the earliest
+start in the whole text, however it was chunked) and never emits a stop string, not even its
+first characters: it holds back the longest tail of the text that is a prefix of some stop
+string until the next delta settles it. Worked example, stop ``"\\n\\n"``:
+feeding ``"a\\n"`` emits ``"a"`` (the ``"\\n"`` might start a stop), then ``"b"`` emits ``"\\nb"``,
+then ``"\\n\\nc"`` emits nothing more and reports the stop.
+
+Both are plain objects over a tokenizer's ``decode``; the non-streamed answer goes through the
+same path, so streamed and non-streamed text are equal by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT = "\ufffd"
+PREFIX_TOKENS = 6  # ids of context decoded before the new ones (BPE merges, leading spaces)
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id sequence (after ``context`` ids, e.g. the prompt's)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()) -> None:
+        self._decode = decode
+        self.ids: list[int] = list(context[-PREFIX_TOKENS:])
+        self._prefix = 0  # ids[_prefix:_read] decode to text already accounted for
+        self._read = len(self.ids)
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The new text that ``ids`` complete ("" while a character is still incomplete)."""
+        self.ids.extend(ids)
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT):
+            return ""
+        # the ids just shown become the next decode's context (a window of one chunk or so)
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text):]
+
+    def finish(self) -> str:
+        """Whatever text was held back (a final incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text):] if len(text) > len(prefix_text) else ""
+
+
+class StopMatcher:
+    """Cuts a stream of text deltas at the first stop string (see the module docstring)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.text = ""  # everything fed so far, cut at the stop once one is found
+        self.emitted = 0  # characters of text already returned
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """The part of the text that is now safe to emit."""
+        if self.stopped:
+            return ""
+        self.text += delta
+        cut = self._first_stop(self.emitted)
+        held = len(self.text) - self._held_tail()  # where a stop still being completed may begin
+        if cut is not None and cut <= held:
+            return self._stop(cut)
+        return self._emit(held if cut is None else min(cut, held))
+
+    def flush(self) -> str:
+        """At the end of the generation: a stop found while a longer one might still have begun
+        earlier cuts now; a held tail that began no stop is emitted."""
+        if self.stopped:
+            return ""
+        cut = self._first_stop(self.emitted)
+        return self._emit(len(self.text)) if cut is None else self._stop(cut)
+
+    def _stop(self, cut: int) -> str:
+        self.stopped = True
+        self.text = self.text[:cut]
+        return self._emit(cut)
+
+    def _emit(self, upto: int) -> str:
+        out = self.text[self.emitted:upto]
+        self.emitted = max(self.emitted, upto)
+        return out
+
+    def _first_stop(self, start: int) -> int | None:
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def _held_tail(self) -> int:
+        """Length of the longest tail of text (not yet emitted) that begins some stop string."""
+        best = 0
+        pending = len(self.text) - self.emitted
+        for s in self.stops:
+            for k in range(min(len(s) - 1, pending), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+class ChoiceText:
+    """One choice's text: ids in, safe text deltas out, the stop string cut."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int], stops: Sequence[str]) -> None:
+        self.decoder = IncrementalDecoder(decode, context)
+        self.matcher = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was found: the generation should end now."""
+        return self.matcher.stopped
+
+    def push(self, ids: Sequence[int]) -> str:
+        return self.matcher.feed(self.decoder.push(ids)) if not self.stopped else ""
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        return self.matcher.feed(self.decoder.finish()) + self.matcher.flush()

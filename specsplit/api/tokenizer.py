@@ -1,0 +1,114 @@
+"""The served model's tokenizer, loaded alone: no torch, no weights, no provisioning.
+
+``keep_torch_out()`` makes this process's transformers a tokenizers-only install (it would import
+torch for its model code otherwise: ~1 s and ~200 MB a process); the tokenizer it loads is the
+one the workers fingerprint, transformers' own reading of the same files.
+
+The workers provision the models (``specsplit models pull``, or on first start); a process that
+only turns text into token ids (the HTTP API, ``specsplit produce``) waits for the target model
+directory to be complete and loads its tokenizer files. ``ServedTokenizer.fingerprint`` is the
+hash the workers report to their router (``specsplit.models.tokenizer_fingerprint``), so a client
+can check it holds the fleet's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specsplit.models.loading import DEFAULT_CACHE_DIR, tokenizer_fingerprint
+from specsplit.models.presets import DEFAULT_PRESET, TINY_NAME, get_preset
+from specsplit.models.pull import is_provisioned
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def keep_torch_out() -> None:
+    """Make ``import torch`` fail in this process (unless it is imported already), so transformers
+    runs as a tokenizers-only library: call it first thing in a process that must stay light."""
+    import sys
+
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # importlib: find_spec -> None, import -> ImportError
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" line
+
+
+def target_model_dir(settings) -> tuple[Path, str | None]:
+    """(the target model directory the workers load, the source sha256 that marks it complete or
+    None), computed without provisioning anything."""
+    cache_dir = Path(getattr(settings, "cache_dir", None) or DEFAULT_CACHE_DIR).expanduser()
+    override = getattr(settings, "target_model", None)
+    if override:
+        p = Path(override).expanduser()
+        if p.suffix.lower() == ".gguf":
+            from specsplit.models.loading import _cached_sha256
+
+            sha = _cached_sha256(p.resolve(), cache_dir / "models")
+            return cache_dir / "models" / f"gguf-{sha[:16]}", sha
+        return p, None
+    preset = get_preset(getattr(settings, "preset", None) or DEFAULT_PRESET)
+    if preset.is_tiny:
+        return cache_dir / "models" / TINY_NAME / "target", None
+    return cache_dir / "models" / preset.target.name, preset.target.gguf_sha256
+
+
+def wait_for_tokenizer_dir(settings, timeout_s: float, *, poll_s: float = 1.0, log=None) -> Path:
+    """The target model directory once its tokenizer files are there (and, for a converted model,
+    once its conversion is complete); TimeoutError after ``timeout_s``."""
+    path, sha = target_model_dir(settings)
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while True:
+        complete = sha is None or is_provisioned(path, sha)
+        if complete and all((path / f).is_file() for f in TOKENIZER_FILES):
+            return path
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no tokenizer in {path} after {timeout_s:.0f}s: start the workers or run "
+                               "`specsplit models pull` to provision the models")
+        if log is not None and not logged:
+            log.info("waiting_for_tokenizer", path=str(path))
+            logged = True
+        time.sleep(poll_s)
+
+
+class ServedTokenizer:
+    """Text <-> ids for the served model, its chat template and its end-of-generation ids."""
+
+    def __init__(self, path: str | Path) -> None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        from transformers import AutoTokenizer
+
+        self.path = Path(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.fingerprint = tokenizer_fingerprint(self.tok)
+        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+        self.stop_token_ids = sorted(self._stop_ids())
+        self.vocab_size = len(self.tok)
+
+    def _stop_ids(self) -> set[int]:
+        """The tokenizer's eos and the generation config's end ids (as ``specsplit produce``)."""
+        stops = {int(self.tok.eos_token_id)} if self.tok.eos_token_id is not None else set()
+        try:
+            gen = json.loads((self.path / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return stops
+        eos = gen.get("eos_token_id")
+        stops.update([eos] if isinstance(eos, int) else [int(e) for e in eos or []])
+        return stops
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tok.encode(text)]
+
+    def encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
+        """The conversation through the model's own chat template, ready for the assistant's turn."""
+        ids = self.tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,93 @@
+"""Incremental decoding and stop strings of the HTTP API (specsplit.api.textstream), against the
+whole text decoded at once: a byte-level tokenizer (every id one UTF-8 byte, so characters split
+across chunks) and the tiny preset's real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from specsplit.api.textstream import REPLACEMENT, ChoiceText, IncrementalDecoder, StopMatcher
+
+
+def byte_decode(ids) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    points = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
+    return [ids[a:b] for a, b in zip(points, points[1:])]
+
+
+TEXT = st.text(alphabet=st.sampled_from(list("ab \n") + ["é", "€", "😀", "中"]), max_size=40)
+
+
+def reference(text: str, stops: list[str]) -> str:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return text[:min(found)] if found else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_deltas_concatenate_to_the_whole_decode_and_never_break_a_character(text, cuts):
+    ids = list(text.encode())
+    dec = IncrementalDecoder(byte_decode, context=list(b"prompt "))
+    deltas = [dec.push(chunk) for chunk in chunked(ids, cuts)] + [dec.finish()]
+    assert "".join(deltas) == text
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=12),
+       stops=st.lists(st.text(alphabet=st.sampled_from(list("ab \n") + ["é", "😀"]), min_size=1, max_size=4),
+                      max_size=3))
+def test_stop_strings_cut_exactly_and_no_stop_character_is_ever_emitted(text, cuts, stops):
+    want = reference(text, stops)
+    choice = ChoiceText(byte_decode, [], stops)
+    out = ""
+    for chunk in chunked(list(text.encode()), cuts):
+        out += choice.push(chunk)
+        assert want.startswith(out)  # every prefix emitted is a prefix of the cut text
+        if choice.stopped:
+            break
+    out += choice.finish()
+    assert out == want
+    assert choice.stopped == (want != text or any(s and s in text for s in stops))
+
+
+def test_stop_matcher_holds_a_possible_stop_start_then_releases_it():
+    m = StopMatcher(["\n\n"])
+    assert m.feed("a\n") == "a"
+    assert m.feed("b") == "\nb"
+    assert m.feed("\n\nc") == "" and m.stopped
+    assert m.text == "a\nb"
+
+
+def test_finish_flushes_a_held_tail_that_was_no_stop():
+    choice = ChoiceText(byte_decode, [], ["END"])
+    assert choice.push(list(b"the EN")) == "the "
+    assert choice.finish() == "EN"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from specsplit.api.tokenizer import ServedTokenizer
+
+    out = subprocess.run([sys.executable, "-m", "specsplit", "models", "path", "tiny"], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return ServedTokenizer(json.loads(out.stdout)["target"])
+
+
+def test_real_tokenizer_streamed_equals_whole(tiny_tokenizer):
+    tok = tiny_tokenizer
+    text = "def f(x):\n    return x * 2  # ünïcödé ✓ 中文 😀\n"
+    ids = tok.encode(text)
+    whole = tok.decode(ids)
+    for step in (1, 2, 3, 7):
+        dec = IncrementalDecoder(tok.decode, context=tok.encode("Q: "))
+        got = "".join(dec.push(ids[i:i + step]) for i in range(0, len(ids), step)) + dec.finish()
+        assert got == whole
