@@ -2,7 +2,7 @@
 # Set up (ops/setup.sh) and run the whole test suite. Usage: ./ops/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./ops/setup.sh test,bench
+./ops/setup.sh test,bench,gguf
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 set +e

@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 import time
 from pathlib import Path
 
 from schemas import SamplingSpec
+from specsplit.api.textstream import IncrementalDecoder
 
 
 def read_prompts(args) -> list[str]:
@@ -41,50 +43,44 @@ def read_prompts(args) -> list[str]:
 
 
 class PromptCodec:
-    """Tokenizer side of the producer: prompt text -> ids (chat template when wanted), ids -> text."""
+    """Tokenizer side of the producer: prompt text -> ids (chat template when wanted), ids -> text.
+    The served model's tokenizer alone (``specsplit.api.tokenizer.ServedTokenizer``), as the HTTP
+    API holds it: the same ids for the same prompt on both doors."""
 
     def __init__(self, tokenizer_dir: Path, chat: str = "auto"):
-        from transformers import AutoTokenizer, GenerationConfig
+        from specsplit.api.tokenizer import ServedTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        self.use_chat = chat == "on" or (chat == "auto" and bool(getattr(self.tok, "chat_template", None)))
-        stops = set()
-        if self.tok.eos_token_id is not None:
-            stops.add(int(self.tok.eos_token_id))
-        try:
-            gen = GenerationConfig.from_pretrained(tokenizer_dir, local_files_only=True)
-            eos = gen.eos_token_id
-            stops.update([eos] if isinstance(eos, int) else list(eos or []))
-        except OSError:
-            pass
-        self.stop_token_ids = sorted(stops)
+        self.served = ServedTokenizer(tokenizer_dir)
+        self.tok = self.served.tok
+        self.use_chat = chat == "on" or (chat == "auto" and self.served.has_chat_template)
+        self.stop_token_ids = self.served.stop_token_ids
 
     def encode(self, prompt: str) -> list[int]:
         if self.use_chat:
-            ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return [int(t) for t in self.tok.encode(prompt)]
+            return self.served.encode_chat([{"role": "user", "content": prompt}])
+        return self.served.encode(prompt)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.served.decode(ids)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specsplit produce", description=__doc__)
-    p.add_argument("prompts", nargs="*")
-    p.add_argument("--file")
-    p.add_argument("--jsonl")
-    p.add_argument("--limit", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
+    p = argparse.ArgumentParser(prog="specsplit produce", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompts", nargs="*", help="prompt texts (or --file / --jsonl / stdin)")
+    p.add_argument("--file", help="a file of prompts, one a line")
+    p.add_argument("--jsonl", help="a JSON-lines file with a 'prompt' field per line (HumanEval's format)")
+    p.add_argument("--limit", type=int, default=0, help="at most this many prompts (0: all)")
+    p.add_argument("--concurrency", type=int, default=1, help="prompts in flight at once")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt, at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equal to the target's greedy decoding)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed of prompt i is SEED + i (as the HTTP API seeds n choices); "
+                        "unset: a fresh random seed per prompt")
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="apply the model's chat template (auto: when the tokenizer has one)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--orchestrator", default=None,
                    help="comma list of addresses; default: SPECSPLIT_ORCHESTRATOR (+ SPECSPLIT_ORCHESTRATOR_COUNT ports)")
@@ -102,7 +98,10 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     if not prompts:
         print("specsplit produce: no prompts", file=sys.stderr)
         return 2
-    sampling = SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    def sampling(i: int) -> SamplingSpec:
+        seed = secrets.randbits(63) if args.seed is None else (args.seed + i) % 2**63
+        return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed)
+
     stream = args.concurrency == 1 and not args.json
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
@@ -122,13 +121,15 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
             nonlocal failures
             ids = codec.encode(prompt)
             async with sem:
-                on_tokens = None
-                if stream:
+                on_tokens, text = None, IncrementalDecoder(codec.decode, ids)
+                if stream:  # whole characters only, however the bytes fall across rounds
                     print(f"\n=== prompt {i}: {prompt[:80]!r}", file=sys.stderr, flush=True)
-                    on_tokens = lambda toks: print(codec.decode(toks), end="", flush=True)  # noqa: E731
+                    on_tokens = lambda toks: print(text.push(toks), end="", flush=True)  # noqa: E731
                 try:
-                    res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                    res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling(i),
                                               stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens)
+                    if stream:
+                        print(text.finish(), end="", flush=True)
                 except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:
                     failures += 1
                     print(f"prompt {i} failed: {exc!r}", file=sys.stderr)
@@ -210,11 +211,14 @@ def summary(results, wall: float) -> None:
 
 
 def produce_main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from specsplit.api.tokenizer import keep_torch_out, wait_for_tokenizer_dir
+
+    keep_torch_out()  # a producer holds a tokenizer only
     from specsplit.config import ProducerSettings
     from specsplit.logs import configure_logging
-    from specsplit.models import ModelSettings, resolve_model_paths
+    from specsplit.models import ModelSettings
 
-    args = build_parser().parse_args(argv)
     settings = ProducerSettings()
     configure_logging(settings.log_level if settings.log_level != "INFO" else "WARNING", settings.log_json)
     from brokers.curve import CurveError
@@ -224,8 +228,12 @@ def produce_main(argv=None) -> int:
     except CurveError as exc:
         print(f"specsplit produce: {exc}", file=sys.stderr)
         return 2
-    paths = resolve_model_paths(ModelSettings())
-    codec = PromptCodec(paths.target, chat=args.chat)
+    try:  # the workers (or `specsplit models pull`) provision the models; this waits for the files
+        path = wait_for_tokenizer_dir(ModelSettings(), args.wait_s)
+    except TimeoutError as exc:
+        print(f"specsplit produce: {exc}", file=sys.stderr)
+        return 3
+    codec = PromptCodec(path, chat=args.chat)
     addrs = args.orchestrator.split(",") if args.orchestrator else settings.orchestrator_addresses()
     return asyncio.run(produce(args, codec, [a.strip() for a in addrs if a.strip()], settings.produce_timeout_s,
                                settings.produce_chunk_timeout_s, heartbeat_s=settings.produce_heartbeat_s,

@@ -240,7 +240,7 @@ def test_llamacpp_honcho_fleet_survives_kill9_of_a_target_mid_batch(tmp_path):
     differently from a one-token one, so each answer is checked against the target's own greedy
     decoding with every divergence explained (`LlamaTargetRunner.divergence`: a near-tie or a flip
     by the forward's shape), not for bit equality."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is a dependency; ops/setup.sh installs it")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is the gguf extra: ./ops/setup.sh gguf")
     from specsplit.bench.systems import LlamaTargetRunner
     from specsplit.models import ModelSettings
     from specsplit.models.loading import resolve_gguf

@@ -12,7 +12,7 @@ from schemas import CacheSync, DraftReply, DraftRequest, EndSession, ErrorReply,
 from specsplit.engine.base import EngineLimits
 from specsplit.tree import path_to
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is a dependency; ops/setup.sh installs it")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is the gguf extra: ./ops/setup.sh gguf")
 
 from specsplit.engine.llamacpp import LlamaDraftEngine  # noqa: E402
 from tests.test_llamacpp_engine import PROMPT, _near_tie, _path_logits, gguf, lm, lm_draft  # noqa: E402,F401

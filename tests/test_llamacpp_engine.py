@@ -21,7 +21,7 @@ from specsplit import local
 from specsplit.engine.base import EngineLimits
 from specsplit.tree import path_to
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a dependency; ops/setup.sh installs it")
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the gguf extra: ./ops/setup.sh gguf")
 
 from specsplit.engine.llamacpp import (  # noqa: E402
     LlamaCppModel, LlamaDraftEngine, LlamaTargetEngine, greedy_decode,

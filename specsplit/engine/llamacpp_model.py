@@ -20,8 +20,8 @@ def _lib():
     try:
         import llama_cpp
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("the llamacpp engine needs llama-cpp-python (pip install 'specsplit[llamacpp]'; "
-                           "ops/setup.sh installs it)") from exc
+        raise RuntimeError("the llamacpp engine needs llama-cpp-python, an optional part of SpecSplit compiled "
+                           "for this CPU: run `./ops/setup.sh gguf` (or pip install -e '.[gguf]')") from exc
     return llama_cpp
 
 
