@@ -305,6 +305,7 @@ class ApiSettings(ProducerSettings):
     that serves HTTP. Env: SPECSPLIT_API_HOST, SPECSPLIT_API_PORT, SPECSPLIT_API_KEYS_FILE, ..."""
 
     api_host: str = "127.0.0.1"
+    # instance N of `honcho start -c api=N` listens on api_port + N - 1 (as orchestrators do)
     api_port: int = Field(default=8000, ge=0, le=65535)
     # one API key a line (blank lines and # comments skipped); clients send "Authorization: Bearer
     # KEY" on /v1/*. Unset: no keys, and then only a loopback api_host is allowed
@@ -331,6 +332,13 @@ class ApiSettings(ProducerSettings):
             raise ValueError(f"SPECSPLIT_API_HOST={self.api_host}: serving beyond loopback requires API keys "
                              "(SPECSPLIT_API_KEYS_FILE, one key a line)")
         return self
+
+    def bind_port(self, environ=None) -> int:
+        """This instance's port: api_port for the first (or no honcho slot), + N - 1 for "api.N"."""
+        port = self.api_port + honcho_slot(environ) - 1 if self.api_port else 0
+        if port > 65535:
+            raise ValueError(f"SPECSPLIT_API_PORT={self.api_port}: instance {honcho_slot(environ)} would listen on {port}")
+        return port
 
     def api_keys(self) -> tuple[str, ...]:
         """The keys in api_keys_file (empty: no keys); OSError / ValueError when unusable."""
@@ -384,7 +392,7 @@ def effective_settings(role: str) -> dict:
         return {"produce": ProducerSettings().model_dump(mode="json")}
     if role == "api":
         s = ApiSettings()
-        return {"api": s.model_dump(mode="json"), "effective": {"url": f"http://{s.api_host}:{s.api_port}/v1"}}
+        return {"api": s.model_dump(mode="json"), "effective": {"url": f"http://{s.api_host}:{s.bind_port()}/v1"}}
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
 
 

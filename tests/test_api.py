@@ -390,3 +390,48 @@ def test_orchestrator_overload_is_429_with_retry_after(fleet, tmp_path):
     finally:
         assert _stop(proc) == 0
         _stop(orch)
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise LookupError(pid)
+
+
+@pytest.mark.timeout(600)
+def test_api_rss_is_flat_over_2000_requests(fleet):
+    """After a warm-up of 500 requests (allocator pools, caches filled), 1,500 more requests of
+    every kind (chat, completions, streams, errors) leave the API process's RSS within 5 %."""
+    from tests.honcho_fleet import worker_pid
+
+    pid = worker_pid(fleet["proc"].pid, "api.1")
+    bodies = [
+        ("/v1/completions", {"model": "tiny-v1", "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}),
+        ("/v1/completions", {"model": "tiny-v1", "prompt": "hi", "max_tokens": 4, "stream": True}),
+        ("/v1/chat/completions", {"model": "tiny-v1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                  "stream": True, "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"model": "tiny-v1", "prompt": "hi", "logprobs": 3}),  # 400
+    ]
+
+    async def burst(n: int, offset: int) -> int:
+        sem, ok = asyncio.Semaphore(16), 0
+        async with httpx.AsyncClient(base_url=fleet["url"], timeout=60) as client:
+            async def one(i: int) -> None:
+                nonlocal ok
+                path, body = bodies[(i + offset) % len(bodies)]
+                async with sem:
+                    resp = await client.post(path, json=body)
+                ok += resp.status_code in (200, 400)
+            await asyncio.gather(*(one(i) for i in range(n)))
+        return ok
+
+    assert asyncio.run(burst(500, 0)) == 500
+    before = _rss_kb(pid)
+    samples = []
+    for k in range(3):
+        assert asyncio.run(burst(500, k)) == 500
+        samples.append(_rss_kb(pid))
+    print(f"API RSS after 500 requests {before} kB, after 1000/1500/2000: {samples} kB")
+    assert max(samples) <= before * 1.05, (before, samples)
+    wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 10, "nothing left running")

@@ -80,7 +80,12 @@ def api_main(argv: list[str]) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_json)
     protocol = type("GuardedH11", (GuardedH11Protocol,), {"header_timeout_s": settings.api_header_timeout_s})
-    config = uvicorn.Config(build_app(state), host=settings.api_host, port=settings.api_port, http=protocol,
+    try:
+        port = settings.bind_port()
+    except ValueError as exc:
+        print(f"specsplit api: {exc}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(build_app(state), host=settings.api_host, port=port, http=protocol,
                             lifespan="on", log_config=None, access_log=False, server_header=False,
                             timeout_keep_alive=max(1, int(settings.api_keep_alive_s)),
                             timeout_graceful_shutdown=5)

@@ -86,7 +86,7 @@ class ApiState:
             return
         self.probed = True
         self.log.info("api_serving", model=self.model_name, url=f"http://{self.settings.api_host}:"
-                                                                f"{self.settings.api_port}/v1")
+                                                                f"{self.settings.bind_port()}/v1")
 
     def _fatal(self, code: int) -> None:
         self.exit_code = code

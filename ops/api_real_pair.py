@@ -1,0 +1,160 @@
+"""The HTTP API on the real pair, checked with the official ``openai`` client: ``honcho start`` of
+the repository's Procfile and .env (the default preset, free ports), then sync, async and
+streaming chat and completions at temperature 0 against the fleet target's own greedy decoding of
+the same token ids (its engine in this process, int8 as the worker runs it: a quantized target is
+its own reference), a stop string, a seeded sample twice, and ``n=2``. Prints each check and
+writes a JSON report.
+
+    python ops/api_real_pair.py --json ops/results/api-real-pair-qwen-coder.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MESSAGES = [
+    [{"role": "user", "content": "Write a Python function that returns True when a number is prime."}],
+    [{"role": "system", "content": "You answer in one sentence."},
+     {"role": "user", "content": "What does a KV cache store?"}],
+]
+
+
+def start_fleet(tmp: Path) -> tuple[subprocess.Popen, str]:
+    from specsplit.launch import free_ports
+
+    names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch", "api"]
+    ports = dict(zip(names, free_ports(len(names))))
+    addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
+    (tmp / "ports.env").write_text("\n".join([
+        f"SPECSPLIT_DRAFT_ROUTER={addr['draft_fe']}", f"SPECSPLIT_DRAFT_BACKEND={addr['draft_be']}",
+        f"SPECSPLIT_TARGET_ROUTER={addr['target_fe']}", f"SPECSPLIT_TARGET_BACKEND={addr['target_be']}",
+        f"SPECSPLIT_ORCHESTRATOR={addr['orch']}", f"SPECSPLIT_API_PORT={ports['api']}", "SPECSPLIT_METRICS_PORT=0",
+    ]) + "\n")
+    for k, v in (line.split("=", 1) for line in (tmp / "ports.env").read_text().split()):
+        os.environ[k] = v  # this process's producer and reference read the same settings
+    log = open(tmp / "fleet.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"),
+                             "-e", f"{REPO / '.env'},{tmp / 'ports.env'}", "-d", str(REPO)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    return proc, f"http://127.0.0.1:{ports['api']}"
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the fleet stopped")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError("the API did not serve in time")
+
+
+def reference(tok, ids_list: list[list[int]], max_new: int) -> list[list[int]]:
+    """The fleet target's engine alone, greedy, with the worker's settings (bench load's)."""
+    from specsplit.bench.fleetenv import environ_with, fleet_defaults
+    from specsplit.bench.load import BatchedTarget
+    from specsplit.config import WorkerSettings
+    from specsplit.models import ModelSettings
+
+    with environ_with(fleet_defaults(REPO / ".env")):
+        target = BatchedTarget(WorkerSettings(), ModelSettings())
+    return [d.token_ids for d in target.level(ids_list, 1, max_new, tok.stop_token_ids).done]
+
+
+def check(report: dict, name: str, ok: bool, **detail) -> None:
+    report["checks"].append({"check": name, "ok": bool(ok), **detail})
+    print(f"[{'ok' if ok else 'FAIL'}] {name}", flush=True)
+
+
+async def run_checks(url: str, model: str, tok, refs: dict, max_new: int, report: dict) -> None:
+    from openai import AsyncOpenAI, OpenAI
+
+    sync = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    for i, messages in enumerate(MESSAGES):
+        want = tok.decode(refs[i])
+        t0 = time.perf_counter()
+        whole = sync.chat.completions.create(model=model, messages=messages, max_tokens=max_new, temperature=0)
+        wall = time.perf_counter() - t0
+        text = whole.choices[0].message.content
+        check(report, f"chat {i}: sync = target greedy", text == want, tokens=whole.usage.completion_tokens,
+              wall_s=round(wall, 2), speculative=whole.choices[0].model_extra.get("speculative"))
+        res = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_new, temperature=0)
+        check(report, f"chat {i}: async = target greedy", res.choices[0].message.content == want)
+        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_new,
+                                                      temperature=0, stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        check(report, f"chat {i}: streamed = non-streamed", streamed == text)
+        ids = tok.encode_chat(messages)
+        comp = sync.completions.create(model=model, prompt=ids, max_tokens=max_new, temperature=0)
+        check(report, f"completion {i}: token ids = target greedy", comp.choices[0].text == want)
+        pieces = [c.choices[0].text for c in sync.completions.create(model=model, prompt=ids, max_tokens=max_new,
+                                                                     temperature=0, stream=True)]
+        check(report, f"completion {i}: streamed = non-streamed", "".join(pieces) == want)
+        words = [w for w in want.split() if len(w) >= 4]
+        if words:
+            stop = words[len(words) // 2]
+            cut = sync.completions.create(model=model, prompt=ids, max_tokens=max_new, temperature=0, stop=[stop])
+            check(report, f"completion {i}: stop {stop!r} cuts where it begins",
+                  cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop")
+    kw = dict(model=model, messages=MESSAGES[0], max_tokens=48, temperature=0.8, top_p=0.95)
+    a = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
+    b = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
+    check(report, "same seed, same sample", a == b)
+    two = sync.chat.completions.create(seed=11, n=2, **kw)
+    check(report, "n=2 gives two choices", sorted(c.index for c in two.choices) == [0, 1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    tok = ServedTokenizer(resolve_model_paths(ModelSettings()).target)
+    prompts = [tok.encode_chat(m) for m in MESSAGES]
+    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "checks": [],
+              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens}
+    tmp = Path(tempfile.mkdtemp(prefix="specsplit-api-real-"))
+    proc, url = start_fleet(tmp)
+    try:
+        refs = dict(enumerate(reference(tok, prompts, args.max_new_tokens)))
+        wait_health(url, proc)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        report["model"] = model
+        asyncio.run(run_checks(url, model, tok, refs, args.max_new_tokens, report))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=120)
+    ok = all(c["ok"] for c in report["checks"])
+    print(f"{sum(c['ok'] for c in report['checks'])}/{len(report['checks'])} checks passed (fleet log: {tmp})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
