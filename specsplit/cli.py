@@ -72,6 +72,37 @@ def _role(cmd: str, rest: list[str]) -> int:
     return _orchestrator(rest)
 
 
+ROLE_HELP = {
+    "draft": "A draft worker: loads the draft model and proposes token trees for the sessions its router sends.",
+    "target": "A target worker: loads the target model, keeps each session's KV cache, verifies trees.",
+    "orchestrator": "The orchestrator: runs the draft -> verify rounds of every session on one asyncio loop; "
+                    "producers and the HTTP API connect to it.",
+}
+
+
+def _role_usage(cmd: str, rest: list[str]) -> int:
+    """``specsplit ROLE --help``: usage, and every setting's name and default, without starting
+    anything (a role takes no arguments besides the router's; settings come from the environment)."""
+    import argparse
+
+    if cmd == "router":
+        from brokers.__main__ import _parse
+
+        _parse([*rest])  # argparse prints the usage (or the error) and exits
+        return 0
+    if cmd == "api":
+        from specsplit.api.run import api_main
+
+        return api_main(rest)
+    p = argparse.ArgumentParser(
+        prog=f"specsplit {cmd}", description=ROLE_HELP[cmd], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Configured by SPECSPLIT_* environment variables (and .env under honcho start); "
+               f"`specsplit config {cmd}` prints the effective settings, docs/configuration.md lists them all. "
+               "Runs supervised: restarted on a crash, stopped cleanly by SIGTERM.")
+    p.parse_args(rest)
+    return 0
+
+
 def _worker(service: str, argv: list[str]) -> int:
     if "torch" not in sys.modules:  # libgomp reads it once, as torch loads it
         os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
@@ -156,6 +187,11 @@ def _bench(argv: list[str]) -> int:
 
         require_bench_extras()
         return main(argv[1:])
+    if argv and argv[0] == "api":
+        from specsplit.bench.api import main
+
+        require_bench_extras()
+        return main(argv[1:])
     from specsplit.bench.quality import main as bench_main
 
     require_bench_extras()
@@ -208,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check_removed_settings()
     if cmd in ("router", "draft", "target", "orchestrator", "api"):
-        if cmd == "api" and ("-h" in rest or "--help" in rest):
-            return _role(cmd, rest)  # usage only: nothing supervised, nothing started
+        if "-h" in rest or "--help" in rest or (cmd != "router" and rest):
+            return _role_usage(cmd, rest)  # usage (or a usage error): nothing supervised, nothing started
         from specsplit.supervise import supervise
 
         rc = supervise(argv)  # None: this process is the supervised child (or unsupervised)
