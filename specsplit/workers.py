@@ -142,7 +142,12 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     # the model loads, and every forward runs, on one thread (specsplit.compute: libgomp stops
     # spinning once two threads of a process have started OpenMP teams on a small machine)
     compute = ComputeThread()
-    engine, hello = compute.call(build_engine, service, settings, model_settings)
+    loading = compute.submit(lambda: build_engine(service, settings, model_settings))
+    while loading.is_alive():  # a stop while the model loads ends the process now (daemon thread)
+        if stop.wait(0.1):
+            log.info("worker_stopped_while_loading")
+            return 0
+    engine, hello = loading.result()
     metrics.watch_forwards(engine.backend)
     identity = settings.identity(service)
     # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)
