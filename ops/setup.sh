@@ -13,15 +13,24 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 # llama-cpp-python ships as an sdist: build only the library, for this machine's CPU (the GGUF
 # engines' kernels); skipped when it is installed already. Without AMX: on Sapphire Rapids-class
-# CPUs (amx_int8) the vendored ggml's AMX matmul segfaults on the first batched decode (measured on
-# the 2-core Xeon box with both GGUFs of the pair and SmolLM2); -mno-amx-* overrides what
-# -march=native turns on, so every other native ISA (AVX512, VNNI) stays. --no-cache-dir: pip's
-# wheel cache does not key on CMAKE_ARGS, so a cached build with other flags would come back.
+# CPUs (amx_int8) the vendored ggml's AMX matmul segfaults on the first batched decode (the 2-core
+# Xeon box, both GGUFs of the pair and SmolLM2); -mno-amx-* overrides what -march=native turns on,
+# so every other native ISA (AVX512, VNNI) stays. The wheel is kept under ~/.cache/specsplit/wheels,
+# keyed by the build flags and this CPU's flags (pip's own wheel cache keys on neither), so a fresh
+# clone or venv on the same machine installs it in seconds instead of compiling again.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA=llama-cpp-python==0.3.36
 if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  echo "setup: building llama-cpp-python for this CPU (once, ~8 min on 2 cores)" >&2
-  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    .venv/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check "llama-cpp-python==0.3.36"
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
+  key=$( (echo "$LLAMA $CMAKE_ARGS"; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; cc --version 2>/dev/null | head -1) | sha256sum | cut -c1-16)
+  wheels="${SPECSPLIT_CACHE_DIR:-$HOME/.cache/specsplit}/wheels/llama-cpp-$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "setup: building llama-cpp-python for this CPU (once per machine, ~8 min on 2 cores)" >&2
+    mkdir -p "$wheels.tmp"
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" .venv/bin/python -m pip wheel -q --no-deps --no-cache-dir \
+      --disable-pip-version-check -w "$wheels.tmp" "$LLAMA"
+    rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$wheels"/llama_cpp_python-*.whl
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"

@@ -189,7 +189,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
 
 
 def request_figures(res) -> dict:
-    """Per-request speculation figures (README, "Metrics": the counting rules): drafted tokens
+    """Per-request speculation figures (docs/operations.md, "Metrics": the counting rules): drafted tokens
     (tree nodes proposed, roots excluded), accepted tokens (bonus excluded) and by position,
     mean accepted length (tokens committed per round: (accepted + rounds) / rounds), time to
     first token as this producer saw it and as the orchestrator measured it (from arrival)."""

@@ -45,6 +45,24 @@ def wait_until(pred, timeout_s: float = 20.0, what: str = "condition", poll_s: f
     raise TimeoutError(what)
 
 
+class KillAfterTokens:
+    """A stream callback (``on_tokens``) for fault injection on an event: once ``after`` tokens
+    have arrived it calls ``kill()`` (from inside the stream, so the run is certainly under way
+    whatever the machine's speed) and sets ``done``; ``streamed`` counts every token."""
+
+    def __init__(self, kill, after: int) -> None:
+        import asyncio
+
+        self.kill, self.after, self.streamed = kill, after, 0
+        self.done = asyncio.Event()
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.streamed += len(tokens)
+        if self.streamed >= self.after and not self.done.is_set():
+            self.kill()
+            self.done.set()
+
+
 def fp32_tolerance(device) -> dict:
     """assert_close tolerances for fp32 logits of two forwards of different shapes: CPU's kernels
     agree within 2e-5; CUDA's SDPA picks different fp32 kernels for a masked tree and a causal

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from specsplit.launch import Fleet, port_is_free
-from tests.conftest import greedy_reference, wait_until
+from tests.conftest import KillAfterTokens, greedy_reference, wait_until
 from tests.honcho_fleet import honcho_fleet as _honcho_fleet, honcho_log as _log, stop_honcho as _stop_honcho
 from tests.honcho_fleet import descendants, worker_pid as _worker_pid
 
@@ -70,7 +70,11 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         producer = _produce(tmp_path, env, PROMPTS, max_new_tokens=600, rounds=32)
         killed, killed_at = [], {}
         for slot in ("target.1", "draft.2", "router_target.1", "orchestrator.1"):
-            time.sleep(1.5)
+            # fault injection on an event: each kill after 16 more rounds were served (or the
+            # producer ended), never after a fixed sleep that a faster machine outruns
+            rounds = _log(tmp_path).count("round_done")
+            _wait(lambda rounds=rounds: _log(tmp_path).count("round_done") >= rounds + 16 or producer.poll() is not None,
+                  120, "16 more rounds")
             if producer.poll() is not None:
                 break
             pid = _worker_pid(proc.pid, slot)
@@ -150,17 +154,10 @@ def test_router_away_10s_then_back_run_finishes_fast_and_exact(tmp_path, target_
         async def run():
             # fault injection on an event, not after a sleep: the router dies from inside the
             # stream callback once 40 tokens have arrived, so the run is certainly under way
-            streamed, gone = [0], asyncio.Event()
-
-            def on_tokens(tokens: list[int]) -> None:
-                streamed[0] += len(tokens)
-                if streamed[0] >= 40 and not gone.is_set():
-                    fleet.kill9("router_target")
-                    gone.set()
-
-            task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 160, on_tokens=on_tokens))
-            await asyncio.wait_for(gone.wait(), 120)
-            assert streamed[0] < len(ps) * 160, "the run ended before the router went away"
+            kill = KillAfterTokens(lambda: fleet.kill9("router_target"), 40)
+            task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 160, on_tokens=kill))
+            await asyncio.wait_for(kill.done.wait(), 120)
+            assert kill.streamed < len(ps) * 160, "the run ended before the router went away"
             await asyncio.sleep(10.0)
             fleet.spawn("router_target", "router", "target", "--frontend", fleet.addr("target_fe"),
                         "--backend", fleet.addr("target_be"))

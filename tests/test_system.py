@@ -21,7 +21,7 @@ from schemas import (
     PROTO, CacheSync, DraftRequest, ErrorCode, ErrorReply, MsgKind, SamplingSpec, TreeSpec, pack_frames,
     unpack_frames,
 )
-from tests.conftest import greedy_reference
+from tests.conftest import KillAfterTokens, greedy_reference
 from specsplit.launch import Fleet, generate_all, port_is_free
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -77,9 +77,12 @@ def test_b_kill9_target_mid_run_every_session_completes(fleet, target_model):
     ps = prompts(12, seed=2)
 
     async def run():
-        task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 96))
-        await asyncio.sleep(1.0)
-        fleet.kill9("target0")
+        # fault injection on an event: the kill comes from the stream callback once 24 tokens
+        # arrived, so the run is under way whatever the machine's speed
+        kill = KillAfterTokens(lambda: fleet.kill9("target0"), 24)
+        task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 96, on_tokens=kill))
+        await asyncio.wait_for(kill.done.wait(), 120)
+        assert kill.streamed < len(ps) * 96, "the run ended before the kill"
         t0 = time.monotonic()
         results = await asyncio.wait_for(task, 120)
         return results, time.monotonic() - t0
