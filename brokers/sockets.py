@@ -21,8 +21,8 @@ DEFAULT_HWM = 10_000
 MAX_IDENTITY_BYTES = 255
 
 # The hot path skips pyzmq's Python "sugar" layer: its send_multipart/recv_multipart do IntFlag
-# arithmetic and an option lookup per frame (~18 us per 6-frame message here, vs ~8 us calling the
-# Cython socket directly). Frames are always bytes built or received by SpecSplit itself.
+# arithmetic and an option lookup per frame, which cost more than calling the Cython socket
+# directly (docs/results.md, 3c91a23). Frames are always bytes built or received by SpecSplit itself.
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)

@@ -3,7 +3,7 @@ settings, so the engines stay device-neutral.
 
 - ``CpuBackend``: torch threads per forward size (tree-sized forwards on the role's share of the
   cores, prompt prefills on every core) and, at load, dynamic int8 Linear layers and oneDNN weight
-  packing. Measured on 2 cores with the qwen-coder pair (see ``default_threads``).
+  packing (why each default: ``default_threads``).
 - ``CudaBackend`` / ``MpsBackend``: never touch thread counts; timings wait for the device
   (``synchronize``). int8-dynamic and oneDNN packing are CPU kernels and are not applied there.
 """
@@ -30,12 +30,10 @@ def default_prefill_threads() -> int:
 def default_threads(service: str) -> int:
     """Torch threads of a role's tree-sized forwards on CPU. Draft: a quarter of the cores (one
     on a 2-core box): it grows its tree while the target verifies, and a batch-1 int8 draft
-    forward gains nothing from a second thread here (1 thread ~52 ms, 2 threads ~60 ms). Target:
-    the rest, so the two never oversubscribe the cores (a 2-thread target slowed ~45% whenever
-    the draft grew beside it; with packed bf16 weights one thread verifies 16 tokens about as
-    fast). OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning. Measured on 2 cores
-    (qwen-coder, 3 HumanEval prompts x 128): packed target 1 thread + draft 1 thread 8.6 tok/s,
-    target 2 + draft 1 8.3."""
+    forward gains nothing from a second thread. Target: the rest, so the two never oversubscribe
+    the cores (a 2-thread target slowed whenever the draft grew beside it; with packed bf16
+    weights one thread verifies 16 tokens about as fast). OMP_WAIT_POLICY=PASSIVE keeps idle
+    OpenMP threads from spinning. Figures: docs/results.md, commits 7bc8064 and 939cbbb."""
     cores = default_prefill_threads()
     draft = max(1, cores // 4)
     return draft if service == "draft" else max(1, cores - draft)
@@ -152,12 +150,12 @@ class CpuBackend(Backend):
         ``trim_every_s`` seconds, after a forward. A serving worker allocates and frees session KV
         buffers and batch activations of every size among each other; glibc serves blocks up to
         its (self-raising) mmap threshold from its heaps, and a free block below a live one is
-        never returned, so without this the 1.5B target's RSS grew from 7.9 to 9.4 GB between
-        session 200 and 1,000 of a soak (256 at a time) while its held KV stayed at 3.5 GB.
+        never returned, so without this the target's RSS kept growing through a long soak while
+        its held KV stayed flat (ops/results/soak-qwen-coder-1000x256-cpu2-avx512-xeon.json).
         malloc_trim releases every whole free page inside the heaps (MADV_DONTNEED), and pages
         come back on first touch, so between trims the heap is reused as before; a fixed low mmap
-        threshold, the other cure, mapped and faulted every activation anew and doubled a
-        250-token prefill."""
+        threshold, the other cure, mapped and faulted every activation anew and slowed prefills
+        (docs/results.md, Memory under a long run)."""
         t0 = time.perf_counter()
         malloc_trim()(0)
         took = time.perf_counter() - t0
@@ -192,10 +190,8 @@ class CpuBackend(Backend):
         threads (and every core, where the threads adapt), larger ones (prompt chunks, batches)
         on the prefill threads; the lm_head runs only at the rows whose logits a forward keeps:
         tree-sized, or a prompt's last. Not warmed: the lm_head at 80-256 kept rows (batched
-        verification past 64 tokens), 2 s of the 1.5B target's ~3.3 s here; a dozen primitives
-        created when first met. Measured on the 2-core Xeon: the 1.5B int8 target warms 156 GEMMs
-        in 1.36 s of a 46 s load; the tiny soak's target (500 sessions, 64 at a time) grew 0.26 %
-        from session 200 to 500 instead of 1.2-2.8 %."""
+        verification past 64 tokens): they would take most of the warm-up's time, for a dozen
+        primitives created when first met. Warm-up time and RSS: docs/results.md, c790546."""
         head = model.get_output_embeddings()
         body = [m for m in model.modules() if m is not head]
         small, large = row_buckets(1, PREFILL_TOKENS), row_buckets(PREFILL_TOKENS + 1, LINEAR_CHUNK)
@@ -252,10 +248,9 @@ class CudaBackend(AcceleratorBackend):
     """CUDA. Unless ``cudnn_attention``, the process's scaled-dot-product attention never picks
     cuDNN's kernel (a process-wide switch: a worker process serves one role on one device): with
     the additive masks of tree forwards it builds an execution plan for every new key length,
-    ~70 ms each on an H200 (torch 2.11), and a session's cache has a new length every round, so
-    the memory-efficient kernel (no per-shape cost, 0.3-3 ms at 4K-64K keys) serves instead.
-    Measured through the engine, a 1.5B verify at 16K cached tokens: 126 ms -> 32 ms
-    (``ops/results/gpu-longctx-*``)."""
+    and a session's cache has a new length every round, so the memory-efficient kernel (no
+    per-shape cost) serves instead. Figures: ops/results/sdpa-fresh-length-h200.json and
+    ops/results/gpu-longctx-h200-qwen2.5-coder-random-bf16-no-cudnn.json."""
 
     name = "cuda"
 
@@ -270,8 +265,8 @@ class CudaBackend(AcceleratorBackend):
     def prepare(self, model):
         """Unless told otherwise, a model on sdpa runs ``specsplit.models.attention.gqa_attention``:
         decode steps and trees over long caches as grouped matmuls (sdpa's masked kernel runs a
-        few blocks of threads for a few queries: a 1.5B verify at 64K cached tokens on an H200,
-        97.8 ms with it, 44.7 with grouped matmuls), everything else through transformers' sdpa."""
+        few blocks of threads for a few queries; figures: docs/results.md, GPU), everything else
+        through transformers' sdpa."""
         if self.grouped_attention:
             from specsplit.models.attention import use_gqa_attention
 

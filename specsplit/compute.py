@@ -7,9 +7,9 @@ the machine has cores it stops spinning at barriers altogether (its "throttled" 
 under ``OMP_WAIT_POLICY=PASSIVE``): every barrier of a forward then sleeps on a futex and wakes
 the other thread, and a forward has hundreds of barriers. A worker that loaded its model on one
 thread and ran forwards on another (or on two: the socket thread's fast path and the engine
-thread) crossed that line on a 2-core box: the 1.5B llama.cpp target's 1-token verify took
-~100-130 ms instead of ~58, with ~70K context switches where one thread made ~700. So a worker
-loads its model and runs every forward on one ``ComputeThread``.
+thread) crossed that line on a 2-core box: the 1.5B llama.cpp target's 1-token verify took much
+longer, with far more context switches (docs/results.md, commit afaf148). So a worker loads its
+model and runs every forward on one ``ComputeThread``.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ def import_torch_as_users_run_it() -> None:
     The in-process baselines (the target alone, batched, assisted) are one process with every core,
     run as a user runs them; the ``specsplit`` CLI sets OMP_WAIT_POLICY=PASSIVE for the fleet's
     processes, which share the cores and must not spin, and under PASSIVE a 2-thread int8 target
-    forward lost most of its second thread (HumanEval 60-61, 64 tokens, 2 threads: 6.0 tok/s
-    PASSIVE vs 7.9 with the default wait). The fleet started later gets the environment as it was."""
+    forward lost most of its second thread, which flattered every speedup against it
+    (docs/results.md, commit cd58416). The fleet started later gets the environment as it was."""
     import os
     import sys
 

@@ -109,7 +109,8 @@ class LlamaCppRunner:
     def __init__(self, binary: Path, model: Path, threads: int, tokenizer, timeout_s: float = 1800.0):
         self.binary, self.model, self.threads = binary, model, threads
         self.tok, self.timeout_s = tokenizer, timeout_s
-        self.env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # 1.5x slower with it
+        # llama.cpp runs slower under the fleet's OMP_WAIT_POLICY (docs/results.md, fbeb6cc)
+        self.env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self.env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(binary.parent), os.environ.get("LD_LIBRARY_PATH", "")) if p)
 

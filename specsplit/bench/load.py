@@ -20,10 +20,8 @@ pass's figure is kept as ``*_passes_tok_s``). Latency: one request's seconds fro
 last token. Greedy: every fleet output must equal the batched target's for the same prompt.
 Every fleet pass starts on a fresh orchestrator (the workers stay loaded): its n-gram cache
 learns from what other sessions generate, and greedy decoding repeats an answer exactly, so a
-pass after the first would otherwise draft the answers it memorized (measured on the 2-core
-Xeon: acceptance 0.61 at 1 session, then 0.80 and 0.84 at 4 and 16 on the same prompts, the fleet
-2.0x the batched target at 16; with a fresh orchestrator per pass 0.64 / 0.63 / 0.69 and 0.99x,
-``ops/results/load-qwen-coder-1-4-16-*``).
+pass after the first would otherwise draft the answers it memorized, and its acceptance climbs
+from level to level on the same prompts (``ops/results/load-qwen-coder-1-4-16-*``, docs/results.md).
 
     specsplit bench load --concurrency 1,4,16 --json runs/load.json          (writes runs/load.png)
     specsplit bench load --preset tiny --concurrency 1,2 --prompts 4 --max-new-tokens 8 --json /tmp/l.json
@@ -191,7 +189,8 @@ def merge_passes(passes: list[Level]) -> Level:
     per-request latency, the first pass's tokens and counts; a request whose tokens differ
     between passes is marked not ``reproduced`` (it counts as not identical: greedy decoding
     that depends on which sessions shared a forward is not the target's own), and its tokens
-    still count for tok/s (dropping them undercounted a llama.cpp fleet's speed by up to half)."""
+    still count for tok/s (dropping them undercounted a llama.cpp fleet's speed: docs/results.md,
+    commit 18c0300)."""
     first = passes[0]
     if len(passes) == 1:
         return first

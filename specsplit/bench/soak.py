@@ -129,7 +129,7 @@ class Sampler:
         until every session table is empty or ``settle_s`` passes: a session's producer gets its
         answer before the orchestrator's EndSession reaches the workers, so the last session's
         KV can still be held for a moment when its answer arrives (the soak's final scrape once
-        read one session's 1.6 MB in ``specsplit:worker_kv_bytes``). What is still held after
+        read one session's KV in ``specsplit:worker_kv_bytes``). What is still held after
         ``settle_s`` is what the sample reports."""
         await asyncio.gather(*self._scrapes)
         last = self.samples[-1] if self.samples else None

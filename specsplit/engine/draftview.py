@@ -10,9 +10,8 @@ real position (RoPE is applied before caching), so nothing is evicted or re-enco
 session's rollback, compaction and CACHE_MISS rules are untouched. Long-range copies are
 still proposed at no model cost by the orchestrator's prompt lookup.
 
-Cost: one draft forward of 4 tree tokens on the 0.5B Qwen draft (int8, 1 thread, grouped-query
-attention) took 57 ms at 2K cached tokens and 237 ms at 16K, measured; with a 2K window it
-costs about the 2K figure at any context.
+Cost: a draft forward grows with the cached tokens it attends to (docs/results.md, commit
+6362e12); with a 2K window it costs about what it does at 2K cached tokens at any context.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 configured per-session maximum (never the model's whole context): to what is needed rounded up to
 ``chunk`` tokens, and by at least an eighth of the capacity each time, so a short session holds
 little more than it writes and a long one is reallocated O(log) times, O(1) copies per token
-overall (fixed 256-token steps reserved ~3x what the 1,000-session soak's short sessions wrote,
-and copied a 16K session's cache 64 times on the way). Rollback to a length is O(1) (only the
-length moves); ``compact`` moves the accepted tree path right after the prefix.
+overall (fixed 256-token steps reserved several times what the 1,000-session soak's short
+sessions wrote, and copied a 16K session's cache 64 times on the way; docs/results.md, a1938a3).
+Rollback to a length is O(1) (only the length moves); ``compact`` moves the accepted tree path
+right after the prefix.
 Any decoder-only family whose attention honours a custom 4D mask (Llama, Qwen2, Qwen3, Mistral
 without sliding window, ...) works: the model calls ``update`` per layer as with DynamicCache.
 """

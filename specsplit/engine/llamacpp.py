@@ -1,9 +1,10 @@
 """Engines on llama.cpp's kernels (GGUF weights through llama-cpp-python's C API).
 
 On a CPU, llama.cpp's quantized kernels (Q4_K_M as the preset's GGUFs ship) run the 1.5B target
-~2-4x faster than torch's int8 (fbgemm) here, so the draft and the target verify with the same
-kernels a user of llama.cpp already runs. The request handling, tree search and verification rules
-are the torch engines' (``DraftEngine`` / ``TargetEngine``): only the cache and the forward differ.
+faster than torch's int8 (fbgemm) does (docs/results.md, commit aa0eaa5), so the draft and the
+target verify with the same kernels a user of llama.cpp already runs. The request handling, tree
+search and verification rules are the torch engines' (``DraftEngine`` / ``TargetEngine``): only
+the cache and the forward differ.
 
 One llama context per worker holds every session's KV in one *unified* cache; a cell is shared by
 sequences (a bitset). Visibility in a llama.cpp batch is "same sequence and not a later position"

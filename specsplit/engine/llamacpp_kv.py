@@ -137,16 +137,15 @@ class _LlamaEngineMixin:
 
     def _clear_if_idle(self) -> None:
         """With no session left, the trash sequence's cells are cleared (nothing to resend: a
-        collection with no victims). Kept cells widen every later decode's attention span: on the
-        1.5B target (2 threads, AVX2) a 1-token decode after 3,000 trash cells took 115 ms against
-        98-102 in a fresh context, since the kernel computes masked cells too; and the next
-        session's cells then start at cell 0, laid out as in a fresh context (flash attention's
+        collection with no victims). Kept cells widen every later decode's attention span, which
+        slows it, since the kernel computes masked cells too (docs/results.md, 22dd4b4); and the
+        next session's cells then start at cell 0, laid out as in a fresh context (flash attention's
         KV tiles follow absolute cell positions, which moves its rounding)."""
         if self.trash is None or len(self.store) or self.lm.seq_pos_max(self.trash) < 0:
             return
-        # the cells only (data=False): zeroing the buffers too took ~160 ms on the 1.5B target's
-        # 32K-cell cache (py-spy, a plain llama.cpp fleet), in front of the next request, and
-        # changes nothing: a cell no sequence holds is masked out, its stale K/V never read
+        # the cells only (data=False): zeroing the buffers too cost a large memset in front of the
+        # next request (docs/results.md, 7f2db8d) and changes nothing: a cell no sequence holds is
+        # masked out, its stale K/V never read
         self.lm.lib.llama_memory_clear(self.lm.mem, False)
         self.pool.reset()
         self.idle_clears += 1

@@ -87,7 +87,7 @@ class LlamaCppModel:
         # flash attention (llama.cpp's default on CPU): its kernel accumulates V in f16 in cell
         # order, so a target never frees cells one by one (LlamaTargetEngine's trash sequence):
         # cells stay in position order and a token's logits do not depend on where freed cells
-        # were refilled (measured 0.3 logit apart otherwise on SmolLM2)
+        # were refilled (they differ otherwise: docs/results.md, commit aa0eaa5)
         cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO
         cp.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, cp)

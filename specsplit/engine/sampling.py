@@ -25,8 +25,8 @@ def prob_dtype(device: torch.device) -> torch.dtype:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64, on ``x``'s device; the first index of a row's maximum, NaN
     counting as the maximum). For float32/float64 rows on the CPU it is numpy's, which is
-    vectorized where torch 2.13's CPU argmax is not: over a 151,936-token vocabulary 0.013 vs
-    0.28 ms a row (2-core Xeon), ~2 ms of a 16-node verify; elsewhere torch's."""
+    vectorized where torch 2.13's CPU argmax is not (a large vocabulary's rows add up over a
+    16-node verify: docs/results.md, commit 7f2db8d); elsewhere torch's."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
         return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1), dtype=np.int64))
     return x.argmax(dim=-1)

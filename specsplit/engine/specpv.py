@@ -125,8 +125,8 @@ def _retrieved(plan: ViewPlan, layer: int, query: torch.Tensor, keys: torch.Tens
     # Quest's bound of q.k over a block: sum_d max(q_d * Kmax_d, q_d * Kmin_d)
     bound = q.clamp(min=0) @ kmax.transpose(1, 2) + q.clamp(max=0) @ kmin.transpose(1, 2)  # [Hkv, G*N, C]
     top = bound.amax(dim=1).topk(plan.retrieve, dim=-1).indices.sort(dim=-1).values + lo  # [Hkv, R] blocks
-    # whole blocks copied as rows of [blocks, bs * D] (index_select: a memcpy per block, ~3-6x
-    # faster than an element-wise gather of the same tokens, measured at 16K)
+    # whole blocks copied as rows of [blocks, bs * D] (index_select: a memcpy per block, much
+    # faster than an element-wise gather of the same tokens; docs/results.md, commit 77b2875)
     bs, r = plan.block_size, plan.retrieve
 
     def take(x: torch.Tensor) -> torch.Tensor:

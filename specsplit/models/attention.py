@@ -3,27 +3,23 @@
 transformers' ``sdpa`` attention copies every KV head ``num_key_value_groups`` times
 (``repeat_kv``) whenever a forward has more than one query and a mask, which is every tree
 level a draft expands: with the 0.5B Qwen draft (14 query heads on 2 KV heads) that copy is
-7x the session's whole cache per layer per forward. Measured on the 2-core box, one layer,
-1 thread, 64-dim heads: at 16K cached tokens and 2 queries, sdpa with ``repeat_kv`` 67 ms,
-sdpa with ``enable_gqa`` 6.8 ms, one grouped matmul per KV head 4.0 ms; at 2K cached and 8
-queries 3.4 / 1.1 / 0.9 ms; for a 256-token prompt chunk the fused sdpa kernel is best (at 16K:
-310 / 258 / 551 ms). ``gqa_attention`` therefore runs a grouped matmul (queries of one KV head
-stacked into one [G*M, D] x [D, L] product) for forwards of up to ``SMALL_QUERY`` tokens and
-sdpa with ``enable_gqa`` above that. Neither copies the cache.
+7x the session's whole cache per layer per forward. On a CPU, for a few queries one grouped
+matmul per KV head is fastest, ahead of sdpa with ``enable_gqa``; for a prompt chunk the fused
+sdpa kernel is (docs/results.md, commit 6362e12). ``gqa_attention`` therefore runs a grouped
+matmul (queries of one KV head stacked into one [G*M, D] x [D, L] product) for forwards of up
+to ``SMALL_QUERY`` tokens and sdpa with ``enable_gqa`` above that. Neither copies the cache.
 
 On CUDA (``specsplit.backends.CudaBackend`` switches every sdpa model, grouped or not) the
 grouped matmuls serve forwards of up to ``ACCEL_SMALL_QUERY`` tokens over at least
 ``ACCEL_MIN_KEYS`` keys, with probabilities x values split into chunks of ``ACCEL_VALUE_CHUNK``
 keys (``weighted_values``); everything else goes through transformers' own sdpa function (with
 a mask, torch's sdpa takes grouped KV heads only through its math kernel). For a few queries
-against a long cache sdpa's masked kernel runs one block of threads per head and query block:
-a 16-node tree of the 1.5B target on an H200 verified in 97.8 ms at 64K cached tokens with it,
-44.7 ms with one grouped matmul per product (52.8 -> 30.4 at 32K, 31.1 -> 29.2 at 16K; but
-25.9 -> 27.7 at 4K, where more kernel launches cost more than they save). One layer at 64K
-keys, 17 queries: 1.86 ms with one matmul for probabilities x values (a few rows over a 64K
-inner dimension, again a few blocks of threads), 0.48 ms in chunks; one query 2.20 -> 0.43 ms
-(``ops/results/gpu-attention-*``, ``ops/results/gpu-longctx-*-grouped*``). The scores of one
-forward are bounded (``ACCEL_MAX_SCORES`` elements).
+against a long cache sdpa's masked kernel runs one block of threads per head and query block,
+so grouped matmuls verify faster over long caches (over a few thousand tokens, the extra
+kernel launches cost more than they save); one matmul for probabilities x values (a few
+rows over a long inner dimension) again runs few blocks of threads, hence the chunks. Figures:
+docs/results.md (GPU), ``ops/results/gpu-attention-*`` and ``ops/results/gpu-longctx-*-grouped*``.
+The scores of one forward are bounded (``ACCEL_MAX_SCORES`` elements).
 
 ``grouped_attention`` is also the body of the int8 target's float64 attention
 (``specsplit.models.int8.fp64_attention``), which computes in float64 for batch invariance, and of

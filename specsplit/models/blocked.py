@@ -6,8 +6,7 @@ be bit-identical to the one a decoding step at the same position computes. float
 promise that (MKL picks other kernels for 1-3 rows, splits columns by thread and shape, and a tree
 lays its keys out differently from the decoding cache), so ``fp64_attention`` computes everything
 in float64 and lets the rounding hide the order. At long contexts that is where decoding's time
-goes: at 16.9K cached tokens a decoding step of the 1.5B target spends ~1 s in float64 attention
-(28 layers x ~35 ms; float32 is ~8 ms a layer).
+goes, several times what float32 attention costs (docs/results.md, commit 9f0f077).
 
 How, per query row (a token at position ``p``, seeing ``p + 1`` keys: the committed cache in slot
 order and its own ancestors; its *rank* ``t`` is a key's index in that sequence, which is the key's
@@ -32,8 +31,8 @@ Since a tree is at most ``MAX_TREE_DEPTH`` (64) < ``BLOCK`` deep, a tree node's 
 committed cache. The float32 parts are equal by construction as long as the kernels are
 deterministic per shape; ``invariance_holds`` checks that on this machine (decoding steps against
 trees that straddle block boundaries, on 1 and 2 threads) before a model is switched to this
-attention, else it keeps ``fp64_attention``. Measured on the 2-core AVX2 box, one layer of the
-1.5B target at 16K cached keys, 1 thread: see ``ops/attention_cost.py``.
+attention, else it keeps ``fp64_attention``. Its cost against float64, one layer:
+``ops/attention_cost.py``, ops/results/attention-cost-1thread-cpu2-avx2-epyc.json.
 """
 
 from __future__ import annotations
@@ -100,9 +99,9 @@ def _memo_get(attention_mask: torch.Tensor | None, m: int, length: int) -> _Plan
 def _memo_put(attention_mask: torch.Tensor | None, m: int, length: int, plan: _Plan) -> None:
     """Keep ``plan`` while its mask lives. A batched forward (``specsplit.engine.batch``) calls
     every layer once per session, each with that session's mask, so remembering only the last
-    mask recomputed every session's plan in every layer (a host sync each: 16 sessions x 28
-    layers of the 1.5B target, ~70 ms of a ~540 ms forward); an entry leaves when its mask is
-    collected (the forward is over), and at most ``MEMO_PLANS`` are kept."""
+    mask recomputed every session's plan in every layer (a host sync each; docs/results.md,
+    commit df8e310); an entry leaves when its mask is collected (the forward is over), and at
+    most ``MEMO_PLANS`` are kept."""
     plans = getattr(_memo, "plans", None)
     if plans is None:
         plans = _memo.plans = {}

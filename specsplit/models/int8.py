@@ -3,8 +3,7 @@
 ``torch.ao`` dynamic int8 quantizes a forward's activations with ONE scale for the whole batch
 (min/max over every row), so a token's logits depend on which other tokens share its forward: a
 1-token decoding step and a 16-node tree verification round the same hidden state differently,
-and a quantized target's speculative output drifts from its own greedy decoding (0 of 3 HumanEval
-prompts identical when measured).
+and a quantized target's speculative output drifts from its own greedy decoding.
 
 ``RowInt8Linear`` quantizes each activation row by its own absolute maximum (per token), with the
 int8 weights quantized per output channel:
@@ -15,14 +14,14 @@ int8 weights quantized per output channel:
   weights, so they add nothing), so the range fbgemm's dynamic kernel measures is always exactly
   [-1, 1]: its activation scale and zero point are the same constants in every forward, and a
   row's 8-bit codes depend on that row alone (columns, not an extra row: a 1-row GEMM keeps
-  fbgemm's faster 1-row path, 0.42 vs 0.51 ms for a 1536x8960 layer, measured);
+  fbgemm's faster 1-row path);
 - the int8 x int8 products accumulate in int32 (exact; activations use fbgemm's reduced 7-bit range,
   so its 16-bit pairwise sums cannot saturate on AVX2), are dequantized element by element, scaled
   back by ``s_i`` and the bias added in float32.
 
 So a row's output is bit-identical whatever else is in the batch (a test checks every batch
 size and offset), and per-row scales are also closer to the float model than one scale per batch.
-The extra columns and the row scaling cost ~0.2 ms per layer at batch 1 on the 2-core box, measured.
+The extra columns and the row scaling cost little at batch 1 (docs/results.md, commit 5d6f6b2).
 
 Where oneDNN has an exact int8 GEMM (AMX or VNNI: int32 accumulation without 16-bit saturation,
 checked once per process by ``onednn_int8_supported``), the same per-row scheme runs there
@@ -30,10 +29,8 @@ instead (``kernel="onednn"``): every row is quantized to 8-bit codes by its own 
 point 128), oneDNN multiplies u8 x s8 into int32 (exact, in any order) and dequantizes element by
 element, and the row scale comes back after. No range columns are needed (the scale is ours, not
 measured by the kernel), activations keep 8 bits instead of fbgemm's 7, and on AMX a 16-token
-forward costs about a 1-token one. Measured on the 2-core Sapphire Rapids box (1.5B target, all 28
-layers + lm_head, 300 cached tokens, 1 thread): fbgemm 169 / 220 / 307 ms for 1 / 4 / 16 new
-tokens, oneDNN 169 / 180 / 213 ms (1.54 GB of int8 weights stream from memory either way; fbgemm's
-GEMMs become compute-bound past a few rows).
+forward costs little more than a 1-token one: the int8 weights stream from memory either way, and
+fbgemm's GEMMs become compute-bound past a few rows (docs/results.md, commit a2b7f60).
 
 That alone is not enough: float32 attention sums over keys in an order that depends on the
 forward's shape (MKL picks other kernels for 1-3 query rows, a tree lays its keys out differently
@@ -42,8 +39,8 @@ rounding boundary grows through 28 layers (logits differed by ~2 with float32 at
 ``fp64_attention`` (registered with transformers' attention interface as ``"specsplit_fp64"``)
 computes scores, softmax and the weighted sum in float64 and rounds the result to float32:
 order-dependent differences (~1e-16) then vanish in that rounding, so a token's attention output
-is the same in a decoding step, a prefill and a tree. Measured cost on the 1.5B target (1 thread,
-500 cached tokens, all 28 layers): +5 ms for 1 new token, +30 ms for 16.
+is the same in a decoding step, a prefill and a tree, at a small cost per forward
+(docs/results.md, commit 5d6f6b2).
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def prompt_attention_name(model) -> str | None:
     of more than 16 tokens). float64 keeps a token's attention output the same in a decoding step,
     a prefill and a tree, which a prompt does not need: it is always prefilled the same way
     (``TargetEngine``: the same chunks from position 0, and only the prompt's tokens), so its
-    cache is the same every time. At 16K cached tokens and a 1024-token chunk, one layer on 1
-    thread: float64 3.36 s, sdpa 0.84 s. None: any other attention (prompts as every forward)."""
+    cache is the same every time, and float32 prefills long prompts much faster
+    (docs/results.md, commit 757c61d). None: any other attention (prompts as every forward)."""
     from specsplit.models.blocked import BLOCKED_ATTENTION
 
     if model.config._attn_implementation not in (FP64_ATTENTION, BLOCKED_ATTENTION):
@@ -125,7 +122,7 @@ class RowInt8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float()
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY)  # [M, 1] (10x faster than an inf-norm here)
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY)  # [M, 1] (faster than an inf-norm here)
         if self.kernel == "onednn":
             out = _onednn_gemm(_bucketed(_row_codes(rows, scale)), self._packed, self._ones, self._zeros)
             out = out[: rows.shape[0]].mul_(self._w_scale)  # [M, N]
@@ -150,7 +147,7 @@ def row_bucket(m: int) -> int:
     trees), else the next multiple of 16 up to 256 (batched verification), else of 256 (prompt
     chunks). oneDNN keeps a primitive (JIT code, scratchpad) per shape in a process-wide cache
     of 1024; with every row count its own shape, a worker's RSS kept growing as new batch sizes
-    appeared (the tiny soak: target +19 % from session 100 to 500). Buckets bound the shapes at
+    appeared (the tiny soak; docs/results.md, commit 7813a66). Buckets bound the shapes at
     about 50 row counts per layer shape, so the cache fills early and stays put; padded rows are
     zeros (code 128) and are dropped, and rows never depend on each other."""
     if m <= EXACT_ROWS:
@@ -172,9 +169,9 @@ def warm_gemms(layers, rows) -> int:
     """Create oneDNN's primitives for the int8 GEMMs ``layers`` run at the row counts ``rows``
     (each distinct weight shape once per row bucket: layers of one shape share a primitive), on
     the calling thread's torch thread count (part of oneDNN's key). A worker that did not meet
-    every bucket by its warm sample kept creating them later, ~115 KiB each (the tiny soak's
-    target: 145 primitives, a quarter of them first met after 60 % of the run). Zero codes (the
-    zero point) in, nothing kept; returns the GEMMs run."""
+    every bucket by its warm sample kept creating them later, and its RSS grew with each (the
+    tiny soak; docs/results.md, commit c790546). Zero codes (the zero point) in, nothing kept;
+    returns the GEMMs run."""
     shapes: dict[tuple[int, int], RowInt8Linear] = {}
     for layer in layers:
         if isinstance(layer, RowInt8Linear) and layer.kernel == "onednn":
@@ -274,7 +271,7 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
     (``specsplit.models.blocked.use_invariant_attention``: blocked float32 where this machine's
     kernels pass its check, else ``fp64_attention``). Otherwise (a draft, which only
     proposes): torch.ao dynamic int8 with one activation scale per forward, the fastest at one
-    row (a 896x4864 layer: 0.17 vs 0.22 ms, measured)."""
+    row."""
     if not int8_supported():
         raise RuntimeError("int8 quantization needs torch's fbgemm kernels (an x86 CPU build); "
                            "set SPECSPLIT_*_QUANTIZE=none")

@@ -24,7 +24,7 @@ from specsplit.models.pull import CONVERTED_PER_GGUF_BYTE, is_provisioned, provi
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_CACHE_DIR = "~/.cache/specsplit"
-GGUF_CONVERT_PEAK_PER_BYTE = 6  # measured 5x for the Q4_K_M Qwen 1.5B file (bf16)
+GGUF_CONVERT_PEAK_PER_BYTE = 6  # conversion peak RSS per GGUF byte, with a margin (docs/results.md, 4a18d1c)
 _HASH_INDEX = ".gguf-sha256-index.json"
 
 

@@ -3,9 +3,8 @@
 ``torch.nn.functional.linear`` on a bf16 CPU tensor hands the plain weight to oneDNN, which
 reorders it into its blocked layout on every call; for a batch of 1-32 tokens that reorder is a
 large part of the matmul. Reordering once at load time (what inductor's weight freezing does)
-gives bit-identical results — a test checks it — and measured on the 2-core box (Qwen2.5-Coder-1.5B,
-bf16, 2 threads): a 16-token forward 482 -> 346 ms, a 1-token forward 384 -> 306 ms; on 1 thread
-the packed 16-token forward (467 ms) matches the unpacked one on 2.
+gives bit-identical results — a test checks it — and faster forwards, so that one thread of
+packed weights keeps up with two unpacked (docs/results.md, commit 75e0f3e).
 """
 
 from __future__ import annotations

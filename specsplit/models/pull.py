@@ -45,7 +45,7 @@ from specsplit.models.presets import (
 )
 
 _PART_MEMBER = re.compile(r"^[^/]+/data/part(\d+)\.bin$")
-CONVERTED_PER_GGUF_BYTE = 3  # bf16 safetensors vs Q4 GGUF: measured 2.0-2.8x
+CONVERTED_PER_GGUF_BYTE = 3  # bf16 safetensors vs Q4 GGUF, with a margin (docs/results.md, 4a18d1c)
 
 
 def pull(preset_name: str, cache_dir: str | Path, *, progress: bool = True,

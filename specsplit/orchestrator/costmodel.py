@@ -7,20 +7,19 @@ model learns, online and shared by every session of an orchestrator (same models
   slope is large (a 16-node tree costs several 1-node forwards), on a GPU it is near zero; and,
   for forwards of up to ``TABLE_TOKENS`` tokens, each size's own measured cost, because kernels
   are not linear in the rows they multiply: llama.cpp's CPU matmul runs rows 4 at a time through
-  a repacked GEMM and the rest one at a time (measured on a 2-core AVX512 Xeon, 1.5B Q4_K_M,
-  2 threads: 1/2/3/4/5 tokens cost 1/1.6/2.1/2.1/2.7 one-token forwards), so a 4-token verify
-  costs what a 3-token one does and the line (fitted to the small sizes a lone session mostly
-  sends) priced it ~30 % too high. For a session alone, a size never measured is priced at the
-  measured cost of the nearest smaller size, the least it can cost: a size that would pay at that
-  price is tried, and measured, once (priced by the line between the sizes around it, a lone
-  lookup session on that box verified 1, 2 and once 9 tokens, and never tried 3 or 4); in a
-  shared forward, by the line kept between the measured costs of the sizes around it;
+  a repacked GEMM and the rest one at a time, so a 4-token verify costs about what a 3-token one
+  does, and a line fitted to the small sizes a lone session mostly sends prices it too high
+  (figures: docs/results.md, commit af831b5). For a session alone, a size never measured is
+  priced at the measured cost of the nearest smaller size, the least it can cost: a size that
+  would pay at that price is tried, and measured, once (priced by the line between the sizes
+  around it, a lone lookup session never tried 3 or 4 tokens); in a shared forward, by the line
+  kept between the measured costs of the sizes around it;
 - the round's other time on the critical path (draft, transport), an exponential average;
 - the probability that a drafted node is accepted, calibrated against the draft's own path
   probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), for prompt-lookup
   nodes (no draft probability) by their position in the lookup chain, and for the candidates of
   the cross-session n-gram cache (``specsplit.orchestrator.ngrams``) by position and by the length
-  of the n-gram that proposed them (after 4 tokens of key ~90 % are accepted, after 2 ~70 %).
+  of the n-gram that proposed them (a longer key predicts better: docs/results.md, 46c49fc).
 Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
 expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
 
@@ -34,9 +33,8 @@ forward each go to a root-only tree (plain decoding) unless their nodes are near
 flat (GPU) line every node still pays. ``min_nodes`` only holds for a session expected alone,
 and in a plain round (no draft call: prompt-lookup candidates under a root) only once in every
 ``EXPLORE_EVERY`` rounds that have candidates: a forced lookup node that does not pay costs a
-wider forward for nothing (chat10 through the llama.cpp lookup fleet on a 2-core Xeon: 60 forced
-2-token verifies delivered 1.43 tokens in 145 ms where one token took 86), but lookup's
-calibration still needs a verified node now and then to notice when candidates start to pay.
+wider forward for nothing (docs/results.md, commit 4b7b872), but lookup's calibration still
+needs a verified node now and then to notice when candidates start to pay.
 Every session re-chooses from the measured state each round, so the batch moves toward the
 best rate together: pricing nodes at the rate the batch now delivers and re-measuring is
 Dinkelbach's iteration for a ratio, which climbs to its maximum (a session over-speculating lowers
@@ -46,7 +44,7 @@ How deep the draft goes is priced the same way (``draft_spec``): expanding a nod
 draft's measured milliseconds per expanded node plus the verify slope for what it adds, and
 pays only while the calibrated acceptance of the node's path is worth more than that time at
 the rate the rounds currently deliver (tokens per ms). That threshold is sent as the round's
-``min_path_prob``; on a 2-core CPU where one draft step costs ~40 % of a target step it is high
+``min_path_prob``; on a CPU where a draft step costs a large share of a target step it is high
 (only near-certain paths are worth drafting), on a GPU with a cheap draft it falls toward 0.
 """
 
@@ -193,24 +191,23 @@ class CostModel:
         rounds measurably delivered together: the per-session rate of speculative rounds times
         the sessions they shared the workers with when measured (several draft workers, or
         lockstep drafting, beat the one-worker bound), up to N. Not N x a rate measured under a
-        lighter load: one session's 15 tok/s says nothing of what 16 sessions sharing one draft
-        worker get each, and crediting them 16 x 15 tok/s flipped 16 plain-decoding sessions back
-        to speculating, at ~0.4x the plain rate, whenever one slow forward tilted the verify line
-        (bench load, the real pair). Every input is measured (draft
-        time, acceptance, the verify line, round rates); a lone session always speculates. The
-        estimate favours speculation (nothing else in its round costs), so the switch comes late
-        rather than early, and back as soon as the sessions under way are few.
+        lighter load: one session's rate says nothing of what 16 sessions sharing one draft
+        worker get each, and extrapolating it flipped plain-decoding batches back to a slower
+        speculation whenever one slow forward tilted the verify line (docs/results.md, eb8e964).
+        Every input is measured (draft time, acceptance, the verify line, round rates); a lone
+        session always speculates. The estimate favours speculation (nothing else in its round
+        costs), so the switch comes late rather than early, and back as soon as the sessions
+        under way are few.
 
         The one-worker bound is itself capped by what the sessions' rounds take end to end when
         they all draft: each round's draft call waits behind the others' (``n`` x the measured
         draft call), then one forward verifies every session's tree (``n`` x the measured tokens a
-        drafted round sends). Without that cap a cheap draft call (100 ms for a 1-node catch-up)
-        looked like 17 tok/s of speculation for 16 sessions against 17.8 by plain decoding, and
-        every session switched to drafting at once, where their rounds took 2.5-3 s each (draft
-        queue, then a forward they no longer shared): ~10 tok/s (bench load, c=16, the real pair).
+        drafted round sends). Without that cap a cheap draft call (a 1-node catch-up) made
+        speculation look nearly as good as plain decoding, every session switched to drafting at
+        once, and their rounds slowed to the draft queue plus a forward they no longer shared.
         Until a drafted round has been measured, one session at a time drafts to measure it and
-        the others decode plainly: 16 sessions starting together all drafting at round 0 queued
-        16 prompt prefills on the one draft worker (up to 25 s before a session's second round)."""
+        the others decode plainly: sessions starting together all drafting at round 0 queue every
+        prompt prefill on the one draft worker. Figures: docs/results.md, commit cf5a4c3."""
         n = self.active_sessions
         if n < 2:
             return False

@@ -1,8 +1,7 @@
 """Candidates at no model cost from what earlier sessions generated (torch-free).
 
 Prompt lookup (``specsplit.tree.lookup_continuation``) only finds continuations in a session's
-own context, and a session's answer rarely repeats itself before it is half written: on the 1.5B
-target's greedy answers to HumanEval 0-29 it has a candidate at 34 % of positions. Answers repeat
+own context, and a session's answer rarely repeats itself before it is half written. Answers repeat
 each other instead (the code fence a reply opens with, ``return``, the idioms of the language, the
 model's own stock phrases), as llama.cpp's lookup decoding exploits with its dynamic n-gram cache.
 ``NgramCache`` is that cache for an orchestrator: every finished session's generated tokens (led
@@ -11,16 +10,12 @@ the token that followed them, and a round whose context has no prompt-lookup can
 frequent continuation of its longest known suffix, token by token, while that continuation was
 seen at least ``min_count`` times and in at least ``min_share`` of that suffix's occurrences.
 
-Replayed on those 30 answers (each drafted from the other 29, the acceptance calibrated per
-n-gram length as the cost model does, verify costs measured on a 2-core AVX512 Xeon with the
-llama.cpp target): candidates at 61 % of positions with keys of 1-4 tokens, the first token
-accepted 88 % of the time after a 4-token key, 68 % after 2 and 36 % after 1; prompt lookup alone
-1.06x plain decoding, with the cache 1.09x (1-token keys, which a lone session's one forced node
-then spends on poor guesses: 1.07x; from 2 tokens on, 1.09x whether or not a node is forced);
-where a verify of up to 16 tokens costs what one does (a GPU), 1.33x and 1.64x. Through the
-llama.cpp lookup fleet on that Xeon (HumanEval 120-139, the cache filling during the run) the
-decoding rounds delivered 1.067x their plain rounds' rate against 1.052x without it. The
-acceptance of each node is calibrated by the length of the key that proposed it (``CostModel``).
+Replayed on the target's answers to HumanEval prompts, the cache finds candidates at many more
+positions than prompt lookup alone, a longer key's candidates are accepted more often, and keys
+of one token lose more on poor guesses than they gain; the gain is larger where a multi-token
+verify costs what one does (a GPU). Figures: docs/results.md, commits 46c49fc (the replay) and
+807be65 (the llama.cpp lookup fleet). The acceptance of each node is calibrated by the length of
+the key that proposed it (``CostModel``).
 
 The cache is bounded (``max_keys`` n-grams, the least recently written dropped first; at most
 ``max_next`` continuations per n-gram) and only proposes: greedy output is the target's whatever

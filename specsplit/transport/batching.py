@@ -60,9 +60,8 @@ class Gather:
 
     Several sessions in lockstep split into groups that alternate on one worker: a group's next
     requests arrive while the other group's forward runs, so every forward starts with half the
-    sessions (measured on the real pair, 4 plain-decoding sessions: forwards of 2, each ~97 ms,
-    rounds of ~200 ms, where one forward of all 4 takes ~110 ms). On a CPU a forward's cost is
-    mostly its intercept (reading the weights), so two half-batches cost nearly twice one whole.
+    sessions (seen on the real pair: docs/results.md, commit 847dd03). On a CPU a forward's cost
+    is mostly its intercept (reading the weights), so two half-batches cost nearly twice one whole.
 
     The worker tells it when each session's request arrived and when its reply left; per session
     it keeps the turnaround (reply -> next request, a moving average). When a forward is about to
