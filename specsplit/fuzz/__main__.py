@@ -2,7 +2,11 @@
 processes, ``specsplit.launch``), generate a few fixed prompts greedily, fuzz every socket,
 then check that no process died or restarted and that the same prompts give the same tokens.
 Seed and count default to ``SPECSPLIT_FUZZ_SEED`` (random when unset) and
-``SPECSPLIT_FUZZ_COUNT`` (10000). Exit 0 when everything held, 1 otherwise."""
+``SPECSPLIT_FUZZ_COUNT`` (10000). Exit 0 when everything held, 1 otherwise.
+
+``--target http [--url http://127.0.0.1:PORT] [--case I ...]``: fuzz a running ``specsplit api``
+over HTTP instead (``specsplit.fuzz.http``; its limits are read from the same settings as the
+API's, SPECSPLIT_API_*); ``--case`` reruns only the named cases of the seed."""
 
 from __future__ import annotations
 
@@ -113,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--count", type=int, default=None)
     ap.add_argument("--dir", type=Path, default=None, help="where the fleet's logs go (default: a temp dir)")
+    ap.add_argument("--target", choices=("fleet", "http"), default="fleet",
+                    help="fleet: start a tiny fleet and fuzz its ZeroMQ sockets; http: fuzz a running API over HTTP")
+    ap.add_argument("--url", default=None, help="http: the API, http://127.0.0.1:PORT (default: SPECSPLIT_API_PORT's)")
+    ap.add_argument("--case", type=int, action="append", default=None, help="http: only this case (repeatable)")
     args = ap.parse_args(argv)
     seed = default_seed() if args.seed is None else args.seed
     count = default_count() if args.count is None else args.count
+    if args.target == "http":
+        return http_main(args.url, seed, count, args.case)
     os.environ.setdefault("SPECSPLIT_PRESET", "tiny")
     print(f"fuzz seed={seed} count={count} (SPECSPLIT_FUZZ_SEED={seed} reproduces it)", flush=True)
     tmp = args.dir or Path(tempfile.mkdtemp(prefix="specsplit-fuzz-"))
@@ -123,6 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     print(res.report.summary())
     print(f"timings={res.timings} logs={tmp}")
     for line in res.problems + res.report.failures[:50]:
+        print("FAIL", line)
+    return 0 if res.ok else 1
+
+
+def http_main(url: str | None, seed: int, count: int, cases: list[int] | None) -> int:
+    from specsplit.config import ApiSettings
+    from specsplit.fuzz.http import ApiLimits, fuzz_api
+
+    settings = ApiSettings()
+    url = url or f"http://127.0.0.1:{settings.api_port}"
+    what = f"cases={cases}" if cases else f"count={count}"
+    print(f"http fuzz of {url} seed={seed} {what} (SPECSPLIT_FUZZ_SEED={seed} reproduces it)", flush=True)
+    res = fuzz_api(url, seed, count, ApiLimits.of(settings), cases=cases)
+    print(res.report.summary())
+    print(f"timings={res.timings}")
+    for line in res.problems + res.report.failures:
         print("FAIL", line)
     return 0 if res.ok else 1
 
