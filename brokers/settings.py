@@ -1,13 +1,11 @@
-"""Router configuration (pydantic-settings, env prefix ``SPECSPLIT_``), built in ``__main__``.
+"""Router configuration and the settings every role shares (pydantic-settings, env prefix
+``SPECSPLIT_``), built in ``__main__``.
 
-Addresses: ``frontend_addr`` / ``backend_addr`` (SPECSPLIT_FRONTEND_ADDR / _BACKEND_ADDR, or the
-``--frontend`` / ``--backend`` flags) win; unset, they come from the fleet-wide per-service
-variables that orchestrators and workers read too (SPECSPLIT_DRAFT_ROUTER, SPECSPLIT_DRAFT_BACKEND,
-SPECSPLIT_TARGET_ROUTER, SPECSPLIT_TARGET_BACKEND), whose defaults are ``default_addresses``. So
-one environment configures a whole fleet. Also: SPECSPLIT_SERVICE, _HEARTBEAT_S, _LIVENESS,
-_MAX_WORKERS, _MAX_INFLIGHT, _REQUEST_TTL_S, _SNDHWM, _RCVHWM, _LOG_LEVEL, _LOG_JSON,
-_FLEET_SECRET / _FLEET_SECRET_FILE, and the CURVE keys every process reads (``CurveSettings``): a
-bind beyond loopback is refused without them.
+Addresses: ``frontend_addr`` / ``backend_addr`` (or the ``--frontend`` / ``--backend`` flags) win;
+unset, they come from the fleet-wide per-service addresses that orchestrators and workers read too
+(``FleetAddresses``), so one environment configures a whole fleet. A bind beyond loopback is
+refused without CURVE keys (``CurveSettings``). Each field's ``description`` is its documentation:
+docs/configuration.md is generated from it (``specsplit config --markdown``).
 """
 
 from __future__ import annotations
@@ -44,21 +42,25 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_", extra="ignore")
 
-    log_level: str = "INFO"
-    log_json: bool = False
+    log_level: str = Field(default="INFO", description="Least severe log level written: DEBUG, INFO, WARNING or "
+                           "ERROR (`specsplit produce` logs WARNING and up unless this is set to another level).")
+    log_json: bool = Field(default=False, description="Log one JSON object a line instead of console text.")
 
 
 class CurveSettings(CommonSettings):
-    """CURVE keys, one meaning in every process (PROTOCOL.md, "CURVE (off-box fleets)"). Unset:
-    CURVE is off and only loopback addresses work. SPECSPLIT_CURVE_SECRET_KEY_FILE (this
-    process's keypair, a 0600 ``*.key_secret`` from ``specsplit keys new``) turns it on;
-    SPECSPLIT_CURVE_SERVER_KEY (Z85 text or a ``*.key`` file) is the public key of the servers a
-    client connects to; SPECSPLIT_CURVE_AUTHORIZED_KEYS (a directory of ``*.key`` files, or a file
-    of Z85 keys, one a line) are the client keys a server admits."""
+    """CURVE keys, one meaning in every process (schemas/PROTOCOL.md, "CURVE (off-box fleets)"):
+    encryption and authentication of every fleet socket. Unset: CURVE is off and only loopback
+    addresses work."""
 
-    curve_secret_key_file: Path | None = None
-    curve_server_key: str | None = None
-    curve_authorized_keys: Path | None = None
+    curve_secret_key_file: Path | None = Field(default=None, description=(
+        "This process's CURVE keypair: the 0600 `*.key_secret` file of `specsplit keys new`. Set, CURVE is on; "
+        "unset, CURVE is off and only loopback addresses are allowed."))
+    curve_server_key: str | None = Field(default=None, description=(
+        "Public key of the servers this process connects to (routers, orchestrators): Z85 text or a `*.key` "
+        "file. Needs SPECSPLIT_CURVE_SECRET_KEY_FILE."))
+    curve_authorized_keys: Path | None = Field(default=None, description=(
+        "Client keys a server (router, orchestrator) admits: a directory of `*.key` files or a file of Z85 keys, "
+        "one a line. Needs SPECSPLIT_CURVE_SECRET_KEY_FILE."))
 
     @property
     def curve_on(self) -> bool:
@@ -103,11 +105,17 @@ class FleetAddresses(CurveSettings):
     frontend, where orchestrators connect) and ``*_backend`` (where workers connect); the
     orchestrator binds ``orchestrator`` and producers connect to it."""
 
-    draft_router: str = _DEFAULT_ADDRESSES["draft"][0]
-    draft_backend: str = _DEFAULT_ADDRESSES["draft"][1]
-    target_router: str = _DEFAULT_ADDRESSES["target"][0]
-    target_backend: str = _DEFAULT_ADDRESSES["target"][1]
-    orchestrator: str = DEFAULT_ORCHESTRATOR
+    draft_router: str = Field(default=_DEFAULT_ADDRESSES["draft"][0], description=(
+        "The draft router's frontend: it binds it, orchestrators connect to it."))
+    draft_backend: str = Field(default=_DEFAULT_ADDRESSES["draft"][1], description=(
+        "The draft router's backend: it binds it, draft workers connect to it."))
+    target_router: str = Field(default=_DEFAULT_ADDRESSES["target"][0], description=(
+        "The target router's frontend: it binds it, orchestrators connect to it."))
+    target_backend: str = Field(default=_DEFAULT_ADDRESSES["target"][1], description=(
+        "The target router's backend: it binds it, target workers connect to it."))
+    orchestrator: str = Field(default=DEFAULT_ORCHESTRATOR, description=(
+        "The first orchestrator's address (producers and the API connect to it); instance N of "
+        "`honcho start -c orchestrator=N` binds its port + N - 1."))
 
     @model_validator(mode="after")
     def _check_fleet_curve(self) -> FleetAddresses:
@@ -122,14 +130,18 @@ class FleetAddresses(CurveSettings):
 
 
 class HeartbeatSettings(FleetAddresses):
-    """Router <-> worker liveness, read by both sides with one meaning (Paranoid Pirate), and the
-    fleet secret every router peer proves (SPECSPLIT_FLEET_SECRET, else the 0600 file
-    SPECSPLIT_FLEET_SECRET_FILE, default ~/.cache/specsplit/fleet.secret; see brokers.auth)."""
+    """Liveness on router links, read by both sides with one meaning (Paranoid Pirate), and the
+    fleet secret every router peer proves (brokers.auth)."""
 
-    heartbeat_s: float = Field(default=1.0, gt=0.0, le=60.0)
-    liveness: int = Field(default=3, ge=1, le=100)
-    fleet_secret: SecretStr | None = None
-    fleet_secret_file: str | None = None
+    heartbeat_s: float = Field(default=1.0, gt=0.0, le=60.0, description=(
+        "Seconds between heartbeats on every router link (workers and orchestrators to routers, and back)."))
+    liveness: int = Field(default=3, ge=1, le=100, description=(
+        "Heartbeats missed in a row before a peer is declared dead (a worker dropped, a router reconnected)."))
+    fleet_secret: SecretStr | None = Field(default=None, description=(
+        "The secret every router peer proves (at least 16 bytes). Unset: read from SPECSPLIT_FLEET_SECRET_FILE."))
+    fleet_secret_file: str | None = Field(default=None, description=(
+        "File holding the fleet secret, created with mode 0600 if missing (a file others may read is refused). "
+        "Unset: ~/.cache/specsplit/fleet.secret (under $XDG_CACHE_HOME if set)."))
 
     def secret(self) -> bytes:
         """The fleet secret (reads or creates the file; raises brokers.auth.SecretError)."""
@@ -140,16 +152,27 @@ class HeartbeatSettings(FleetAddresses):
 
 
 class RouterSettings(HeartbeatSettings):
-    """Settings of one router process."""
+    """One router process: what it binds and how much it tracks."""
 
-    service: Literal["draft", "target"] = "draft"
-    frontend_addr: str | None = None
-    backend_addr: str | None = None
-    max_workers: int = Field(default=256, ge=1, le=65_536)
-    max_inflight: int = Field(default=65_536, ge=1, le=10_000_000)
-    request_ttl_s: float = Field(default=300.0, gt=0.0)
-    sndhwm: int = Field(default=DEFAULT_HWM, ge=0)
-    rcvhwm: int = Field(default=DEFAULT_HWM, ge=0)
+    service: Literal["draft", "target"] = Field(default="draft", description=(
+        "Which service this router serves; `specsplit router draft|target` sets it."))
+    frontend_addr: str | None = Field(default=None, description=(
+        "Address this router binds for orchestrators (or `--frontend`). Unset: SPECSPLIT_DRAFT_ROUTER or "
+        "SPECSPLIT_TARGET_ROUTER, by service."))
+    backend_addr: str | None = Field(default=None, description=(
+        "Address this router binds for workers (or `--backend`). Unset: SPECSPLIT_DRAFT_BACKEND or "
+        "SPECSPLIT_TARGET_BACKEND, by service."))
+    max_workers: int = Field(default=256, ge=1, le=65_536, description=(
+        "Workers one router registers at most; a READY beyond that is refused."))
+    max_inflight: int = Field(default=65_536, ge=1, le=10_000_000, description=(
+        "Requests the router tracks in flight at most (which worker holds which client's request)."))
+    request_ttl_s: float = Field(default=300.0, gt=0.0, description=(
+        "Seconds after which a request still in flight is forgotten (its client timed out long ago)."))
+    sndhwm: int = Field(default=DEFAULT_HWM, ge=0, description=(
+        "ZeroMQ send high-water mark of both router sockets, in messages (0: unbounded); beyond it, "
+        "messages are dropped and logged."))
+    rcvhwm: int = Field(default=DEFAULT_HWM, ge=0, description=(
+        "ZeroMQ receive high-water mark of both router sockets, in messages (0: unbounded)."))
 
     @model_validator(mode="after")
     def _fill_addresses(self) -> RouterSettings:
@@ -166,13 +189,16 @@ class RouterSettings(HeartbeatSettings):
 
 
 class MetricsSettings(CommonSettings):
-    """Prometheus metrics of every role (brokers.metrics has the port scheme). Env:
-    SPECSPLIT_METRICS_PORT (the fleet's base port; a process serves on base + its role's offset +
-    its honcho instance - 1; 0: off), SPECSPLIT_METRICS_BIND_PORT (this process's port outright;
-    0: off), SPECSPLIT_METRICS_HOST (loopback unless set). SPECSPLIT_SUPERVISED_RESTARTS is set
-    by the supervisor for the child it starts (how many times it restarted the role)."""
+    """Prometheus metrics of routers, workers and orchestrators (brokers.metrics has the port scheme:
+    with the default base, router_draft 9500, router_target 9600, orchestrator.N 9700+N-1, draft.N
+    9800+N-1, target.N 9900+N-1). A port already in use is logged and the process runs without metrics."""
 
-    metrics_port: int = Field(default=9500, ge=0, le=65535)
-    metrics_bind_port: int | None = Field(default=None, ge=0, le=65535)
-    metrics_host: str = "127.0.0.1"
-    supervised_restarts: int = Field(default=0, ge=0)
+    metrics_port: int = Field(default=9500, ge=0, le=65535, description=(
+        "The fleet's base metrics port: a process serves on base + its role's offset + its honcho instance - 1. "
+        "0: metrics off."))
+    metrics_bind_port: int | None = Field(default=None, ge=0, le=65535, description=(
+        "This one process's metrics port outright, instead of the scheme. 0: metrics off."))
+    metrics_host: str = Field(default="127.0.0.1", description="Host the metrics endpoint listens on.")
+    supervised_restarts: int = Field(default=0, ge=0, description=(
+        "Set by the supervisor in the child it starts (how many times it restarted the role), reported as a "
+        "metric; not for users."))

