@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from schemas import SamplingSpec
+
+MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
 MAX_STOP_CHARS = 1024
 MAX_N = 16
@@ -65,7 +68,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM's): -1 or 0 is off
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # extension (vLLM's): -1 or 0 is off
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None

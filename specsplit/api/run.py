@@ -5,6 +5,7 @@ failure (no tokenizer in time, the port taken)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import h11
@@ -47,6 +48,17 @@ class GuardedH11Protocol(H11Protocol):
             timer.cancel()
             self._header_timer = None
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not valid HTTP gets OpenAI's error body too (uvicorn's is plain text)."""
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _header_timeout(self) -> None:
         self._header_timer = None

@@ -56,8 +56,18 @@ async def read_json(request: Request, state: ApiState):
                        code="request_timeout") from None
     try:
         return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ApiError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
+
+
+def encode_text(tok, text: str) -> list[int]:
+    """A prompt string's ids; 400 for text that is not valid Unicode (a lone surrogate escaped in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate)", param="prompt") from None
+    return tok.encode(text)
 
 
 def check_key(request: Request, state: ApiState) -> None:
@@ -285,7 +295,7 @@ async def completions(request: Request) -> Response:
     req = parse(CompletionRequest, await read_json(request, state))
     state.check_model(req.model)
     tok = state.require_ready()
-    prompts = [tok.encode(p) if isinstance(p, str) else state.check_ids(p) for p in req.prompts()]
+    prompts = [encode_text(tok, p) if isinstance(p, str) else state.check_ids(p) for p in req.prompts()]
     if any(not p for p in prompts):
         raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
     return await run_generation(request, state, req, prompts, False, req.max_tokens, "max_tokens")
@@ -358,6 +368,7 @@ def build_app(state: ApiState) -> Starlette:
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                         ClientDisconnect: on_disconnect, Exception: on_error})
     app.state.api = state
+    app.router.redirect_slashes = False  # /v1/models/ is a 404 like any unknown path, not a redirect
     return CountResponses(app, state.metrics)
 
 
