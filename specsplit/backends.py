@@ -27,14 +27,17 @@ def default_prefill_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def default_threads(service: str) -> int:
+def default_threads(service: str, speculator: str = "draft") -> int:
     """Torch threads of a role's tree-sized forwards on CPU. Draft: a quarter of the cores (one
     on a 2-core box): it grows its tree while the target verifies, and a batch-1 int8 draft
     forward gains nothing from a second thread. Target: the rest, so the two never oversubscribe
     the cores (a 2-thread target slowed whenever the draft grew beside it; with packed bf16
     weights one thread verifies 16 tokens about as fast). OMP_WAIT_POLICY=PASSIVE keeps idle
-    OpenMP threads from spinning. Figures: docs/results.md, commits 7bc8064 and 939cbbb."""
+    OpenMP threads from spinning. Figures: docs/results.md, commits 7bc8064 and 939cbbb. With
+    the ``lookup`` speculator no draft worker runs, so the target takes every core."""
     cores = default_prefill_threads()
+    if service == "target" and speculator == "lookup":
+        return cores
     draft = max(1, cores // 4)
     return draft if service == "draft" else max(1, cores - draft)
 
@@ -299,7 +302,7 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def for_role(cls, service: str, settings) -> "LlamaCppBackend":
-        return cls(settings.threads_for(service) or default_threads(service),
+        return cls(settings.threads_for(service) or default_threads(service, settings.speculator),
                    settings.prefill_threads or default_prefill_threads())
 
     @property
@@ -324,7 +327,7 @@ def build_backend(service: str, device: str, settings) -> Backend:
     if kind == "mps":
         return MpsBackend(torch.device(device))
     return CpuBackend(
-        threads=settings.threads_for(service) or default_threads(service),
+        threads=settings.threads_for(service) or default_threads(service, settings.speculator),
         prefill_threads=settings.prefill_threads or default_prefill_threads(),
         quantize=settings.quantize_for(service),
         pack_weights=settings.pack_weights,

@@ -61,8 +61,16 @@ def orchestrator_address(base: str, index: int) -> str:
 
 
 class SessionLimitSettings(HeartbeatSettings):
-    """Read by workers (their per-session KV limit) and orchestrators (which refuse, before it
-    starts, a request that could never fit it): one variable, one meaning."""
+    """Read by workers and orchestrators with one meaning: the per-session KV limit (workers hold
+    it, orchestrators refuse before it starts a request that could never fit) and the speculator
+    (orchestrators draft with it; workers size their threads by it)."""
+
+    speculator: Literal["draft", "lookup"] = Field(default="draft", description=(
+        "Where a round's candidates come from: `draft` (the draft worker's tree plus prompt lookup) or "
+        "`lookup` (prompt lookup alone, like vLLM's ngram speculator; sampled sessions decode plainly). "
+        "`lookup` needs no draft worker (`honcho start -c draft=0`): for targets whose forward of a few tokens "
+        "costs about one token's (GPUs), or when no draft model fits. Workers read it too: with `lookup` a CPU target takes every core "
+        "by default (no draft worker shares them)."))
 
     max_session_tokens: int = Field(default=4096, ge=16, description=(
         "Tokens one session may hold (prompt + answer + a tree): a worker's per-session KV limit; the "
@@ -190,11 +198,6 @@ class OrchestratorSettings(SessionLimitSettings):
         "`fixed`: the whole tree as configured."))
     lookup_min_ngram: int = Field(default=3, ge=1, le=16, description=(
         "Shortest run of the context's last tokens that prompt lookup matches earlier in the context."))
-    speculator: Literal["draft", "lookup"] = Field(default="draft", description=(
-        "Where a round's candidates come from: `draft` (the draft worker's tree plus prompt lookup) or "
-        "`lookup` (prompt lookup alone, like vLLM's ngram speculator; sampled sessions decode plainly). "
-        "`lookup` needs no draft worker (`honcho start -c draft=0`): for targets whose forward of a few tokens "
-        "costs about one token's (GPUs), or when no draft model fits."))
     grow: bool = Field(default=True, description=(
         "Greedy sessions: the draft worker keeps expanding the tree while the target verifies it, and the next "
         "round re-roots it at the bonus token."))

@@ -127,3 +127,17 @@ def test_a_worker_loads_openmp_with_a_short_spin_unless_the_environment_says_oth
     out = subprocess.run([sys.executable, "-c", WORKER_ENV_PROBE, "target"], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert out == ["target", "PASSIVE", expected, "False"] and WORKER_SPINCOUNT == "3000"
+
+
+def test_a_lookup_fleets_target_takes_every_core_unless_told_otherwise():
+    """No draft worker shares the cores with SPECSPLIT_SPECULATOR=lookup: the target's default
+    threads are every core; with a draft worker, its share; an explicit setting wins."""
+    from specsplit.backends import default_prefill_threads, default_threads
+
+    cores = default_prefill_threads()
+    assert default_threads("target", "lookup") == cores
+    assert default_threads("target") == max(1, cores - max(1, cores // 4))
+    lookup = json.loads(run_cli("config", "target", SPECSPLIT_SPECULATOR="lookup").stdout)
+    assert lookup["effective"]["threads"] == cores
+    told = json.loads(run_cli("config", "target", SPECSPLIT_SPECULATOR="lookup", SPECSPLIT_TARGET_THREADS="1").stdout)
+    assert told["effective"]["threads"] == 1

@@ -429,7 +429,8 @@ def threads_env(settings, model_settings) -> dict[str, str]:
     from specsplit.backends import default_prefill_threads, default_threads
 
     return {"SPECSPLIT_DRAFT_THREADS": str(settings.threads_for("draft") or default_threads("draft")),
-            "SPECSPLIT_TARGET_THREADS": str(settings.threads_for("target") or default_threads("target")),
+            "SPECSPLIT_TARGET_THREADS": str(settings.threads_for("target")
+                                            or default_threads("target", settings.speculator)),
             "SPECSPLIT_PREFILL_THREADS": str(settings.prefill_threads or default_prefill_threads())}
 
 

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     from specsplit.backends import default_prefill_threads, default_threads
 
     args.draft_threads = args.draft_threads or default_threads("draft")  # recorded in the JSON config
-    args.target_threads = args.target_threads or default_threads("target")
+    args.target_threads = args.target_threads or default_threads("target", args.speculator)
     args.prefill_threads = args.prefill_threads or default_prefill_threads()
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings, load_model, resolve_model_paths
