@@ -39,7 +39,7 @@ until curl -sf "${api%/v1}/health" > /dev/null; do
 done
 printf '\r  fleet serving after %ds%40s\n' $((SECONDS - t0)) "" >&2
 
-specsplit produce --max-new-tokens "${MAX_NEW_TOKENS:-512}" --wait-s 120 \
+specsplit produce --max-new-tokens "${MAX_NEW_TOKENS:-256}" --wait-s 120 \
   "Write a Python function that returns True when a number is prime." \
   "Explain in two sentences what a KV cache does in a transformer." \
   "def fibonacci(n):"
