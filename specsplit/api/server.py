@@ -98,6 +98,8 @@ def seeds(req, count: int) -> list[int]:
 
 def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str) -> list[Job]:
     limit = state.max_model_len()
+    if not limit:  # no orchestrator has said what it admits yet
+        raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     jobs: list[Job] = []
     all_seeds = seeds(req, len(prompts) * req.n)
     for p, ids in enumerate(prompts):
@@ -167,6 +169,22 @@ def usage(done: dict[int, Done]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class EventStream(StreamingResponse):
+    """An SSE response that releases its generation however it ends: a client gone before the
+    first chunk never starts the body's generator, whose own ``finally`` would then never run."""
+
+    def __init__(self, body, release) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -206,8 +224,7 @@ async def run_generation(request: Request, state: ApiState, req, prompts: list[l
         except BaseException:
             release()
             raise
-        return StreamingResponse(stream_events(gen, first, responder, req, release), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(stream_events(gen, first, responder, req, release), release)
     try:
         return JSONResponse(await _collect(request, gen, responder))
     finally:
