@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import structlog
 
@@ -57,3 +58,23 @@ def get_logger(name: str | None = None, **initial):
     """A bound logger; cheap, safe to call at import time (configures nothing)."""
     log = structlog.get_logger(name) if name else structlog.get_logger()
     return log.bind(**initial) if initial else log
+
+
+class LogLimiter:
+    """At most ``per_s`` warnings a second for one event; the rest are counted, not printed."""
+
+    def __init__(self, log, per_s: int = 10) -> None:
+        self._log, self._per_s = log, per_s
+        self._window, self._count, self._suppressed = 0, 0, 0
+
+    def warning(self, event: str, **kw) -> None:
+        sec = int(time.monotonic())
+        if sec != self._window:
+            if self._suppressed:
+                self._log.warning("log_suppressed", count=self._suppressed)
+            self._window, self._count, self._suppressed = sec, 0, 0
+        self._count += 1
+        if self._count <= self._per_s:
+            self._log.warning(event, **kw)
+        else:
+            self._suppressed += 1

@@ -50,7 +50,7 @@ from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from brokers.router_auth import REFUSED, RouterAuth  # noqa: F401  (REFUSED: part of this module's API)
 from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames
 from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
-from brokers.logs import get_logger
+from brokers.logs import LogLimiter, get_logger
 from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket, recv_frames, send_frames
 
 CONTROL_SID = "-"
@@ -82,26 +82,6 @@ class RouterStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-class _LogLimiter:
-    """At most ``per_s`` warnings a second for one event; the rest are counted, not printed."""
-
-    def __init__(self, log, per_s: int = 10) -> None:
-        self._log, self._per_s = log, per_s
-        self._window, self._count, self._suppressed = 0, 0, 0
-
-    def warning(self, event: str, **kw) -> None:
-        sec = int(time.monotonic())
-        if sec != self._window:
-            if self._suppressed:
-                self._log.warning("log_suppressed", count=self._suppressed)
-            self._window, self._count, self._suppressed = sec, 0, 0
-        self._count += 1
-        if self._count <= self._per_s:
-            self._log.warning(event, **kw)
-        else:
-            self._suppressed += 1
 
 
 def _readable_sid(env: list[bytes]) -> str:
@@ -182,7 +162,7 @@ class Router(RouterAuth):
         self._asked_hello: OrderedDict[bytes, float] = OrderedDict()
         self._unreachable_logged: OrderedDict[bytes, None] = OrderedDict()
         self.log = get_logger("brokers.router", service=service)
-        self._warn = _LogLimiter(self.log)
+        self._warn = LogLimiter(self.log)
 
     def live_workers(self) -> tuple[bytes, ...]:
         """Identities of the admitted, live workers (a snapshot; safe from any thread)."""
