@@ -22,7 +22,7 @@ docs/results.md (GPU), ``ops/results/gpu-attention-*`` and ``ops/results/gpu-lon
 The scores of one forward are bounded (``ACCEL_MAX_SCORES`` elements).
 
 ``grouped_attention`` is also the body of the int8 target's float64 attention
-(``specsplit.models.int8.fp64_attention``), which computes in float64 for batch invariance, and of
+(``specsplit.models.fp64.fp64_attention``), which computes in float64 for batch invariance, and of
 ``specsplit.models.blocked``'s attention for rows that see at most 1024 keys.
 """
 

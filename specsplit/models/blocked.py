@@ -43,9 +43,12 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+import structlog
 import torch
 
+from specsplit.engine.masks import additive_mask, tree_visibility
 from specsplit.models.attention import grouped_attention
+from specsplit.models.fp64 import FP64_ATTENTION, use_fp64_attention
 
 BLOCKED_ATTENTION = "specsplit_blocked"
 BLOCK = 128  # keys per block; > MAX_TREE_DEPTH, so a tree node's far keys are committed cache
@@ -249,8 +252,6 @@ def blocked_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def _tree_rows(q, k, v, n_committed: int, parents: list[int]) -> torch.Tensor:
     """Outputs of a tree forward: committed keys [Hkv, P, D] + the nodes' (q, k, v)."""
-    from specsplit.engine.masks import additive_mask, tree_visibility
-
     n = len(parents)
     vis = torch.ones(n, n_committed + n, dtype=torch.bool)
     vis[:, n_committed:] = tree_visibility(parents, torch.device("cpu"))
@@ -298,12 +299,10 @@ def invariance_holds(heads: int, kv_heads: int, head_dim: int, threads=(1, 2)) -
 def use_invariant_attention(model) -> str:
     """Switch ``model`` (a batch-invariant target) to ``blocked_attention`` where this machine
     passes ``invariance_holds`` for its head shapes on 1, 2 and every core's threads, else to
-    ``specsplit.models.int8.fp64_attention``; returns the registered name it now runs."""
-    import structlog
+    ``specsplit.models.fp64.fp64_attention``; returns the registered name it now runs."""
+    # transformers (seconds to import) only to register: kernel-only users never load it
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    from specsplit.models.int8 import FP64_ATTENTION, use_fp64_attention
 
     cfg = model.config
     heads = cfg.num_attention_heads

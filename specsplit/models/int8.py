@@ -33,14 +33,8 @@ forward costs little more than a 1-token one: the int8 weights stream from memor
 fbgemm's GEMMs become compute-bound past a few rows (docs/results.md, commit a2b7f60).
 
 That alone is not enough: float32 attention sums over keys in an order that depends on the
-forward's shape (MKL picks other kernels for 1-3 query rows, a tree lays its keys out differently
-from sequential decoding), and a 1-ulp difference that moves one activation across an int8
-rounding boundary grows through 28 layers (logits differed by ~2 with float32 attention).
-``fp64_attention`` (registered with transformers' attention interface as ``"specsplit_fp64"``)
-computes scores, softmax and the weighted sum in float64 and rounds the result to float32:
-order-dependent differences (~1e-16) then vanish in that rounding, so a token's attention output
-is the same in a decoding step, a prefill and a tree, at a small cost per forward
-(docs/results.md, commit 5d6f6b2).
+forward's shape, so a batch-invariant target also runs a batch-invariant attention
+(``quantize_int8``: ``specsplit.models.blocked``'s, else ``specsplit.models.fp64``'s).
 """
 
 from __future__ import annotations
@@ -49,18 +43,13 @@ import warnings
 
 import torch
 
-from specsplit.models.attention import grouped_attention
+from specsplit.models.attention import register_gqa_attention
+from specsplit.models.blocked import BLOCKED_ATTENTION, use_invariant_attention
+from specsplit.models.fp64 import FP64_ATTENTION
+from specsplit.models.fp64 import fp64_attention as fp64_attention  # re-exported: its home was here
+from specsplit.models.fp64 import use_fp64_attention as use_fp64_attention  # re-exported, as above
 
 _TINY = torch.finfo(torch.float32).tiny
-FP64_ATTENTION = "specsplit_fp64"
-
-
-def fp64_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention in float64, result in the query's dtype (transformers' attention-function
-    signature: query [B, Hq, M, D], key/value [B, Hkv, L, D], an additive float or bool mask
-    [B|1, 1, M, >=L] or None for causal; returns ([B, M, Hq, D], None)). Grouped-query heads
-    share one matmul per KV head."""
-    return grouped_attention(query, key, value, attention_mask, scaling, torch.float64), None
 
 
 def prompt_attention_name(model) -> str | None:
@@ -72,24 +61,9 @@ def prompt_attention_name(model) -> str | None:
     (``TargetEngine``: the same chunks from position 0, and only the prompt's tokens), so its
     cache is the same every time, and float32 prefills long prompts much faster
     (docs/results.md, commit 757c61d). None: any other attention (prompts as every forward)."""
-    from specsplit.models.blocked import BLOCKED_ATTENTION
-
     if model.config._attn_implementation not in (FP64_ATTENTION, BLOCKED_ATTENTION):
         return None
-    from specsplit.models.attention import register_gqa_attention
-
     return register_gqa_attention()
-
-
-def use_fp64_attention(model) -> None:
-    """Switch ``model`` to ``fp64_attention`` (masks built as for eager attention: always a
-    float additive mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(FP64_ATTENTION, fp64_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(FP64_ATTENTION, eager_mask)
-    model.set_attn_implementation(FP64_ATTENTION)
 
 
 class RowInt8Linear(torch.nn.Module):
@@ -288,7 +262,5 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
                 torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
                 setattr(parent, name, wrapped[0])
     if batch_invariant:
-        from specsplit.models.blocked import use_invariant_attention
-
         use_invariant_attention(model)
     return model.float()
