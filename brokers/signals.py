@@ -6,13 +6,14 @@ process group and the supervisor forwards its own, so a role gets two within mic
 run its handler inside the first one's ``Event.set``, which holds the event's lock, and the
 nested ``Event.set`` then waits for that lock for good. Only the first signal sets the event
 here; a nested or later one returns at once (the event stays set). The main thread must still
-only read the event (``is_set``), never ``wait`` on it: see ``specsplit.supervise.sleep_unless``.
+only read the event (``is_set``), never ``wait`` on it: ``sleep_unless`` waits that way.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -40,3 +41,18 @@ def set_on_stop_signals(event: threading.Event, signals=STOP_SIGNALS) -> dict:
 def restore(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+def sleep_unless(event: threading.Event, seconds: float, step_s: float = 0.05) -> bool:
+    """``event.wait(seconds)`` for a main thread whose signal handler sets ``event``: it sleeps
+    in slices and only reads the flag. ``Event.wait`` holds the event's lock for a moment, and a
+    handler that runs then (signal handlers run in the main thread, between any two bytecodes)
+    blocks in ``Event.set`` on that same lock for good (Python's docs: no locks in signal
+    handlers). True when the event was set."""
+    deadline = time.monotonic() + seconds
+    while not event.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(step_s, left))
+    return True

@@ -9,36 +9,32 @@
     specsplit bench transport|longctx|netem|load|soak|...  benchmarks
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
     specsplit keys new [--dir D] [--name N]  a CURVE keypair (N.key public, N.key_secret mode 0600)
+
+Each command imports its own stack inside its function (the only imports inside functions here):
+the router and the orchestrator never load torch, `--help` loads neither torch nor zmq, and a
+worker sets OpenMP's environment before torch loads.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import asyncio
+import json
+import signal
 import sys
+import threading
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is ever imported
+from specsplit.openmp import WORKER_SPINCOUNT as WORKER_SPINCOUNT  # re-exported: its home was here
+from specsplit.openmp import set_wait_policy, set_worker_openmp
+from specsplit.supervise import supervise
 
-# How long a worker's idle OpenMP thread spins before it sleeps (libgomp reads GOMP_SPINCOUNT once,
-# as torch loads it; under PASSIVE alone it is 0). With 0, every parallel region of a multi-thread
-# forward (a prompt prefill on both cores) wakes a sleeping thread, which on these VMs costs more
-# than the region. Measured on the 2-core box, 250-token prefills on 2 threads:
-# - alone, the 1.5B int8 target: 0.95 s at 0 spins, 0.91 at 1000, 0.70 at 3000, 0.62 at 10000+;
-# - beside a 1-thread verify in another process (the verify unchanged): the 0.5B draft 589 ms at
-#   0, 587 at 3000, 710 at 10000, 958 at 30000; the 1.5B target 1.25 s at 0, 1.33 at 1000, 1.45-1.52
-#   at 3000, 13 s at 300000 (libgomp's default: threads spin through the other process's slices).
-# A prompt's prefill usually has the cores to itself (a lone session's draft and target prefill
-# one after the other; plain decoding under load leaves the draft idle), so ~3000 spins (tens of
-# microseconds) keep most of the first gain for at most a fifth more where prefills contend.
-WORKER_SPINCOUNT = "3000"
+set_wait_policy()  # before torch is ever imported
 
 
 def _exit_zero_on_stop_signals() -> None:
     """Before a role installs its own stop handlers, and after it restores them: SIGTERM/SIGINT
     mean "stop now, cleanly" (exit 0). honcho signals the whole process group and the supervisor
     forwards the signal too, so a role may get a second one while it is already exiting."""
-    import signal
-    import threading
-
     def _exit(signum, frame):
         raise SystemExit(0)
 
@@ -50,9 +46,6 @@ def _exit_zero_on_stop_signals() -> None:
 def _ignore_stop_signals() -> None:
     """The role is done and the process exits: a late SIGTERM must not kill it (Python's
     finalization resets handled signals to SIG_DFL, but leaves ignored ones ignored)."""
-    import signal
-    import threading
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -60,13 +53,13 @@ def _ignore_stop_signals() -> None:
 
 def _role(cmd: str, rest: list[str]) -> int:
     if cmd == "router":
-        from brokers.__main__ import main as router_main
+        from brokers.__main__ import main as router_main  # each role loads its own stack only
 
         return router_main(rest)
     if cmd in ("draft", "target"):
         return _worker(cmd, rest)
     if cmd == "api":
-        from specsplit.api.run import api_main
+        from specsplit.api.run import api_main  # each role loads its own stack only
 
         return api_main(rest)
     return _orchestrator(rest)
@@ -83,15 +76,13 @@ ROLE_HELP = {
 def _role_usage(cmd: str, rest: list[str]) -> int:
     """``specsplit ROLE --help``: usage, and every setting's name and default, without starting
     anything (a role takes no arguments besides the router's; settings come from the environment)."""
-    import argparse
-
     if cmd == "router":
-        from brokers.__main__ import _parse
+        from brokers.__main__ import _parse  # the role's stack, for its usage only
 
         _parse([*rest])  # argparse prints the usage (or the error) and exits
         return 0
     if cmd == "api":
-        from specsplit.api.run import api_main
+        from specsplit.api.run import api_main  # the role's stack, for its usage only
 
         return api_main(rest)
     p = argparse.ArgumentParser(
@@ -104,8 +95,8 @@ def _role_usage(cmd: str, rest: list[str]) -> int:
 
 
 def _worker(service: str, argv: list[str]) -> int:
-    if "torch" not in sys.modules:  # libgomp reads it once, as torch loads it
-        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
+    set_worker_openmp()  # libgomp reads it once, as torch loads it
+    # the worker's stack, loaded after OpenMP's environment is set
     from brokers.settings import MetricsSettings
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
@@ -118,18 +109,15 @@ def _worker(service: str, argv: list[str]) -> int:
 
 
 def _orchestrator(argv: list[str]) -> int:
-    import asyncio
-    import signal
+    # each role loads its own stack only (the orchestrator's: zmq, never torch)
+    from pydantic import ValidationError
 
+    from brokers.curve import CurveError
     from brokers.settings import MetricsSettings
     from specsplit.config import OrchestratorSettings
     from specsplit.logs import configure_logging, get_logger
     from specsplit.metrics import count_restarts, serve_metrics
     from specsplit.orchestrator.server import Orchestrator
-
-    from pydantic import ValidationError
-
-    from brokers.curve import CurveError
 
     try:
         settings, metrics = OrchestratorSettings(), MetricsSettings()
@@ -164,6 +152,7 @@ def _orchestrator(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    # each command loads its own stack only (a benchmark's: torch, for most)
     if argv and argv[0] == "transport":
         from specsplit.bench.transport import main
 
@@ -199,9 +188,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    import json
-
-    from specsplit.config import ROLES, effective_settings
+    from specsplit.config import ROLES, effective_settings  # zmq (brokers.curve): not for `specsplit --help`
 
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: specsplit config [ROLE ...]         each ROLE's effective settings as JSON (all without ROLE)\n"
@@ -209,7 +196,7 @@ def _config(argv: list[str]) -> int:
               "                                           (docs/configuration.md is its output)")
         return 0
     if argv[:1] == ["--markdown"]:
-        from specsplit.configdoc import main
+        from specsplit.configdoc import main  # each command loads its own stack only
 
         if len(argv) > 2:
             print("usage: specsplit config --markdown [PATH]", file=sys.stderr)
@@ -226,9 +213,7 @@ def _config(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    import argparse
-
-    from brokers.curve import CurveError, write_keypair
+    from brokers.curve import CurveError, write_keypair  # zmq: not for `specsplit --help`
 
     p = argparse.ArgumentParser(prog="specsplit keys", description="CURVE keys for off-box fleets.")
     sub = p.add_subparsers(dest="action", required=True)
@@ -252,15 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    from specsplit.config import check_removed_settings
+    from specsplit.config import SupervisorSettings, check_removed_settings  # zmq: not for `specsplit --help`
 
     check_removed_settings()
     if cmd in ("router", "draft", "target", "orchestrator", "api"):
         if "-h" in rest or "--help" in rest or (cmd != "router" and rest):
             return _role_usage(cmd, rest)  # usage (or a usage error): nothing supervised, nothing started
-        from specsplit.supervise import supervise
-
-        rc = supervise(argv)  # None: this process is the supervised child (or unsupervised)
+        rc = supervise(argv, SupervisorSettings())  # None: this process is the supervised child (or unsupervised)
         if rc is not None:
             return rc
         _exit_zero_on_stop_signals()
@@ -269,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             _ignore_stop_signals()
     if cmd == "produce":
-        from specsplit.produce import produce_main
+        from specsplit.produce import produce_main  # each command loads its own stack only
 
         return produce_main(rest)
     if cmd == "models":
-        from specsplit.models import models_main
+        from specsplit.models import models_main  # each command loads its own stack only
 
         return models_main(rest)
     if cmd == "bench":

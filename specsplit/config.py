@@ -14,8 +14,19 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings, check_binds
+from brokers.metrics import instance_slot, metrics_port
+from brokers.settings import (
+    SERVICES,
+    CommonSettings,
+    FleetAddresses,
+    HeartbeatSettings,
+    MetricsSettings,
+    RouterSettings,
+    check_binds,
+)
+from brokers.sockets import is_loopback_address
 from schemas import SamplingSpec, SpecPVSpec, TreeSpec
+from specsplit.models.settings import ModelSettings, model_dtype
 
 # Variables that no longer exist, and what replaced them: setting one is an error at startup
 # (a silently ignored setting is worse than a clear refusal).
@@ -353,8 +364,6 @@ class ApiSettings(ProducerSettings):
 
     @model_validator(mode="after")
     def _check_api_bind(self) -> ApiSettings:
-        from brokers.sockets import is_loopback_address
-
         if not self.api_keys_file and not is_loopback_address(f"tcp://{self.api_host}:{self.api_port}"):
             raise ValueError(f"SPECSPLIT_API_HOST={self.api_host}: serving beyond loopback requires API keys "
                              "(SPECSPLIT_API_KEYS_FILE, one key a line)")
@@ -386,14 +395,10 @@ def effective_settings(role: str) -> dict:
     its settings objects plus the values derived from them (model dtype and device, backend
     threads, addresses). ``specsplit config [ROLE]`` prints it."""
     if role == "router":
-        from brokers.settings import SERVICES, RouterSettings
-
         return {service: {**RouterSettings(service=service).model_dump(mode="json"),
                           **metrics_effective(f"router_{service}")} for service in SERVICES}
     if role in ("draft", "target"):
-        from specsplit.backends import build_backend
-        from specsplit.models import ModelSettings
-        from specsplit.workers import model_dtype
+        from specsplit.backends import build_backend  # torch: only this role's report loads it
 
         worker, models = WorkerSettings(), ModelSettings()
         device = getattr(models, f"{role}_device")
@@ -426,9 +431,6 @@ def effective_settings(role: str) -> dict:
 def metrics_effective(role: str) -> dict:
     """The metrics settings a process of ``role`` (this honcho instance) reads, and the URL it
     serves (None: off)."""
-    from brokers.metrics import instance_slot, metrics_port
-    from brokers.settings import MetricsSettings
-
     s = MetricsSettings()
     try:
         port = metrics_port(s, role, instance_slot())

@@ -2,8 +2,9 @@
 parent and one child that does the role's work.
 
 honcho stops the whole fleet when any process exits, so supervision lives inside each role's
-command. The supervisor (this module: stdlib only, no torch, no zmq) starts the child with the
-same command line (``python -m specsplit <role> ...``, so operators find it with ``ps``) and
+command. The supervisor (this module and ``brokers.signals``: stdlib only, no torch, no zmq;
+its settings come from the caller) starts the child with the same command line
+(``python -m specsplit <role> ...``, so operators find it with ``ps``) and
 ``SPECSPLIT_SUPERVISED_CHILD=1`` in its environment, and:
 
 - restarts it with exponential back-off (``supervise_backoff_s`` doubling up to
@@ -32,6 +33,8 @@ import sys
 import threading
 import time
 
+from brokers.signals import sleep_unless
+
 CHILD_MARKER = "SPECSPLIT_SUPERVISED_CHILD"
 RESTARTS_VAR = "SPECSPLIT_SUPERVISED_RESTARTS"  # brokers.settings.MetricsSettings.supervised_restarts
 NO_RESTART_CODES = (0, 2)  # done, or bad settings / refused: restarting cannot help
@@ -47,21 +50,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the child outlives a killed supervisor (honcho's killpg still reaches it)
-
-
-def sleep_unless(event: threading.Event, seconds: float, step_s: float = 0.05) -> bool:
-    """``event.wait(seconds)`` for a main thread whose signal handler sets ``event``: it sleeps
-    in slices and only reads the flag. ``Event.wait`` holds the event's lock for a moment, and a
-    handler that runs then (signal handlers run in the main thread, between any two bytecodes)
-    blocks in ``Event.set`` on that same lock for good (Python's docs: no locks in signal
-    handlers). True when the event was set."""
-    deadline = time.monotonic() + seconds
-    while not event.is_set():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(step_s, left))
-    return True
 
 
 def backoff_delay(restarts_in_a_row: int, base_s: float, max_s: float) -> float:
@@ -152,15 +140,11 @@ class Supervisor:
                     return child.wait(timeout=10)
 
 
-def supervise(argv: list[str]) -> int | None:
-    """Run ``argv`` under a supervisor, or return None when this process should do the work
-    itself (it is the supervised child, or SPECSPLIT_SUPERVISE=false)."""
-    if is_supervised_child():
-        return None
-    from specsplit.config import SupervisorSettings
-
-    settings = SupervisorSettings()
-    if not settings.supervise:
+def supervise(argv: list[str], settings) -> int | None:
+    """Run ``argv`` under a supervisor (``settings``: a ``specsplit.config.SupervisorSettings``),
+    or return None when this process should do the work itself (it is the supervised child, or
+    SPECSPLIT_SUPERVISE=false)."""
+    if is_supervised_child() or not settings.supervise:
         return None
     try:
         return Supervisor(argv, settings).run()

@@ -12,31 +12,32 @@ import sys
 import threading
 import time
 from collections import Counter
+from functools import partial
 
+from brokers.curve import CurveError
+from brokers.settings import MetricsSettings
+from brokers.signals import set_on_stop_signals
 from schemas import WorkerHello
+from specsplit.compute import ComputeThread
 from specsplit.config import WorkerSettings
 from specsplit.errors import DeviceFailure
 from specsplit.logs import get_logger
-
-
-def model_dtype(service: str, model_settings) -> str:
-    """The role's dtype: explicit settings win; the tiny preset runs in fp32 (exactness tests)."""
-    explicit = os.environ.get(f"SPECSPLIT_{service.upper()}_DTYPE")
-    if explicit:
-        return explicit
-    if model_settings.preset in ("tiny", "smollm2") and not getattr(model_settings, f"{service}_model"):
-        return "float32"
-    return getattr(model_settings, f"{service}_dtype")
+from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
+from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
+from specsplit.models.loading import resolve_gguf
+from specsplit.models.settings import model_dtype as model_dtype  # re-exported: its home was here
+from specsplit.transport.batching import draft_tokens, verify_tokens
+from specsplit.transport.worker_loop import WorkerLoop, small_request
 
 
 def build_engine(service: str, settings: WorkerSettings, model_settings):
     """(engine, hello) for ``service`` from settings; loads the model onto the role's device and
     applies the device's backend policy (CPU: int8 / packed weights / threads)."""
+    # torch loads with the model, never at import: an importer may still set OpenMP's environment
     from specsplit.backends import build_backend
     from specsplit.engine.base import model_vocab_size
     from specsplit.engine.draft import DraftEngine
     from specsplit.engine.target import TargetEngine
-    from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
 
     if settings.engine_for(service) == "llamacpp":
         return build_llamacpp_engine(service, settings, model_settings)
@@ -62,7 +63,7 @@ def log_loaded(log, engine, **fields) -> None:
 
 
 def engine_limits(settings: WorkerSettings):
-    from specsplit.engine.base import EngineLimits
+    from specsplit.engine.base import EngineLimits  # torch: never at this module's import (see build_engine)
 
     return EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
@@ -72,7 +73,7 @@ def engine_limits(settings: WorkerSettings):
 
 
 def draft_window(settings: WorkerSettings):
-    from specsplit.engine.draftview import DraftWindow
+    from specsplit.engine.draftview import DraftWindow  # torch: never at this module's import (see build_engine)
 
     return DraftWindow(sink_tokens=settings.draft_sink_tokens, window_tokens=settings.draft_window_tokens)
 
@@ -89,12 +90,11 @@ def role_engine(service: str, settings: WorkerSettings, model, backend, draft_cl
 def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings):
     """(engine, hello) on llama.cpp's kernels: the role's GGUF file; the tokenizer (for the
     hello's fingerprint, the same one producers encode with) from the provisioned model dir."""
+    # torch, transformers and llama.cpp load with the model, never at import (see build_engine)
     from transformers import AutoTokenizer
 
     from specsplit.backends import LlamaCppBackend
     from specsplit.engine.llamacpp import LlamaCppModel, LlamaDraftEngine, LlamaTargetEngine
-    from specsplit.models import resolve_model_paths, tokenizer_fingerprint
-    from specsplit.models.loading import resolve_gguf
 
     backend = LlamaCppBackend.for_role(service, settings)
     gguf = resolve_gguf(service, model_settings)
@@ -115,16 +115,7 @@ DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
 def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_settings=None) -> int:
-    from functools import partial
-
-    from brokers.curve import CurveError
-    from brokers.settings import MetricsSettings
-    from brokers.signals import set_on_stop_signals
-    from specsplit.compute import ComputeThread
-    from specsplit.engine.base import PREFILL_TOKENS
-    from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
-    from specsplit.transport.batching import draft_tokens, verify_tokens
-    from specsplit.transport.worker_loop import WorkerLoop, small_request
+    from specsplit.engine.base import PREFILL_TOKENS  # torch: never at this module's import (see build_engine)
 
     metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)  # None: metrics off
 

@@ -25,6 +25,15 @@ import sysconfig
 import time
 from pathlib import Path
 
+from schemas import SamplingSpec, SpecPVSpec, TreeSpec
+from specsplit.config import WorkerSettings
+from specsplit.logs import configure_logging
+from specsplit.models import ModelSettings, load_model, resolve_model_paths
+from specsplit.models.settings import model_dtype
+from specsplit.openmp import set_worker_openmp
+from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.state import RoundStats
+
 MODES = ("full", "approx", "exact")
 TASK = '''
 
@@ -36,9 +45,7 @@ def merge_sorted(left: list[int], right: list[int]) -> list[int]:
 def _load_as_fleet(service: str, path, model_settings, overrides: dict):
     """(model, tokenizer) with the kernels the fleet's worker would run (the role's backend:
     int8 and batch-invariant attention for a CPU target by default), so the figures are the fleet's."""
-    from specsplit.backends import build_backend
-    from specsplit.models import load_model
-    from specsplit.workers import WorkerSettings, model_dtype
+    from specsplit.backends import build_backend  # torch: only after main() has set OpenMP's environment
 
     backend = build_backend(service, getattr(model_settings, f"{service}_device"), WorkerSettings(**overrides))
     model, tok = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)),
@@ -126,6 +133,7 @@ class WarmEngines:
         self.first_round_s = 0.0  # wall time of the current mode's first draft + verify
 
     def make(self, role: str):
+        # torch: only after main() has set OpenMP's environment
         from specsplit.engine.draft import DraftEngine
         from specsplit.engine.target import TargetEngine
 
@@ -171,10 +179,7 @@ def run_mode(draft, target, prompt: list[int], mode: str, args, spec, warm: Warm
              prefill_s: float | None = None) -> dict:
     """One mode on one context; ``prefill_s``: the first mode's prefill (draft and target first
     rounds), counted instead of this mode's cache-reusing first round."""
-    from schemas import SamplingSpec
-    from specsplit.local import generate
-    from specsplit.orchestrator.costmodel import CostModel
-    from specsplit.orchestrator.state import RoundStats
+    from specsplit.local import generate  # torch: only after main() has set OpenMP's environment
 
     warm.rounds, warm.first_round_s = [], 0.0
     stats = RoundStats()
@@ -269,9 +274,7 @@ def measure(draft, target, prompts: dict[int, list[int]], modes: list[str], args
 def settle(args):
     """(contexts, modes, SpecPVSpec, the draft's DraftWindow) from parsed arguments; sets
     ``args.tree_spec`` and the draft window's defaults (the fleet's)."""
-    from schemas import SpecPVSpec, TreeSpec
-    from specsplit.engine.draftview import DraftWindow
-    from specsplit.workers import WorkerSettings
+    from specsplit.engine.draftview import DraftWindow  # torch: only after main() has set OpenMP's environment
 
     contexts = sorted({int(c) for c in args.contexts.split(",") if c})
     modes = [m for m in args.modes.split(",") if m]
@@ -291,17 +294,10 @@ def settle(args):
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if "torch" not in sys.modules:  # the engines here stand for a target worker: its OpenMP wait
-        from specsplit.cli import WORKER_SPINCOUNT
-
-        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
+    set_worker_openmp()  # the engines here stand for a target worker: its OpenMP wait
     args = parse(argv)
     contexts, modes, spec, window = settle(args)
-    import torch
-
-    from specsplit.logs import configure_logging
-    from specsplit.models import ModelSettings, resolve_model_paths
+    import torch  # only now: main() has set OpenMP's environment
 
     configure_logging("WARNING")
     if args.threads:
@@ -326,7 +322,7 @@ def main(argv=None) -> int:
 
 
 def write_json(args, spec, paths, rows: list[dict], summary: dict, done: bool) -> None:
-    import torch
+    import torch  # only after main() has set OpenMP's environment
 
     Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "tree_spec"} | {

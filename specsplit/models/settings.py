@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -52,3 +53,13 @@ class ModelSettings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+
+def model_dtype(service: str, model_settings) -> str:
+    """The role's dtype: explicit settings win; the tiny preset runs in fp32 (exactness tests)."""
+    explicit = os.environ.get(f"SPECSPLIT_{service.upper()}_DTYPE")
+    if explicit:
+        return explicit
+    if model_settings.preset in ("tiny", "smollm2") and not getattr(model_settings, f"{service}_model"):
+        return "float32"
+    return getattr(model_settings, f"{service}_dtype")

@@ -56,6 +56,7 @@ import structlog
 import zmq
 
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys
+from brokers.signals import sleep_unless
 from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames, unpack_frames
 from schemas.messages import (
     DraftRequest, EndSession, ErrorCode, ErrorReply, Heartbeat, Message, VerifyRequest,
@@ -63,7 +64,6 @@ from schemas.messages import (
 )
 from specsplit.compute import ComputeThread, Task
 from specsplit.logs import get_logger
-from specsplit.supervise import sleep_unless
 from specsplit.transport.batching import Gather, take_batch, verify_tokens
 from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
 from specsplit.transport.worker_batching import EngineBatching, _Job, scoped_session_id
