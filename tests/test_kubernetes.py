@@ -295,6 +295,7 @@ def _logs(podman, plan) -> str:
     return "\n".join(out)
 
 
+@needs_kubectl
 @pytest.mark.timeout(1800)
 def test_fleet_from_the_manifests_answers_like_the_target(image, tmp_path):
     import httpx
