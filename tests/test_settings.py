@@ -3,7 +3,6 @@ both inherit the one field that defines it; removed names are refused; ``specspl
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -11,22 +10,8 @@ import sys
 from collections import defaultdict
 
 import pytest
-from pydantic_settings import BaseSettings
 
-SETTINGS_MODULES = ("brokers.settings", "specsplit.config", "specsplit.models.settings")
-
-
-def settings_classes() -> list[type[BaseSettings]]:
-    for name in SETTINGS_MODULES:
-        importlib.import_module(name)
-    out, todo = [], [BaseSettings]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            todo.append(sub)
-            if sub.__module__.split(".")[0] in ("specsplit", "brokers"):
-                out.append(sub)
-    return out
-
+from specsplit.configdoc import settings_classes
 
 def env_names(cls) -> dict[str, type]:
     """{SPECSPLIT_* name: the class that declares the field} for one settings class."""
