@@ -264,3 +264,16 @@ def test_device_failure_in_a_batch_raises_and_drops_its_sessions():
     with pytest.raises(DeviceFailure):
         batched.verify_batch(reqs)
     assert "a" not in batched.store and "b" not in batched.store and "c" in batched.store
+
+
+def test_select_fused_takes_each_sessions_first_batchable_request_only():
+    """The one selection rule of the draft's and the target's batches: a session's first request
+    shares the forward when batchable; its later ones, and unbatchable ones, are served alone."""
+    from types import SimpleNamespace as NS
+
+    from specsplit.engine.batch import select_fused
+
+    reqs = [NS(session_id="a", ok=True), NS(session_id="b", ok=False), NS(session_id="a", ok=True),
+            NS(session_id="c", ok=True), NS(session_id="b", ok=True), NS(ok=True)]
+    assert select_fused(reqs, lambda r: r.ok) == [0, 3, 5]
+    assert select_fused([], lambda r: True) == []

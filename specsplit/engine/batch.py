@@ -163,6 +163,19 @@ def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device) -
     )
 
 
+def select_fused(requests, batchable) -> list[int]:
+    """Indices of the requests that share a batched forward: each session's first request, when
+    ``batchable(request)``. A session's later requests in the same batch (and the rest) are
+    served alone afterwards, in order: one session's requests never share a forward."""
+    fused, seen = [], set()
+    for i, req in enumerate(requests):
+        sid = getattr(req, "session_id", None)
+        if sid not in seen and batchable(req):
+            fused.append(i)
+        seen.add(sid)
+    return fused
+
+
 def admitted_and_locked(engine, requests, indices: list[int], replies: list):
     """For each candidate request: ``engine.admit`` it and take its session's lock, then run
     ``engine.check_locked``; yields (index, request, what admit returned) with the lock held. A

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from schemas import Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
-from specsplit.engine.batch import Segment, admitted_and_locked
+from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
 from specsplit.engine.store import Session
 from specsplit.engine.verify import Outcome
 from specsplit.errors import DeviceFailure, SpecError
@@ -48,12 +48,7 @@ def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
     """Replies to ``requests`` (any messages the engine serves), in order. ``engine`` is a
     TargetEngine. Raises DeviceFailure only, as ``handle`` does."""
     t0 = time.perf_counter()
-    fused, seen = [], set()  # a session's first request, when batchable, shares the forward
-    for i, req in enumerate(requests):
-        sid = getattr(req, "session_id", None)
-        if sid not in seen and batchable(req):
-            fused.append(i)
-        seen.add(sid)
+    fused = select_fused(requests, batchable)
     if len(fused) < 2 or not engine.batched_forward_supported():
         return [engine.handle(req) for req in requests]
     replies: list[Message | None] = [None] * len(requests)
