@@ -11,7 +11,15 @@ import random
 from schemas import FlatTree, GenerateRequest, SamplingSpec, TreeSpec
 from specsplit.local import generate
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
-from specsplit.orchestrator.costmodel import CostModel, select_nodes
+from specsplit.orchestrator.costmodel import (
+    CACHE_NGRAMS,
+    MAX_CHAINS,
+    CostModel,
+    Hits,
+    LineFit,
+    chain_sources,
+    select_nodes,
+)
 from specsplit.tree import check_parents
 from tests.conftest import greedy_reference
 from tests.test_actor import LIMITS, EngineRpc
@@ -110,7 +118,7 @@ def test_expected_tokens_of_a_chain_match_what_it_delivers():
                          draft_logprobs=[0.0] + [math.log(c)] * n)
         cm, delivered = CostModel(), 0
         for _ in range(2000):
-            accepted = list(itertools.takewhile(lambda _: rng.random() < c, range(1, n + 1)))
+            accepted = list(itertools.takewhile(lambda _, c=c: rng.random() < c, range(1, n + 1)))
             delivered += len(accepted)
             cm.observe_round(chain, accepted, set())
         expected = sum(cm.node_probs(chain, set())[1:])
@@ -216,3 +224,86 @@ def test_a_lone_plain_round_forces_a_lookup_node_only_now_and_then():
     for _ in range(200):
         cm.observe_round(chain, [1, 2], lookup)
     assert all(len(cm.choose(chain, 1, lookup, plain=True).nodes) == 3 for _ in range(EXPLORE_EVERY))
+
+
+def test_line_fit_and_hits_are_the_weighted_sums_and_smoothed_rates():
+    fit = LineFit()
+    assert fit.line() == (0.0, 0.0) and fit.y_per_x() is None
+    for x, y in ((1.0, 3.0), (3.0, 7.0), (2.0, 5.0)):
+        fit.observe(x, y, 0.9)
+    a, b = fit.line()
+    assert abs(a - 1.0) < 1e-9 and abs(b - 2.0) < 1e-9
+    same = LineFit()
+    for _ in range(3):
+        same.observe(4.0, 10.0, 0.9)
+    assert same.line() == (10.0, 0.0) and same.y_per_x() == 2.5  # x never varied: no slope
+    cell = Hits()
+    assert cell.posterior(0.5, 2.0) == 0.5  # nothing seen: the prior
+    for hit in (True, True, True, False):
+        cell.add(hit)
+    assert (cell.hits, cell.total) == (3.0, 4.0) and cell.posterior(0.5, 2.0) == 4.0 / 6.0
+
+
+def _chain_rounds(seed: int, n: int = 300):
+    """Random trees with prompt-lookup and n-gram cache chains: (tree, accepted, lookup, cached)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        size = rng.randrange(2, 20)
+        parents = [-1] + [i - 1 if rng.random() < 0.6 else rng.randrange(i) for i in range(1, size)]
+        tree = FlatTree(token_ids=list(range(size)), parents=parents,
+                        draft_logprobs=[0.0] + [-rng.random() for _ in range(1, size)])
+        lookup = {i for i in range(1, size) if rng.random() < 0.6}
+        cached = {i: rng.randrange(0, CACHE_NGRAMS + 3) for i in lookup if rng.random() < 0.5}
+        accepted, node = [], 0
+        while kids := [i for i in range(1, size) if parents[i] == node and rng.random() < 0.7]:
+            node = kids[0]
+            accepted.append(node)
+        yield tree, accepted, lookup, cached
+
+
+def test_sources_of_lookup_and_the_ngram_cache_are_the_lookup_and_cached_parameters():
+    """("lookup", 0) and ("ngrams", n) are the cells ``lookup`` and ``cached`` calibrate: a model
+    told its chains as ``sources`` learns and chooses exactly as one told them the old way."""
+    old, new = CostModel(), CostModel()
+    for cm in (old, new):
+        for k in range(1, 9):
+            cm.observe_verify(k, 100.0 + 30.0 * k)
+    for tree, accepted, lookup, cached in _chain_rounds(5):
+        sources = chain_sources(lookup, cached)
+        assert all(sources[i] == (("ngrams", cached[i]) if cached.get(i, 0) > 0 else ("lookup", 0)) for i in lookup)
+        assert old.node_probs(tree, lookup, cached) == new.node_probs(tree, sources=sources)
+        chosen = old.choose(tree, 1, lookup, plain=True, cached=cached)
+        assert chosen == new.choose(tree, 1, plain=True, sources=sources)
+        old.observe_round(tree, accepted, lookup, cached)
+        new.observe_round(tree, accepted, sources=sources)
+    assert old.chains == new.chains and set(old.chains) >= {("lookup", 0), ("ngrams", CACHE_NGRAMS)}
+    assert all(new.lookup_prob(pos, n) == new.chain_prob(("ngrams", n) if n else ("lookup", 0), pos)
+               for pos in range(20) for n in range(CACHE_NGRAMS + 3))
+
+
+def test_a_new_proposer_is_calibrated_apart_and_continues_a_chain():
+    """A chain proposer's nodes are calibrated by its own name (and key), never in lookup's cells;
+    a chain node under another proposer's chain node is one position further down the chain."""
+    chain = FlatTree(token_ids=[1, 2, 3, 4], parents=[-1, 0, 1, 2], draft_logprobs=[])
+    cm = CostModel()
+    for _ in range(50):  # a lookup node at position 0, then two "repeat" nodes: always accepted
+        cm.observe_round(chain, [1, 2, 3], {1}, sources={2: ("repeat", 0), 3: ("repeat", 0)})
+        cm.observe_round(chain, [], {1, 2, 3})  # lookup alone: never accepted
+    assert cm.chain_prob(("repeat", 0), 1) > 0.9 and cm.chain_prob(("repeat", 0), 2) > 0.9
+    assert cm.chain_prob(("repeat", 0), 0) == 0.5  # never observed at position 0: the prior
+    assert cm.lookup_prob(1) < 0.1 and cm.lookup_prob(2) < 0.1 and 0.4 < cm.lookup_prob(0) < 0.6
+    probs = cm.node_probs(chain, {1}, sources={2: ("repeat", 0), 3: ("repeat", 0)})
+    assert probs[1] == cm.lookup_prob(0) and probs[2] == probs[3] == probs[1]  # capped by the parent
+    assert cm.chain_prob(("repeat", 99), 1) == cm.chain_prob(("repeat", CACHE_NGRAMS), 1) == 0.5
+
+
+def test_chain_calibration_keeps_at_most_max_chains_pairs():
+    cm = CostModel()
+    tree = FlatTree(token_ids=[1, 2], parents=[-1, 0])
+    cm.observe_round(tree, [1], {1})  # prompt lookup first
+    for k in range(MAX_CHAINS):
+        cm.observe_round(tree, [1], sources={1: (f"p{k}", 0)})
+        if k == MAX_CHAINS // 2:
+            cm.observe_round(tree, [1], {1})  # observed again: no longer the least recent
+    assert len(cm.chains) == MAX_CHAINS and ("lookup", 0) in cm.chains and ("p0", 0) not in cm.chains
+    assert cm.chain_prob(("p0", 0), 0) == 0.5 and cm.chain_prob(("p1", 0), 0) == 2.0 / 3.0

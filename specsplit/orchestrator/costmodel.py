@@ -16,10 +16,11 @@ model learns, online and shared by every session of an orchestrator (same models
   kept between the measured costs of the sizes around it;
 - the round's other time on the critical path (draft, transport), an exponential average;
 - the probability that a drafted node is accepted, calibrated against the draft's own path
-  probability (10 bins, Beta(1, 1)-smoothed toward the draft's estimate), for prompt-lookup
-  nodes (no draft probability) by their position in the lookup chain, and for the candidates of
-  the cross-session n-gram cache (``specsplit.orchestrator.ngrams``) by position and by the length
-  of the n-gram that proposed them (a longer key predicts better: docs/results.md, 46c49fc).
+  probability (``BINS`` bins, smoothed toward the draft's estimate), and for a chain proposer's
+  nodes (no draft probability) by (proposer name, key) and their position in the chain
+  (``chain_prob``): prompt lookup's by position alone, the cross-session n-gram cache's
+  (``specsplit.orchestrator.ngrams``) also by the length of the n-gram that proposed them (a
+  longer key predicts better: docs/results.md, 46c49fc).
 Each round, ``choose`` keeps the prefix-closed set of nodes (most likely first) that maximizes
 expected tokens per millisecond; ``predicted_tok_s`` is what that choice expects.
 
@@ -51,18 +52,34 @@ the rate the rounds currently deliver (tokens per ms). That threshold is sent as
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from schemas import FlatTree, TreeSpec
 
-BINS = 10
+BINS = 10  # acceptance bins by draft path probability: each fills in a few rounds, yet they separate paths
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
-LOOKUP_POSITIONS = 16
+LOOKUP_POSITIONS = 16  # chain positions calibrated apart; chains rarely run deeper, those share the last
 EXPLORE_EVERY = 8  # a lone plain round verifies a lookup node that does not pay once in this many
 CACHE_NGRAMS = 8  # n-gram cache candidates: calibrated per key length up to this many tokens
 TABLE_TOKENS = 64  # forwards of up to this many tokens keep their own measured cost (``verify_ms``)
 CELL_WEIGHT = 0.15  # a size's cost: exponential average with this weight on the newest forward
 CELL_PRIOR = 1.0  # the line's estimate counts as this many forwards of a size measured few times
+CELL_SEEN_MAX = 1.0 / CELL_WEIGHT  # forwards a size's count stops at: about its average's memory
+EWMA_WEIGHT = 0.2  # the other averages' (overhead, rate, load) newest weight: follows load in a few rounds
+DECAY = 0.97  # line fits' history weight per step: 1 / (1 - DECAY) steps' memory, one slow forward barely tilts
+MIN_NODES = 1  # a lone session keeps at least this many nodes besides the root (1: always speculate)
+MIN_OBSERVATIONS = 5  # rounds and fresh drafts before the model sets the draft's depth: fewer are noise
+DRAFT_PRIOR_WEIGHT = 2.0  # the draft's path probability, as observations of its bin: a few verdicts outweigh it
+CHAIN_PRIOR_MEAN = 0.5  # a chain cell with no observations: Beta(1, 1), as likely accepted as not ...
+CHAIN_PRIOR_WEIGHT = 2.0  # ... worth two observations, so a few verdicts move it
+THRESHOLD_STEPS = BINS * 10  # ``draft_spec`` tries min_path_prob in steps this fine: ten per calibration bin
+SHARED_SESSIONS = 0.5  # ``others_sessions`` (an average) from which a forward is more often shared than not
+MIN_VARIANCE = 1e-6  # a variance of x below this is rounding, not sizes that varied: the line has no slope
+MIN_MS = 1e-9  # a duration divided by is at least this: a zero-ms estimate does not divide by zero
+MAX_CHAINS = 64  # (proposer, key) pairs kept, least recently observed out first: above any fleet's proposers
+LOOKUP = "lookup"  # prompt lookup's chain nodes (``lookup`` parameters): calibrated per position
+NGRAMS = "ngrams"  # the n-gram cache's chain nodes (``cached`` parameters): per key length too
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +89,98 @@ class Choice:
     expected_ms: float  # overhead + verify(tokens)
 
 
+@dataclass(slots=True)
+class LineFit:
+    """Exponentially weighted least-squares sums of (x, y) observations: their weight ``n`` and
+    the weighted sums of x, y, x*x and x*y."""
+
+    n: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def observe(self, x: float, y: float, decay: float) -> None:
+        """Add (x, y), every earlier observation's weight times ``decay``."""
+        self.n = self.n * decay + 1.0
+        self.x = self.x * decay + x
+        self.y = self.y * decay + y
+        self.xx = self.xx * decay + x * x
+        self.xy = self.xy * decay + x * y
+
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope); slope 0 until x varies, neither negative; (0, 0) with no
+        observations. Observed (1, 3) and (3, 7): (1.0, 2.0)."""
+        n, sx, sy = self.n, self.x, self.y
+        if n <= 0:
+            return 0.0, 0.0
+        var = self.xx / n - (sx / n) ** 2
+        slope = max(0.0, (self.xy / n - (sx / n) * (sy / n)) / var) if var > MIN_VARIANCE else 0.0
+        return max(0.0, sy / n - slope * sx / n), slope
+
+    def y_per_x(self) -> float | None:
+        """Weighted y per unit of x over every observation (None before any x)."""
+        return self.y / self.x if self.n > 0 and self.x > 0 else None
+
+
+@dataclass(slots=True)
+class SizeCost:
+    """One forward size's measured verify cost: an exponential average and the forwards it has
+    seen (capped at ``CELL_SEEN_MAX``)."""
+
+    ms: float = 0.0
+    seen: float = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.seen > 0
+
+    def observe(self, ms: float) -> None:
+        self.ms = _ewma(self.ms if self.seen > 0 else None, ms, CELL_WEIGHT)
+        self.seen = min(self.seen + 1.0, CELL_SEEN_MAX)
+
+    def price(self, line: float) -> float:
+        """Its cost, with the line's estimate ``line`` weighing in while few forwards were seen."""
+        return (self.seen * self.ms + CELL_PRIOR * line) / (self.seen + CELL_PRIOR)
+
+
+@dataclass(slots=True)
+class Hits:
+    """How often nodes of one calibration cell ended on the accepted path."""
+
+    hits: float = 0.0
+    total: float = 0.0
+
+    def add(self, hit: bool) -> None:
+        if hit:
+            self.hits += 1.0
+        self.total += 1.0
+
+    def posterior(self, prior_mean: float, prior_weight: float) -> float:
+        """The hit rate smoothed toward ``prior_mean``, which counts as ``prior_weight``
+        observations: 3 hits of 4 toward 0.5 weighing 2 give (3 + 1) / (4 + 2)."""
+        return (self.hits + prior_weight * prior_mean) / (self.total + prior_weight)
+
+
+Source = tuple[str, int]  # a chain node's (proposer name, calibration key)
+
+
 @dataclass
 class CostModel:
-    decay: float = 0.97  # weight of history per observation (~33 observations' memory)
-    min_nodes: int = 1  # never fewer than this many nodes besides the root (1: always speculate)
-    _w: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum of w, wx, wy, wxx, wxy
-    # per forward size (tokens 1..TABLE_TOKENS): [average ms, forwards seen (capped)]
-    _cells: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(TABLE_TOKENS + 1)])
+    decay: float = DECAY  # weight of the line fits' history per observation
+    min_nodes: int = MIN_NODES  # never fewer than this many nodes besides the root, alone
+    _verify: LineFit = field(default_factory=LineFit)  # verify ms vs the forward's tokens
+    # per forward size (tokens 1..TABLE_TOKENS; index 0 unused)
+    _sizes: list[SizeCost] = field(default_factory=lambda: [SizeCost() for _ in range(TABLE_TOKENS + 1)])
     overhead_ms: float | None = None
-    _acc: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(BINS)])
-    _lookup: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)])
-    # n-gram cache candidates: [key length][position] (key lengths 1..CACHE_NGRAMS)
-    _cache: list[list[list[float]]] = field(default_factory=lambda: [
-        [[0.0, 0.0] for _ in range(LOOKUP_POSITIONS)] for _ in range(CACHE_NGRAMS + 1)])
-    _draft: list[float] = field(default_factory=lambda: [0.0] * 5)  # draft ms vs expanded nodes, as _w
+    _acc: list[Hits] = field(default_factory=lambda: [Hits() for _ in range(BINS)])  # per path probability bin
+    # chain nodes (prompt lookup, n-gram cache, ...): (proposer name, key) -> per position
+    # (``chain_prob``), at most MAX_CHAINS pairs, the least recently observed first out
+    chains: dict[Source, list[Hits]] = field(default_factory=dict)
+    _draft: LineFit = field(default_factory=LineFit)  # draft ms vs expanded nodes
     rate: float | None = None  # tokens per ms the rounds deliver (exponential average)
     rate_sessions: float | None = None  # sessions under way while ``rate`` was measured (average)
-    min_observations: int = 5  # rounds / fresh drafts before the model sets the draft's depth
+    min_observations: int = MIN_OBSERVATIONS  # rounds / fresh drafts before the model sets the draft's depth
     _rounds_seen: int = 0
     _plain_chances: int = 0  # lone plain rounds that had lookup candidates (``EXPLORE_EVERY``)
     # the rest of the verify forward (exponential averages; None: nothing measured, alone)
@@ -109,11 +201,9 @@ class CostModel:
 
     # ---- verify cost ------------------------------------------------------------------
     def observe_verify(self, tokens: int, ms: float) -> None:
-        _observe(self._w, self.decay, float(tokens), float(ms))
+        self._verify.observe(float(tokens), float(ms), self.decay)
         if 1 <= tokens <= TABLE_TOKENS:
-            cell = self._cells[tokens]
-            cell[0] = _ewma(cell[0] if cell[1] > 0 else None, ms, CELL_WEIGHT)
-            cell[1] = min(cell[1] + 1.0, 1.0 / CELL_WEIGHT)
+            self._sizes[tokens].observe(ms)
 
     def observe_forward(self, own_tokens: int, ms: float, batch_tokens: int = 0, batch_size: int = 1) -> None:
         """One clean verify of ``own_tokens`` (sync + nodes) served by a forward of
@@ -131,23 +221,23 @@ class CostModel:
 
     def shared(self) -> bool:
         """Whether a verify forward is expected to serve other sessions too."""
-        return (self.others_sessions or 0.0) >= 0.5
+        return (self.others_sessions or 0.0) >= SHARED_SESSIONS
 
     def verify_line(self) -> tuple[float, float]:
         """(intercept ms, ms per token); slope 0 until sizes vary, never negative."""
-        return _line(self._w)
+        return self._verify.line()
 
     # ---- draft cost and depth -------------------------------------------------------------
     def observe_draft(self, expanded: int, ms: float) -> None:
         """A fresh draft (nothing reused) that expanded ``expanded`` nodes in ``ms``."""
-        _observe(self._draft, self.decay, float(expanded), float(ms))
+        self._draft.observe(float(expanded), float(ms), self.decay)
 
     def draft_ms_per_node(self) -> float:
-        a, b = _line(self._draft)
-        n, sx, sy = self._draft[:3]
-        if b <= 0.0 and n > 0 and sx > 0:
-            return sy / sx  # sizes never varied: the average
-        return b
+        slope = self._draft.line()[1]
+        average = self._draft.y_per_x()
+        if slope <= 0.0 and average is not None:
+            return average  # sizes never varied: the average
+        return slope
 
     def observe_rate(self, tokens: int, ms: float) -> None:
         if ms <= 0:
@@ -213,15 +303,15 @@ class CostModel:
             return False
         if self.spec_tokens is None or self.draft_busy_ms is None:
             return self.speculating > 0  # nothing measured: one session measures, the rest decode
-        if self._w[0] <= 0:
+        if self._verify.n <= 0:
             return False
-        plain = n / max(1e-9, self.verify_ms(n, explore=False))
+        plain = n / max(MIN_MS, self.verify_ms(n, explore=False))
         shared = n if self.rate_sessions is None else min(float(n), self.rate_sessions)
         one_worker = self.spec_tokens / self.draft_busy_ms
         if self.draft_call_ms is not None:
             lockstep_ms = n * self.draft_call_ms + self.verify_ms(n * (self.spec_nodes or self.spec_tokens),
                                                                   explore=False)
-            one_worker = min(one_worker, n * self.spec_tokens / max(1e-9, lockstep_ms))
+            one_worker = min(one_worker, n * self.spec_tokens / max(MIN_MS, lockstep_ms))
         spec = max(one_worker, shared * (self.rate or 0.0))
         return plain > spec
 
@@ -236,12 +326,12 @@ class CostModel:
         rate (a node's draft and verify time delays every session sharing the workers).
         Until the model has seen enough rounds and fresh drafts, ``spec`` as configured."""
         if (self.rate is None or self._rounds_seen < self.min_observations
-                or self._draft[0] <= 0 or self._w[0] <= 0):
+                or self._draft.n <= 0 or self._verify.n <= 0):
             return spec
         need = self.batch_rate() * (self.draft_ms_per_node() + self.verify_line()[1])
         if need <= 0.0:
             return spec.model_copy(update={"min_path_prob": 0.0})
-        grid = [k / (BINS * 10) for k in range(BINS * 10 + 1)]
+        grid = [k / THRESHOLD_STEPS for k in range(THRESHOLD_STEPS + 1)]
         paying = [p for p in grid if self.accept_prob(p) >= need]  # the lowest path probability that pays
         return spec.model_copy(update={"min_path_prob": paying[0] if paying else 1.0})
 
@@ -261,20 +351,19 @@ class CostModel:
         line = a + b * n
         if not 1 <= n <= TABLE_TOKENS:
             return line
-        cells = self._cells
-        if cells[n][1] > 0:  # measured: its own average, the line weighing in while it is new
-            ms, seen = cells[n]
-            return (seen * ms + CELL_PRIOR * line) / (seen + CELL_PRIOR)
+        sizes = self._sizes
+        if sizes[n].measured:  # its own average, the line weighing in while it is new
+            return sizes[n].price(line)
         # never measured: exploring, the measured cost of the nearest smaller size, the least it
         # can cost (a size that would pay at that price gets chosen, and so measured, once;
         # priced by the line, a lone session never tried a 4-token verify); else the line, kept
         # between the measured costs of the sizes around it. A shared forward does not explore:
         # its size is every session's choice, and each pricing its nodes at the smaller batch's
         # cost kept a batch speculating where plain decoding paid
-        below = next((m for m in range(n - 1, 0, -1) if cells[m][1] > 0), 0)
+        below = next((m for m in range(n - 1, 0, -1) if sizes[m].measured), 0)
         if below and explore:
             return self._size_ms(below, explore)
-        above = next((m for m in range(n + 1, TABLE_TOKENS + 1) if cells[m][1] > 0), 0)
+        above = next((m for m in range(n + 1, TABLE_TOKENS + 1) if sizes[m].measured), 0)
         if above:
             line = min(line, self._size_ms(above, explore))
         if below:
@@ -285,81 +374,91 @@ class CostModel:
         self.overhead_ms = _ewma(self.overhead_ms, ms)
 
     # ---- acceptance ---------------------------------------------------------------------
-    @staticmethod
-    def _bin(path_prob: float) -> int:
-        return min(BINS - 1, max(0, int(path_prob * BINS)))
-
     def accept_prob(self, path_prob: float) -> float:
         """Calibrated probability that a node whose draft path probability is ``path_prob`` is
-        accepted (its whole path matches); the draft's own estimate weighs as two observations."""
-        hits, total = self._acc[self._bin(path_prob)]
-        return (hits + 2.0 * path_prob) / (total + 2.0)
+        accepted (its whole path matches), smoothed toward the draft's own estimate."""
+        return self._acc[_bin(path_prob)].posterior(path_prob, DRAFT_PRIOR_WEIGHT)
 
-    def _lookup_cell(self, position: int, ngram: int = 0) -> list[float]:
-        """A lookup node's calibration cell: by position in its chain, and for an n-gram cache
-        candidate (``ngram`` > 0, the length of the n-gram that proposed it) by that length too."""
-        position = min(position, LOOKUP_POSITIONS - 1)
-        if ngram > 0:
-            return self._cache[min(ngram, CACHE_NGRAMS)][position]
-        return self._lookup[position]
+    def chain_prob(self, source: Source, position: int) -> float:
+        """Calibrated probability that a chain node from ``source`` (proposer name, calibration
+        key) at ``position`` in its chain ends on the accepted path."""
+        return self._chain_cell(source, position).posterior(CHAIN_PRIOR_MEAN, CHAIN_PRIOR_WEIGHT)
 
     def lookup_prob(self, position: int, ngram: int = 0) -> float:
-        hits, total = self._lookup_cell(position, ngram)
-        return (hits + 1.0) / (total + 2.0)
+        """``chain_prob`` of a prompt-lookup node, or (``ngram`` > 0, the length of the n-gram
+        that proposed it) of an n-gram cache candidate."""
+        return self.chain_prob((NGRAMS, ngram) if ngram > 0 else (LOOKUP, 0), position)
 
-    def node_probs(self, tree: FlatTree, lookup: set[int], cached: dict[int, int] | None = None) -> list[float]:
-        """Estimated acceptance probability of every node (root: 1). ``cached``: the lookup
-        nodes the n-gram cache proposed, with the length of the n-gram that proposed each."""
-        cached = cached or {}
-        probs = [1.0] * tree.num_nodes
+    def _chain_cell(self, source: Source, position: int, learn: bool = False) -> Hits:
+        """``source``'s cell at ``position`` (keys capped at CACHE_NGRAMS, positions at
+        LOOKUP_POSITIONS - 1). ``learn``: made if new and marked most recently observed, the least
+        recent pair dropped past MAX_CHAINS; otherwise a pair never observed reads as the prior."""
+        name, key = source
+        source = (name, min(max(key, 0), CACHE_NGRAMS))
+        position = min(position, LOOKUP_POSITIONS - 1)
+        if not learn:
+            cells = self.chains.get(source)
+            return Hits() if cells is None else cells[position]
+        cells = self.chains.pop(source, None) or [Hits() for _ in range(LOOKUP_POSITIONS)]
+        self.chains[source] = cells
+        if len(self.chains) > MAX_CHAINS:
+            del self.chains[next(iter(self.chains))]
+        return cells[position]
+
+    def _calibration(self, tree: FlatTree, chain: dict[int, Source],
+                     learn: bool = False) -> Iterator[tuple[int, Hits, float, float]]:
+        """Every node but the root with its calibration cell and that cell's prior (mean,
+        weight): a chain node (in ``chain``) by its source and its position (its parent's + 1
+        under a chain node, else 0); any other by the bin of its draft path probability, which
+        is also its prior's mean. ``learn``: as for ``_chain_cell``."""
         score = [0.0] * tree.num_nodes
         pos = [0] * tree.num_nodes
         for i in range(1, tree.num_nodes):
             p = tree.parents[i]
-            if i in lookup:
-                pos[i] = pos[p] + 1 if p in lookup else 0
-                probs[i] = min(probs[p], self.lookup_prob(pos[i], cached.get(i, 0)))
+            if i in chain:
+                pos[i] = pos[p] + 1 if p in chain else 0
+                yield i, self._chain_cell(chain[i], pos[i], learn), CHAIN_PRIOR_MEAN, CHAIN_PRIOR_WEIGHT
             else:
                 score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
-                probs[i] = min(probs[p], self.accept_prob(math.exp(min(0.0, score[i]))))
+                path_prob = math.exp(min(0.0, score[i]))
+                yield i, self._acc[_bin(path_prob)], path_prob, DRAFT_PRIOR_WEIGHT
+
+    def node_probs(self, tree: FlatTree, lookup: Collection[int] = frozenset(), cached: dict[int, int] | None = None,
+                   *, sources: dict[int, Source] | None = None) -> list[float]:
+        """Estimated acceptance probability of every node (root: 1). The chain nodes, by
+        ``chain_sources``: ``lookup`` (prompt lookup's), ``cached`` (of those, the ones the n-gram
+        cache proposed, with the length of the n-gram that proposed each) and ``sources`` (node
+        -> (proposer name, calibration key))."""
+        probs = [1.0] * tree.num_nodes
+        for i, cell, prior_mean, prior_weight in self._calibration(tree, chain_sources(lookup, cached, sources)):
+            probs[i] = min(probs[tree.parents[i]], cell.posterior(prior_mean, prior_weight))
         return probs
 
-    def observe_round(self, tree: FlatTree, accepted_nodes: list[int], lookup: set[int],
-                      cached: dict[int, int] | None = None) -> None:
-        """Learn from one verified tree: which nodes were on the accepted path. Every node
-        counts, also those under a rejected parent (a miss): a cell holds the probability that a
-        node with that draft path probability (or lookup position) ends on the accepted path,
-        which is what ``choose`` and ``draft_spec`` sum and price. Counting only the nodes whose
-        parent was accepted measured P(node | parent accepted) instead, and ``node_probs`` took
-        it for the node's own: a chain accepted 60 % a step was expected to yield 4.7 tokens of 8
-        against the 1.4 it does (deep trees looked worth drafting and predictions ran high)."""
+    def observe_round(self, tree: FlatTree, accepted_nodes: list[int], lookup: Collection[int] = frozenset(),
+                      cached: dict[int, int] | None = None, *, sources: dict[int, Source] | None = None) -> None:
+        """Learn from one verified tree: which nodes were on the accepted path (chain nodes as for
+        ``node_probs``). Every node counts, also those under a rejected parent (a miss): a cell
+        holds the probability that a node with that draft path probability (or chain position)
+        ends on the accepted path, which is what ``choose`` and ``draft_spec`` sum and price.
+        Counting only the nodes whose parent was accepted measured P(node | parent accepted)
+        instead, and ``node_probs`` took it for the node's own: deep trees looked worth drafting
+        and predictions ran high (docs/speculation.md)."""
         on_path = set(accepted_nodes)
-        cached = cached or {}
-        score = [0.0] * tree.num_nodes
-        pos = [0] * tree.num_nodes
-        for i in range(1, tree.num_nodes):
-            p = tree.parents[i]
-            hit = 1.0 if i in on_path else 0.0
-            if i in lookup:
-                pos[i] = pos[p] + 1 if p in lookup else 0
-                cell = self._lookup_cell(pos[i], cached.get(i, 0))
-            else:
-                score[i] = score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
-                cell = self._acc[self._bin(math.exp(min(0.0, score[i])))]
-            cell[0] += hit
-            cell[1] += 1.0
+        for i, cell, _, _ in self._calibration(tree, chain_sources(lookup, cached, sources), learn=True):
+            cell.add(i in on_path)
 
     # ---- the choice ---------------------------------------------------------------------
-    def choose(self, tree: FlatTree, sync_tokens: int, lookup: set[int] = frozenset(), *,
-               plain: bool = False, cached: dict[int, int] | None = None) -> Choice:
+    def choose(self, tree: FlatTree, sync_tokens: int, lookup: Collection[int] = frozenset(), *,
+               plain: bool = False, cached: dict[int, int] | None = None,
+               sources: dict[int, Source] | None = None) -> Choice:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
         expected tokens per millisecond of round time, counting the whole verify forward: the
         tokens the rest of the batch brings and delivers (``load``) are in both sides of the
         ratio. Alone, at least ``min_nodes`` nodes (when the tree has them; in a plain round once
         in ``EXPLORE_EVERY`` such rounds). ``plain``: a round
         without a draft call (prompt-lookup nodes under a root), priced with a plain round's
-        overhead. ``cached``: as for ``node_probs``."""
-        probs = self.node_probs(tree, lookup, cached)
+        overhead. ``lookup``, ``cached``, ``sources``: the chain nodes, as for ``node_probs``."""
+        probs = self.node_probs(tree, lookup, cached, sources=sources)
         children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
         for i in range(1, tree.num_nodes):
             children[tree.parents[i]].append(i)
@@ -387,30 +486,25 @@ class CostModel:
         return best
 
 
-def _ewma(old: float | None, new: float, weight: float = 0.2) -> float:
+def chain_sources(lookup: Collection[int] = frozenset(), cached: dict[int, int] | None = None,
+                  sources: dict[int, Source] | None = None) -> dict[int, Source]:
+    """Every chain node's (proposer name, calibration key): a ``lookup`` node is prompt lookup's
+    (LOOKUP, 0), or the n-gram cache's (NGRAMS, n) where ``cached`` gives it an n-gram length n > 0;
+    ``sources`` adds (or overrides) nodes. lookup {3, 4}, cached {4: 2} -> {3: ("lookup", 0),
+    4: ("ngrams", 2)}."""
+    cached = cached or {}
+    chain = {i: (NGRAMS, cached[i]) if cached.get(i, 0) > 0 else (LOOKUP, 0) for i in lookup}
+    if sources:
+        chain.update(sources)
+    return chain
+
+
+def _bin(path_prob: float) -> int:
+    return min(BINS - 1, max(0, int(path_prob * BINS)))
+
+
+def _ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
     return new if old is None else (1.0 - weight) * old + weight * new
-
-
-def _observe(w: list[float], decay: float, x: float, y: float) -> None:
-    """Exponentially weighted sums (n, x, y, xx, xy) for a least-squares line."""
-    for i in range(5):
-        w[i] *= decay
-    w[0] += 1.0
-    w[1] += x
-    w[2] += y
-    w[3] += x * x
-    w[4] += x * y
-
-
-def _line(w: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of the weighted least-squares line; slope 0 until x varies, never
-    negative; (0, 0) with no observations."""
-    n, sx, sy, sxx, sxy = w
-    if n <= 0:
-        return 0.0, 0.0
-    var = sxx / n - (sx / n) ** 2
-    slope = max(0.0, (sxy / n - (sx / n) * (sy / n)) / var) if var > 1e-6 else 0.0
-    return max(0.0, sy / n - slope * sx / n), slope
 
 
 def expanded_nodes(tree: FlatTree) -> int:
