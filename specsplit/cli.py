@@ -10,6 +10,9 @@
     specsplit config [ROLE]           a role's effective settings as JSON (all roles without ROLE)
     specsplit keys new [--dir D] [--name N]  a CURVE keypair (N.key public, N.key_secret mode 0600)
 
+Every command first applies `.env` of the working directory as `honcho start` reads it, its
+values over the shell's (specsplit.envfile; SPECSPLIT_ENV_FILE names other files, empty: none).
+
 Each command imports its own stack inside its function (the only imports inside functions here):
 the router and the orchestrator never load torch, `--help` loads neither torch nor zmq, and a
 worker sets OpenMP's environment before torch loads.
@@ -24,6 +27,7 @@ import signal
 import sys
 import threading
 
+from specsplit.envfile import EnvFileRead, apply_env_file
 from specsplit.openmp import WORKER_SPINCOUNT as WORKER_SPINCOUNT  # re-exported: its home was here
 from specsplit.openmp import set_wait_policy, set_worker_openmp
 from specsplit.supervise import supervise
@@ -87,7 +91,8 @@ def _role_usage(cmd: str, rest: list[str]) -> int:
         return api_main(rest)
     p = argparse.ArgumentParser(
         prog=f"specsplit {cmd}", description=ROLE_HELP[cmd], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Configured by SPECSPLIT_* environment variables (and .env under honcho start); "
+        epilog="Configured by SPECSPLIT_* environment variables and .env in the working directory (read as honcho "
+               "reads it, its values over the shell's; SPECSPLIT_ENV_FILE names other files); "
                f"`specsplit config {cmd}` prints the effective settings, docs/configuration.md lists them all. "
                "Runs supervised: restarted on a crash, stopped cleanly by SIGTERM.")
     p.parse_args(rest)
@@ -187,7 +192,7 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-def _config(argv: list[str]) -> int:
+def _config(argv: list[str], env_file: EnvFileRead | None) -> int:
     from specsplit.config import ROLES, effective_settings  # zmq (brokers.curve): not for `specsplit --help`
 
     if argv[:1] in (["-h"], ["--help"]):
@@ -209,6 +214,8 @@ def _config(argv: list[str]) -> int:
         return 2
     out = effective_settings(roles[0]) if len(roles) == 1 else {r: effective_settings(r) for r in roles}
     print(json.dumps(out, indent=2, sort_keys=True))
+    if env_file is not None:  # where the values came from, beside the JSON
+        print(env_file.describe(), file=sys.stderr)
     return 0
 
 
@@ -232,10 +239,16 @@ def _keys(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``specsplit`` command. As the process's command (``argv`` None: the console script,
+    ``python -m specsplit``) it applies the env file before any setting is read, so every role and
+    tool sees what ``honcho start`` would give it; a caller passing ``argv`` in-process (a test)
+    keeps its own environment untouched."""
+    as_command = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    env_file = apply_env_file() if as_command else None
     cmd, rest = argv[0], argv[1:]
     from specsplit.config import SupervisorSettings, check_removed_settings  # zmq: not for `specsplit --help`
 
@@ -262,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         return _bench(rest)
     if cmd == "config":
-        return _config(rest)
+        return _config(rest, env_file)
     if cmd == "keys":
         return _keys(rest)
     print(f"specsplit: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)

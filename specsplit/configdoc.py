@@ -80,8 +80,12 @@ COMMANDS: dict[str, tuple[type[BaseSettings], ...]] = {
 # An unset SPECSPLIT_SPECPV_* takes SpecPVSpec's default and bounds once SpecPV is on.
 FALLBACKS: dict[type[BaseSettings], tuple[str, type]] = {OrchestratorSettings: ("specpv_", SpecPVSpec)}
 
-# SPECSPLIT_* variables that no settings class reads: tools, tests and an internal marker.
+# SPECSPLIT_* variables that no settings class reads: the env file, tools, tests, an internal marker.
 OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
+    ("SPECSPLIT_ENV_FILE", ("The env files every `specsplit` command applies first, comma-separated, relative to "
+                            "the working directory; empty: none. Unset: `.env`, or none in a process `honcho start` "
+                            "started (it has honcho's). A command sets it empty for the processes it starts "
+                            "(specsplit.envfile).")),
     ("SPECSPLIT_SUPERVISED_CHILD", "Set by the supervisor in the role it starts (specsplit.supervise); not for users."),
     ("SPECSPLIT_FUZZ_SEED", "Seed of `python -m specsplit.fuzz` and tests/test_fuzz.py (unset: random; 16)."),
     ("SPECSPLIT_FUZZ_COUNT", "Cases of `python -m specsplit.fuzz` and tests/test_fuzz.py (unset: 10000)."),
@@ -95,16 +99,18 @@ INTRO = f"""\
 <!-- Generated from the settings classes by `{COMMAND}`; do not edit by hand. -->
 
 Every SpecSplit process reads its settings from `SPECSPLIT_*` environment variables
-(pydantic-settings; names are case-insensitive). Under `honcho start`, honcho also reads `.env` in
-the repository root, and its values win over the shell's. A variable means the same in every
-process that reads it: the addresses, CURVE keys, heartbeats and logging below are set once for
-the whole fleet.
+(pydantic-settings; names are case-insensitive). `honcho start` and every `specsplit` command also
+read `.env` in the working directory, with honcho's parser, and its values win over the shell's:
+a setting means the same under honcho and in a plain shell. `SPECSPLIT_ENV_FILE` names other files
+(empty: none); a process started by honcho or by a `specsplit` command inherits the values and
+reads no file again (specsplit/envfile.py). A variable means the same in every process that reads
+it: the addresses, CURVE keys, heartbeats and logging below are set once for the whole fleet.
 
 `specsplit config ROLE` prints the settings a ROLE (router, draft, target, orchestrator, produce,
-api) would run with in this environment, with the values derived from them, as JSON;
-`specsplit config` prints every role's. This page is generated from each setting's definition
-(`Field(description=...)` in brokers/settings.py, specsplit/config.py and
-specsplit/models/settings.py): after changing one, run `{COMMAND}`.
+api) would run with in this environment, with the values derived from them, as JSON, and on stderr
+which variables the env file set; `specsplit config` prints every role's. This page is generated
+from each setting's definition (`Field(description=...)` in brokers/settings.py,
+specsplit/config.py and specsplit/models/settings.py): after changing one, run `{COMMAND}`.
 
 Types: a boolean is `true` or `false` (also `1`/`0`, `yes`/`no`); `unset` means the variable is
 not set; durations (`*_S`) are in seconds.
@@ -261,7 +267,7 @@ def render() -> str:
         *(f"| `{name}` | {_cell(why)} |" for name, why in REMOVED_SETTINGS.items())]) + "\n")
     parts.append("\n".join([
         "## Other variables\n",
-        "Read outside the settings classes, by tools and tests.\n",
+        "Read outside the settings classes: by the `specsplit` command itself, tools and tests.\n",
         "| Variable | Meaning |", "|---|---|",
         *(f"| `{name}` | {_cell(why)} |" for name, why in OTHER_VARIABLES)]) + "\n")
     return "\n".join(parts)

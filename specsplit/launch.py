@@ -77,6 +77,11 @@ class Fleet:
 
     @classmethod
     def create(cls, tmp: Path, preset: str = "tiny", threads: int = 1, metrics: bool = False, **extra_env) -> Fleet:
+        """A fleet whose processes get exactly this environment: the launcher's (holding whatever env
+        file its own ``specsplit`` command applied) with the pins below and ``extra_env`` over it.
+        They read no env file (SPECSPLIT_ENV_FILE empty, specsplit.envfile): from the repository
+        root a test fleet would otherwise take the real models' .env (int8 kernels) over its pins.
+        They run in the launcher's directory, so the relative paths it passes keep their meaning."""
         names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch"]
         ports = dict(zip(names, free_ports(len(names))))
         addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
@@ -101,6 +106,7 @@ class Fleet:
             "SPECSPLIT_METRICS_PORT": "0",
             # the fleet's own secret file (created 0600 by its first process), unless one is configured
             "SPECSPLIT_FLEET_SECRET_FILE": os.environ.get("SPECSPLIT_FLEET_SECRET_FILE") or str(tmp / "fleet.secret"),
+            "SPECSPLIT_ENV_FILE": "",  # no .env of the working directory over the pins (see above)
             **{k: str(v) for k, v in extra_env.items()},
         }
         return cls(tmp=tmp, env=env, ports=ports, metrics=metrics)

@@ -26,3 +26,11 @@ def test_a_role_refuses_arguments_it_does_not_take():
     out = subprocess.run([sys.executable, "-m", "specsplit", "target", "--threads", "2"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "unrecognized arguments" in out.stderr
+
+
+def test_a_roles_usage_says_where_its_settings_come_from():
+    out = subprocess.run([sys.executable, "-m", "specsplit", "orchestrator", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True)
+    text = " ".join(out.stdout.split())
+    assert ".env in the working directory" in text and "its values over the shell's" in text
+    assert "SPECSPLIT_ENV_FILE" in text

@@ -35,6 +35,13 @@ def test_every_variable_appears_in_the_committed_file_with_its_default():
     assert "`true`" in rows["SPECSPLIT_PACK_WEIGHTS"] and "| unset |" in rows["SPECSPLIT_WORKER_ID"]
 
 
+def test_the_intro_states_how_the_env_file_is_read():
+    intro = " ".join(configdoc.render().split("## Contents")[0].split())
+    assert "every `specsplit` command also read `.env` in the working directory" in intro
+    assert "its values win over the shell's" in intro and "`SPECSPLIT_ENV_FILE`" in intro
+    assert "| `SPECSPLIT_ENV_FILE` |" in configdoc.render()
+
+
 def test_committed_file_is_current():
     assert DOC.read_text() == configdoc.render(), (
         f"{configdoc.DOC_PATH} is stale: regenerate it with `{configdoc.COMMAND}` and commit it")
