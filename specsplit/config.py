@@ -209,6 +209,16 @@ class OrchestratorSettings(SessionLimitSettings):
         "`fixed`: the whole tree as configured."))
     lookup_min_ngram: int = Field(default=3, ge=1, le=16, description=(
         "Shortest run of the context's last tokens that prompt lookup matches earlier in the context."))
+    proposers: str = Field(default="", description=(
+        "What proposes each round's tokens, in order, comma-separated (specsplit.proposers): `draft` (the "
+        "draft model's tree), `lookup` (prompt lookup), `ngrams` (the cross-session n-gram cache, asked where "
+        "lookup finds nothing), `repeat_line` (the rest of the previous line; loads the target's tokenizer). "
+        "Empty: from SPECSPLIT_SPECULATOR, SPECSPLIT_LOOKUP_MAX_TOKENS and SPECSPLIT_LOOKUP_CACHE_KEYS."))
+    trace_file: str | None = Field(default=None, description=(
+        "Write one JSON line per round to this file (round traces: the proposed tree, the cost model's choice, "
+        "the verdict, measured times; `specsplit bench --record-trace`). Unset: off."))
+    trace_max_mb: int = Field(default=256, ge=1, le=65536, description=(
+        "The round trace file stops growing at this many MiB."))
     grow: bool = Field(default=True, description=(
         "Greedy sessions: the draft worker keeps expanding the tree while the target verifies it, and the next "
         "round re-roots it at the bonus token."))
@@ -289,6 +299,11 @@ class OrchestratorSettings(SessionLimitSettings):
     def tree(self) -> TreeSpec:
         return TreeSpec(max_nodes=self.tree_max_nodes, max_depth=self.tree_max_depth, branch=self.tree_branch,
                         min_path_prob=self.tree_min_path_prob)
+
+    def proposer_names(self) -> tuple[str, ...] | None:
+        """SPECSPLIT_PROPOSERS as names, or None: derived from the speculator and lookup settings."""
+        names = tuple(n.strip() for n in self.proposers.split(",") if n.strip())
+        return names or None
 
 
 class SupervisorSettings(CommonSettings):

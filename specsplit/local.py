@@ -11,7 +11,7 @@ import time
 
 from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
-from specsplit.orchestrator.state import Plan, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
+from specsplit.orchestrator.state import Candidates, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.target import TargetEngine
@@ -76,7 +76,7 @@ def generate(
             spec = cost_model.draft_spec(spec)
         sync_tokens = len(cur.target_sync().append_token_ids)
         if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
-            plan = Plan(root_only(cur.committed[-1]), frozenset())
+            plan = Candidates(root_only(cur.committed[-1]))
         else:
             d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
                                                 root=cur.committed[-1], tree=spec, sampling=sampling))
@@ -94,7 +94,7 @@ def generate(
         _raise_if_error(v_reply)
         new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:
-            cost_model.observe_round(verify_tree, v_reply.accepted_nodes, set(plan.lookup))
+            cost_model.observe_round(verify_tree, v_reply.accepted_nodes, sources=plan.sources)
             # not the prompt's prefill, nor a SpecPV partial round (as the orchestrator learns)
             if rnd > 0 and sync_tokens <= SMALL_SYNC and not v_reply.partial:
                 wall_ms = (time.perf_counter() - t_round) * 1e3

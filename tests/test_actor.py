@@ -38,7 +38,7 @@ def run_actor(draft, target, prompt, n, **policy):
     actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, **policy), out.append)
     done = asyncio.run(actor.run())
     assert isinstance(out[-1], GenerateDone)
-    assert actor._grow_task is None  # no grow request is left behind with its session
+    assert all(getattr(p, "_grow_task", None) is None for p in actor.proposers)  # no grow request left behind
     grows = [m for m in d_rpc.requests if isinstance(m, GrowRequest)]
     return done, grows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import zmq
 import zmq.asyncio
@@ -27,6 +28,8 @@ from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.orchestrator.admission import Admission
 from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.ngrams import NgramCache
+from specsplit.orchestrator.trace import TraceWriter
+from specsplit.proposers.base import build_shared, resolve
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 
@@ -41,6 +44,7 @@ class Orchestrator:
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
             specpv=settings.specpv_spec(), lookup_only=settings.speculator == "lookup",
+            proposers=settings.proposer_names(),
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.owners: dict[str, bytes] = {}  # running session -> the producer connection that started it (bounded with sessions)
@@ -49,9 +53,17 @@ class Orchestrator:
                                    client_share=settings.orchestrator_client_share)
         # one cost model for all sessions: same models, same machine
         self.cost = CostModel() if settings.tree_budget == "cost" else None
-        # one n-gram cache for all sessions: what earlier answers continued with (lookup candidates)
-        self.ngrams = (NgramCache(settings.lookup_cache_keys)
-                       if settings.lookup_cache_keys > 0 and settings.lookup_max_tokens > 0 else None)
+        # the proposers' shared resources, one per process (the n-gram cache: what earlier answers
+        # continued with); ValueError naming an unknown proposer before anything binds
+        names = self.policy.proposer_names(ngrams=settings.lookup_cache_keys > 0 and settings.lookup_max_tokens > 0)
+        self.policy = replace(self.policy, proposers=names)
+        self.proposers = build_shared(resolve(names), self.policy, settings)
+        self.ngrams: NgramCache | None = self.proposers.resources.get("ngrams")
+        self.trace = (TraceWriter(settings.trace_file, max_bytes=settings.trace_max_mb << 20,
+                                  header={"proposers": list(names), "tree": settings.tree().model_dump(),
+                                          "tree_budget": settings.tree_budget,
+                                          "lookup_max_tokens": settings.lookup_max_tokens, "grow": settings.grow})
+                      if settings.trace_file else None)
         # served over HTTP by the process's main path (specsplit.cli), never from here
         self.metrics = OrchestratorMetrics(positions=settings.tree_max_depth)
         self.metrics.watch(lambda: len(self.sessions), lambda: self.admission.waiting)
@@ -117,6 +129,8 @@ class Orchestrator:
         self.sock.close(linger=0)
         if self.curve is not None:
             release_zap(self.ctx)
+        if self.trace is not None:
+            self.trace.close()
         self.log.info("orchestrator_stopped")
 
     # ---- frontend ---------------------------------------------------------------------
@@ -183,7 +197,7 @@ class Orchestrator:
 
         self.metrics.queue_wait.observe(queued_s)
         actor = SessionActor(req, self.draft_rpc, self.target_rpc, self.policy, emit, self.cost,
-                             metrics=self.metrics, queued_s=queued_s, ngrams=self.ngrams)
+                             metrics=self.metrics, queued_s=queued_s, shared=self.proposers, trace=self.trace)
         task = asyncio.ensure_future(actor.run())
         self.sessions[sid] = task
         self.owners[sid] = client

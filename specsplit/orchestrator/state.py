@@ -7,13 +7,14 @@ cache holds exactly ``committed[:-1]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from schemas import CacheSync, FlatTree, TreeSpec, VerifyReply
-from schemas import SamplingSpec
+from schemas import CacheSync, FlatTree, SamplingSpec, TreeSpec, VerifyReply
 from specsplit.orchestrator.costmodel import Choice, CostModel, select_nodes
 from specsplit.orchestrator.ngrams import NgramCache
-from specsplit.tree import depths_of, lookup_continuation, merge_chain
+from specsplit.proposers.base import Budget, Proposal, Proposer, Shared
+from specsplit.tree import depths_of, merge_chain
 
 
 @dataclass
@@ -184,46 +185,95 @@ def accept_new(out: list[int], new: list[int], max_new_tokens: int, stop: set[in
     return False
 
 
+MAX_MERGED_NODES = 256  # a merged tree never exceeds the protocol's tree size (schemas.MAX_TREE_NODES)
+CACHE_SOURCE = "ngrams"  # the proposer whose nodes the n-gram cache metrics count
+
 
 @dataclass(frozen=True)
-class Plan:
-    """What a round verifies: the tree, which of its nodes came from prompt lookup (of those, the
-    ones the cross-session n-gram cache proposed, with the length of the n-gram that proposed
-    each), and what the cost model expects of it (None without one)."""
+class Candidates:
+    """What a round verifies: the tree, where each of its nodes came from (``sources``: chain
+    nodes -> (proposer, key); the rest: the root or the tree proposer's), what the cost model
+    expects of it (None without one), and the merged tree it was chosen from (round traces)."""
 
     tree: FlatTree
-    lookup: frozenset[int]
+    sources: dict[int, tuple[str, int]] = field(default_factory=dict)
     choice: Choice | None = None
-    cached: dict[int, int] = field(default_factory=dict)
+    drafted: Proposal | None = None  # the tree proposer's proposal, if one was asked
+    merged: FlatTree | None = None
+    merged_sources: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+    @property
+    def cached(self) -> dict[int, int]:
+        """The nodes the n-gram cache proposed, with the length of the n-gram behind each."""
+        return {i: key for i, (name, key) in self.sources.items() if name == CACHE_SOURCE}
+
+    @property
+    def lookup(self) -> frozenset[int]:
+        """The nodes chain proposers added (prompt lookup, the n-gram cache, ...)."""
+        return frozenset(self.sources)
+
+
+def asks(p: Proposer, chains: list) -> bool:
+    """Whether chain proposer ``p`` is asked, given the chains proposed before it (a fallback
+    only where none was)."""
+    return p.kind == "chain" and not (p.fallback and chains)
+
+
+def merge(tree: FlatTree, chains: Sequence[tuple[str, Proposal]], spec: TreeSpec,
+          chain_tokens: int) -> tuple[FlatTree, dict[int, tuple[str, int]]]:
+    """``tree`` with each chain hung under its root in order (followed where existing nodes
+    spell it), at most ``chain_tokens`` nodes added in all and within ``spec.max_depth``; and
+    the source of each added node: (proposer, the key of its token, the chain's token at depth
+    d being chain[d - 1] however much of it merged)."""
+    n_draft = tree.num_nodes
+    sources: dict[int, tuple[str, int]] = {}
+    for name, prop in chains:
+        before = tree.num_nodes
+        tree = merge_chain(tree, list(prop.chain), max_depth=spec.max_depth,
+                           max_nodes=min(MAX_MERGED_NODES, n_draft + chain_tokens))
+        if tree.num_nodes > before:
+            depths = depths_of(tree.parents)
+            keys = list(prop.keys) or [0] * len(prop.chain)
+            sources.update({i: (name, keys[depths[i] - 1]) for i in range(before, tree.num_nodes)})
+    return tree, sources
+
+
+def select(tree: FlatTree, sources: dict[int, tuple[str, int]], cost: CostModel | None, *, sync_tokens: int,
+           plain: bool, drafted: Proposal | None = None) -> Candidates:
+    """The nodes of ``tree`` the cost model finds worth their verify time (all without one)."""
+    if cost is None:
+        return Candidates(tree, sources, None, drafted, tree, sources)
+    choice = cost.choose(tree, sync_tokens, sources=sources, plain=plain)
+    index = {old: new for new, old in enumerate(choice.nodes)}
+    kept = {index[i]: src for i, src in sources.items() if i in index}
+    return Candidates(select_nodes(tree, choice.nodes), kept, choice, drafted, tree, sources)
+
 
 
 def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
                lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
-               sync_tokens: int = 0, plain: bool = False, ngrams: NgramCache | None = None) -> Plan:
+               sync_tokens: int = 0, plain: bool = False, ngrams: NgramCache | None = None) -> Candidates:
     """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
     ends with the tree's root) or, where the context has none, the cross-session n-gram cache's
     (``ngrams``), within the round's depth and ``lookup_max_tokens`` extra nodes; then, with a
     cost model, only the nodes that pay for their verify time. Sampled rounds keep the draft's
-    tree as drawn (dropping drawn children by value would bias the output). ``plain``: a round
-    that called no draft (``tree`` is its root alone), priced as such."""
+    tree as drawn. ``plain``: a round that called no draft (``tree`` is its root alone), priced as
+    such. The in-process reference loop's (``specsplit.local``) form of ``rounds.propose``, with
+    the same chain proposers."""
     if not sampling.greedy:
-        return Plan(tree, frozenset())
-    n_draft = tree.num_nodes
-    lengths: list[int] = []
+        return Candidates(tree, merged=tree)
+    from types import SimpleNamespace
+
+    from specsplit.proposers.ngram_cache import NgramCacheProposer
+    from specsplit.proposers.prompt_lookup import PromptLookup
+
+    shared = Shared(policy=SimpleNamespace(lookup_min_ngram=lookup_min_ngram),
+                    resources={"ngrams": ngrams} if ngrams is not None else {})
+    chains: list[tuple[str, Proposal]] = []
     if lookup_max_tokens > 0 and spec.max_depth >= 1:
-        most = min(lookup_max_tokens, spec.max_depth)
-        chain = lookup_continuation(committed, max_tokens=most, min_ngram=lookup_min_ngram)
-        if not chain and ngrams is not None:
-            chain, lengths = ngrams.continuation(committed, max_tokens=most)
-        tree = merge_chain(tree, chain, max_depth=spec.max_depth, max_nodes=min(256, n_draft + lookup_max_tokens))
-    lookup = frozenset(range(n_draft, tree.num_nodes))
-    cached: dict[int, int] = {}
-    if lengths and lookup:  # the chain's token at depth d is chain[d - 1], however much of it merged
-        depths = depths_of(tree.parents)
-        cached = {i: lengths[depths[i] - 1] for i in lookup}
-    if cost is None:
-        return Plan(tree, lookup, cached=cached)
-    choice = cost.choose(tree, sync_tokens, lookup, plain=plain, cached=cached)
-    index = {old: new for new, old in enumerate(choice.nodes)}
-    return Plan(select_nodes(tree, choice.nodes), frozenset(index[i] for i in lookup if i in index), choice,
-                {index[i]: n for i, n in cached.items() if i in index})
+        budget = Budget(spec, min(lookup_max_tokens, spec.max_depth))
+        for p in (PromptLookup(None, shared), NgramCacheProposer(None, shared)):
+            if asks(p, chains) and (prop := p.suggest(committed, budget)) is not None and prop.chain:
+                chains.append((p.name, prop))
+    merged, sources = merge(tree, chains, spec, lookup_max_tokens)
+    return select(merged, sources, cost, sync_tokens=sync_tokens, plain=plain)
