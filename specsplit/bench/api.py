@@ -240,8 +240,9 @@ def parse(argv):
                    help="the API's door: chat (the prompt as the user message) or completions (the token ids "
                         "produce sends); default: chat where the template is applied")
     p.add_argument("--env-file", default=None,
-                   help="the fleet's default settings (default: ./.env as honcho reads it, else the repository's; "
-                        "'none': the shell's only)")
+                   help="the fleet's default settings (default: ./.env, which every specsplit command applies, "
+                        "else the repository's; 'none': only what the command applied, and "
+                        "SPECSPLIT_ENV_FILE= keeps it from applying ./.env)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.add_argument("--keep-logs", action="store_true", help="keep the fleet's logs (kept anyway when the run fails)")

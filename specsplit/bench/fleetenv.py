@@ -1,6 +1,7 @@
-"""The fleet's default settings as ``honcho start`` gives them: the repository's ``.env`` (e.g. the
-int8 kernels of both roles), under whatever the shell already sets, so a bench runs the fleet the
-operator runs and can still override one setting from the shell."""
+"""The fleet's default settings as ``honcho start`` gives them: the ``.env`` the ``specsplit``
+command already applied (``specsplit.envfile``), or, run from a directory without one, the
+repository's (e.g. the int8 kernels of both roles) under whatever the shell sets, so a bench runs
+the fleet the operator runs. Parsed by honcho's own parser, as every env file here."""
 
 from __future__ import annotations
 
@@ -16,23 +17,16 @@ FLEET_OWNED = ("SPECSPLIT_DRAFT_BACKEND", "SPECSPLIT_TARGET_BACKEND", "SPECSPLIT
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines (``#`` comments, optional ``export``, optional quotes), as honcho reads them."""
-    out = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, value = line.removeprefix("export ").split("=", 1)
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        out[key.strip()] = value
-    return out
+    """KEY=VALUE lines as honcho reads them (its parser)."""
+    from honcho.environ import parse
+
+    return dict(parse(path.read_text()))
 
 
 def fleet_defaults(path: str | Path | None = None, environ=None) -> dict[str, str]:
-    """The env file's entries the shell does not set (``path`` None: ./.env, as honcho reads it,
-    else the repository's; "none" or a missing file: nothing)."""
+    """The env file's entries the environment does not set (``path`` None: ./.env, which the
+    command has applied already, else the repository's; "none" or a missing file: nothing beyond
+    what the command applied: ``SPECSPLIT_ENV_FILE=`` keeps it from applying ./.env too)."""
     environ = os.environ if environ is None else environ
     if path is None:
         path = Path(".env") if Path(".env").is_file() else ENV_FILE

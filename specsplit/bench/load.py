@@ -305,8 +305,9 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--chat", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--env-file", default=None,
-                   help="the fleet's default settings (default: ./.env as honcho reads it, else the repository's; "
-                        "'none': the shell's only)")
+                   help="the fleet's default settings (default: ./.env, which every specsplit command applies, "
+                        "else the repository's; 'none': only what the command applied, and "
+                        "SPECSPLIT_ENV_FILE= keeps it from applying ./.env)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.add_argument("--keep-logs", action="store_true", help="keep the fleet's logs (kept anyway when the run fails)")

@@ -238,8 +238,9 @@ def parse(argv):
     p.add_argument("--sample-every", type=int, default=100)
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed RSS growth from --rss-from to the end")
     p.add_argument("--env-file", default=None,
-                   help="the fleet's default settings (default: ./.env as honcho reads it, else the repository's; "
-                        "'none': the shell's only)")
+                   help="the fleet's default settings (default: ./.env, which every specsplit command applies, "
+                        "else the repository's; 'none': only what the command applied, and "
+                        "SPECSPLIT_ENV_FILE= keeps it from applying ./.env)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
     if not 0 < args.rss_from < args.sessions or args.concurrency < 1 or args.sample_every < 1 or args.distinct < 1:
