@@ -6,9 +6,14 @@ Prints a markdown table, writes ``--json FILE`` (per-prompt rows and ``summary.s
 / ``summary.speedup_vs_assisted``: ratios of total tokens over total time) and a PNG plot.
 With a llama.cpp build (--llamacpp-bin DIR or SPECSPLIT_LLAMACPP_BIN), ``--systems ...,llamacpp``
 adds the target alone through llama.cpp on the same GGUF (``summary.speedup_vs_llamacpp``).
+``--systems ...,specsplit_ref --ref-source DIR`` adds a second fleet, with the same settings,
+running the code of the checkout DIR: an A/B of a change against a commit in one run
+(``summary.speedup_vs_ref``, ``identical_to_ref``).
 
     specsplit bench --limit 20 --max-new-tokens 128 --json runs/bench.json
     specsplit bench --prompts chat10 --systems target,specsplit,llamacpp --llamacpp-bin DIR
+    git worktree add /tmp/before HEAD~1
+    specsplit bench --limit 10 --systems target,specsplit,specsplit_ref --ref-source /tmp/before
 """
 
 from __future__ import annotations
@@ -18,13 +23,27 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from specsplit.bench import import_torch_as_users_run_it
 from specsplit.bench import llamacpp as LL
 from specsplit.bench import report as R
-from specsplit.bench.systems import Answer, FleetRunner, HFRunner, humaneval_prompts, jsonl_prompts
+from specsplit.bench.systems import (
+    Answer,
+    FleetRunner,
+    HFRunner,
+    checkout_commit,
+    checkout_env,
+    humaneval_prompts,
+    jsonl_prompts,
+    require_checkout,
+)
+
+TRACE_ENV = "SPECSPLIT_TRACE_FILE"  # the orchestrator's per-round trace (JSON lines), where it has one
+
+
+def absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def parse(argv):
@@ -40,7 +59,14 @@ def parse(argv):
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
     p.add_argument("--systems", default="target,assisted,specsplit",
                    help="comma list of: target, target_packed (the target alone with the fleet's packed weights), "
-                        "assisted, specsplit, llamacpp (the target alone through llama.cpp, needs --llamacpp-bin)")
+                        "assisted, specsplit, specsplit_ref (the same fleet on another checkout's code, needs "
+                        "--ref-source), llamacpp (the target alone through llama.cpp, needs --llamacpp-bin)")
+    p.add_argument("--ref-source", type=absolute, default=None, metavar="DIR",
+                   help="a checkout of this repository (e.g. `git worktree add /tmp/before COMMIT`) whose code the "
+                        "specsplit_ref fleet runs, with the specsplit fleet's settings")
+    p.add_argument("--record-trace", type=absolute, default=None, metavar="FILE",
+                   help=f"the specsplit fleet's orchestrator writes one JSON line per round to FILE ({TRACE_ENV}); "
+                        "not the specsplit_ref fleet's")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads of the baselines")
     p.add_argument("--draft-threads", type=int, default=None, help="default: the workers' default")
     p.add_argument("--target-threads", type=int, default=None, help="default: the workers' default")
@@ -97,6 +123,7 @@ def fleet_env(args, model_settings) -> dict:
            "SPECSPLIT_SPECULATOR": args.speculator,
            "SPECSPLIT_DRAFT_ENGINE": args.draft_engine or args.engine, "SPECSPLIT_TARGET_ENGINE": args.engine,
            "SPECSPLIT_DRAFT_DTYPE": args.draft_dtype, "SPECSPLIT_TARGET_DTYPE": args.target_dtype,
+           TRACE_ENV: args.record_trace,
            "SPECSPLIT_LOG_LEVEL": "INFO"}  # the fleet's logs go to files; readiness is read from them
     return {k: str(v) for k, v in env.items() if v is not None}
 
@@ -120,10 +147,7 @@ def main(argv=None) -> int:
     ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
     args.draft_dtype = args.draft_dtype or model_dtype("draft", ms)
     args.target_dtype = args.target_dtype or model_dtype("target", ms)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(R.SYSTEMS)
-    if unknown or not systems:
-        raise SystemExit(f"specsplit bench: --systems takes a comma list of {', '.join(R.SYSTEMS)} (got {args.systems!r})")
+    systems = check_systems(args)
     if "llamacpp" in systems:  # before any model loads: fail fast without a build or a GGUF
         if args.temperature > 0:
             raise SystemExit("specsplit bench: the llamacpp system runs greedy only (--temperature 0)")
@@ -137,15 +161,12 @@ def main(argv=None) -> int:
 
     llama = (LL.LlamaCppRunner(llama_bin, Path(args.llamacpp_model), args.llamacpp_threads, codec.tok)
              if "llamacpp" in systems else None)
-    fleet = runner = None
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
+    fleets, runners = create_fleets(args, ms, systems, tmp), {}
     try:
-        if "specsplit" in systems:
-            from schemas import SamplingSpec
-            from specsplit.launch import Fleet
-
-            fleet = Fleet.create(tmp, preset=ms.preset, threads=1, **fleet_env(args, ms)).start(fleet_drafts(args), 1)
-            log(f"fleet starting (logs in {tmp})")
+        for name, fleet in fleets.items():
+            fleet.start(fleet_drafts(args), 1)
+            log(f"{name}: fleet starting (logs in {fleet.tmp})")
         hf = llama_target = None
         if args.engine == "llamacpp" and "target" in systems:
             from specsplit.bench.systems import LlamaTargetRunner
@@ -153,8 +174,6 @@ def main(argv=None) -> int:
 
             llama_target = LlamaTargetRunner(resolve_gguf("target", ms), args.threads, codec.stop_token_ids)
         if {"target", "target_packed", "assisted"} & set(systems) - ({"target"} if llama_target else set()):
-            import torch
-
             from specsplit.backends import CpuBackend
 
             # the target alone runs the fleet target's kernels (int8 / packed weights), so the
@@ -170,12 +189,7 @@ def main(argv=None) -> int:
 
                 hf.packed_target = load_model(paths.target, dtype=args.target_dtype)[0]
                 log(f"target_packed: {pack_linear_weights(hf.packed_target)} Linear layers packed")
-        if fleet is not None:
-            fleet.wait_ready(drafts=fleet_drafts(args), timeout_s=900)
-            runner = FleetRunner(fleet.orchestrator, codec.stop_token_ids,
-                                 SamplingSpec(temperature=args.temperature, seed=args.seed))
-            runner.start()
-            runner.warm(encoded[0])
+        connect_fleets(args, fleets, runners, codec.stop_token_ids, encoded[0])
         if hf is not None and "assisted" in systems:
             if args.assisted_tokens == "auto":
                 best = hf.tune_assisted(encoded[0], min(48, args.max_new_tokens), log, assisted_drafts(hf.draft))
@@ -183,19 +197,21 @@ def main(argv=None) -> int:
             else:
                 hf.assisted_kwargs = {"num_assistant_tokens": int(args.assisted_tokens),
                                       "num_assistant_tokens_schedule": "constant"}
-        rows = run_all(args, systems, texts, encoded, hf, runner, llama, llama_target)
+        rows = run_all(args, systems, texts, encoded, hf, runners, llama, llama_target)
     finally:
         if llama_target is not None:
             llama_target.close()
-        if runner is not None:
+        for runner in runners.values():
             runner.close()
-        if fleet is not None:
+        for fleet in fleets.values():
             fleet.stop()
     summary = R.summarize(rows)
     print(R.markdown(rows, summary))
     config = {k: v for k, v in vars(args).items()} | {"draft": str(paths.draft), "target": str(paths.target),
                                                        "assisted_kwargs": hf.assisted_kwargs if hf else None,
-                                                       "cpu_count": os.cpu_count()}
+                                                       "cpu_count": os.cpu_count(),
+                                                       "ref_commit": checkout_commit(Path(args.ref_source))
+                                                       if args.ref_source else None}
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         R.write_json(args.json_path, config, rows, summary)
@@ -203,6 +219,54 @@ def main(argv=None) -> int:
         R.plot(plot_path, rows, summary)
         log(f"wrote {args.json_path} and {plot_path}")
     return 0
+
+
+def check_systems(args) -> list[str]:
+    """The systems --systems names, each known and given what it needs (before any model loads)."""
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(R.SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"specsplit bench: --systems takes a comma list of {', '.join(R.SYSTEMS)} (got {args.systems!r})")
+    if ("specsplit_ref" in systems) != bool(args.ref_source):
+        raise SystemExit("specsplit bench: the specsplit_ref system and --ref-source DIR go together")
+    return systems
+
+
+def create_fleets(args, model_settings, systems: list[str], tmp: Path) -> dict:
+    """A fleet (not started) for each fleet system in ``systems``, logging in tmp/NAME, all with
+    fleet_env's settings; specsplit_ref's runs --ref-source's code and records no trace (that
+    code may not know the setting). Exits before anything starts when specsplit_ref's processes
+    would not import --ref-source's packages."""
+    from specsplit.launch import Fleet
+
+    fleets = {}
+    if args.record_trace and "specsplit" in systems:
+        Path(args.record_trace).parent.mkdir(parents=True, exist_ok=True)
+    for name in (n for n in R.FLEETS if n in systems):
+        ref = name == "specsplit_ref"
+        fleets[name] = Fleet.create(tmp / name, preset=model_settings.preset, threads=1, **fleet_env(args, model_settings),
+                                    **(checkout_env(Path(args.ref_source)) if ref else {}))
+        if ref:
+            fleets[name].env.pop(TRACE_ENV, None)  # fleet_env's, or one the shell set
+            found = require_checkout(Path(args.ref_source), fleets[name].env)
+            log(f"specsplit_ref runs {args.ref_source}: {', '.join(found.values())}")
+    ports = [p for f in fleets.values() for p in f.ports.values()]
+    if len(set(ports)) != len(ports):  # each fleet picked free ports on its own, none bound yet
+        raise SystemExit(f"specsplit bench: the fleets drew the same free port ({sorted(ports)}); run it again")
+    return fleets
+
+
+def connect_fleets(args, fleets: dict, runners: dict, stop_ids: list[int], warm_ids: list[int]) -> None:
+    """Waits for each started fleet and adds its client to ``runners`` (the caller closes them,
+    even after a failure here), warmed on one prompt."""
+    from schemas import SamplingSpec
+
+    for name, fleet in fleets.items():
+        fleet.wait_ready(drafts=fleet_drafts(args), timeout_s=900)
+        runners[name] = FleetRunner(fleet.orchestrator, stop_ids,
+                                    SamplingSpec(temperature=args.temperature, seed=args.seed))
+        runners[name].start()
+        runners[name].warm(warm_ids)
 
 
 def assisted_drafts(draft) -> dict:
@@ -218,14 +282,14 @@ def assisted_drafts(draft) -> dict:
     return {str(next(draft.parameters()).dtype).removeprefix("torch."): draft, "int8-dynamic": int8}
 
 
-def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None, llama_target=None) -> list[dict]:
+def run_all(args, systems, texts, encoded, hf, fleet_runners: dict, llama=None, llama_target=None) -> list[dict]:
     from tqdm import tqdm
 
     target = llama_target or hf
     calls = {"target": (lambda ids: target.target_alone(ids, args.max_new_tokens)),
              "target_packed": (lambda ids: hf.target_alone(ids, args.max_new_tokens, hf.packed_target)),
              "assisted": (lambda ids: hf.assisted(ids, args.max_new_tokens)),
-             "specsplit": (lambda ids: fleet_runner(ids, args.max_new_tokens)),
+             **{n: (lambda ids, n=n: fleet_runners[n](ids, args.max_new_tokens)) for n in fleet_runners},
              "llamacpp": (lambda ids: llama(ids, args.max_new_tokens))}
     rows = []
     for i, (text, ids) in enumerate(tqdm(list(zip(texts, encoded)), desc="bench", file=sys.stderr)):
@@ -241,9 +305,7 @@ def run_all(args, systems, texts, encoded, hf, fleet_runner, llama=None, llama_t
             log(f"prompt {args.offset + i}: {row['divergence']['cause']}")
         rows.append(row)
         log(" ".join(f"{n}={answers[n].tok_s:.2f}" for n in systems) + " tok/s"
-            + (f" identical={row.get('identical_to_target')}" if "identical_to_target" in row else "")
-            + (f" llamacpp_identical={row['llamacpp_identical_to_target']}"
-               if "llamacpp_identical_to_target" in row else ""))
+            + "".join(f" {key}={row[key]}" for key, *_ in R.IDENTITY if key in row))
     return rows
 
 

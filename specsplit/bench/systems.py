@@ -1,6 +1,6 @@
 """The systems `specsplit bench` compares, each answering one prompt (token ids in, new token ids
-and seconds out): the target alone, transformers assisted generation, the fleet (llama.cpp, the
-anchor, is in ``llamacpp.py``)."""
+and seconds out): the target alone, transformers assisted generation, the fleet, and the fleet
+on another checkout's code (llama.cpp, the anchor, is in ``llamacpp.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import asyncio
 import gzip
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,3 +217,52 @@ class FleetRunner:
         if self.client is not None:
             self.loop.run_until_complete(self.client.close())
         self.loop.close()
+
+
+CHECKOUT_PACKAGES = ("specsplit", "schemas", "brokers")  # what a fleet process imports of the repository
+
+
+def checkout_env(source: Path) -> dict[str, str]:
+    """The environment under which ``python -m specsplit`` runs the checkout ``source``'s code: its
+    root first on PYTHONPATH (the path finder comes before the venv's editable-install finder), and
+    PYTHONSAFEPATH=1, without which ``-m`` puts the current directory ahead of PYTHONPATH (the
+    bench's own checkout when it runs from one), e.g. checkout_env(Path("/tmp/before")) ==
+    {"PYTHONPATH": "/tmp/before", "PYTHONSAFEPATH": "1"} in a shell without PYTHONPATH."""
+    paths = [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(paths), "PYTHONSAFEPATH": "1"}
+
+
+def imported_from(env: dict, cwd: str | None = None, timeout_s: float = 60.0) -> dict[str, str | None]:
+    """The file each of CHECKOUT_PACKAGES is imported from by a child Python started as a fleet's
+    processes are (this interpreter, ``env``, the current directory): ``-c`` puts the current
+    directory on sys.path exactly where ``-m`` does, and PYTHONSAFEPATH drops it for both."""
+    code = ("import importlib, json; "
+            f"print(json.dumps({{p: importlib.import_module(p).__file__ for p in {CHECKOUT_PACKAGES!r}}}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout_s, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"specsplit bench: importing {', '.join(CHECKOUT_PACKAGES)} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def require_checkout(source: Path, env: dict, cwd: str | None = None) -> dict[str, str]:
+    """Where a process with ``env`` imports CHECKOUT_PACKAGES from, when that is ``source`` for
+    every one; otherwise exits naming the packages that would come from elsewhere."""
+    found = imported_from(env, cwd)
+    root = source.resolve()
+    wrong = {p: f for p, f in found.items() if f is None or not Path(f).resolve().is_relative_to(root)}
+    if wrong:
+        raise SystemExit(f"specsplit bench: --ref-source {source}: the fleet would import "
+                         + ", ".join(f"{p} from {f}" for p, f in wrong.items())
+                         + f" (not from {root}); is it a checkout of this repository?")
+    return found
+
+
+def checkout_commit(source: Path) -> str | None:
+    """The commit checked out in ``source`` (None where it is not a git work tree)."""
+    try:
+        out = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=30, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
