@@ -7,7 +7,8 @@ what ``rounds.learn`` would, and that rules known to be worse score lower.
 
 The regression test replays every recorded trace tests/data/traces/*.jsonl.gz (from the real
 model pair) with the default ``CostModel``: its replayed rate must stay within 2 % of the one in
-tests/data/traces/expected.json (or beat it), its prediction within 25 % of the replayed rate,
+tests/data/traces/expected.json (or beat it), its prediction within 25 % of the replayed rate, its
+choices agree with the recorded run's about as often as when the figures were written,
 and deliberately worse rules must score clearly lower, so a cost-model change that undoes a
 measured speedup fails here. After a deliberate change of the cost model, or new traces,
 regenerate expected.json (and say why in the commit):
@@ -407,6 +408,7 @@ NO_TRACES = pytest.mark.skip(reason="no recorded traces yet: tests/data/traces/*
                                     "and their expected.json (write_expected)")
 TRACE_PARAMS = [pytest.param(p, id=p.name) for p in REAL] or [pytest.param(None, marks=NO_TRACES, id="none")]
 MARGIN = 0.97  # a clearly worse rule scores at most this share of the default's rate
+AGREEMENT_SLACK = 0.05  # replayed choices may agree with the recorded ones this much less often
 STEEP = 1.25  # nodes cost where a forward 8 tokens wider than the smallest measured costs this much more
 
 
@@ -432,7 +434,8 @@ def write_expected(paths: list[Path] | None = None) -> dict:
     expected = json.loads(EXPECTED.read_text()) if EXPECTED.exists() else {}
     for path in paths or REAL:
         r = replay(read_trace(path))
-        expected[Path(path).name] = {"tok_s": round(r.tok_s, 3), "predicted_tok_s": round(r.predicted_tok_s, 3)}
+        expected[Path(path).name] = {"tok_s": round(r.tok_s, 3), "predicted_tok_s": round(r.predicted_tok_s, 3),
+                                     "agreement": round(r.agreement, 3)}
     EXPECTED.write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n")
     return expected
 
@@ -446,6 +449,9 @@ def test_the_default_cost_model_keeps_its_replayed_rate(path):
     assert r.rounds > 0 and r.mismatched <= 0.01 * r.rounds, r.to_dict()
     assert r.tok_s >= 0.98 * expected["tok_s"], (r.tok_s, expected)
     assert abs(r.predicted_tok_s / r.tok_s - 1.0) <= 0.25, (r.predicted_tok_s, r.tok_s)
+    # its choices: the node sets it keeps agree with what the recorded run's model kept as often as
+    # when the figures were written (a rule that chooses otherwise must justify its figures anew)
+    assert r.agreement >= expected.get("agreement", 0.0) - AGREEMENT_SLACK, (r.agreement, expected)
 
 
 @pytest.mark.parametrize("rule", list(CLEARLY_WORSE))
