@@ -14,7 +14,7 @@ fi
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 set +e
-python -m pytest -q -ra "$@"
+python -m pytest -q -ra --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
