@@ -11,7 +11,7 @@
 #                                  (ops/gpu_attention.py), SpecPV's verify cost at long contexts
 #                                  (ops/gpu_longctx.py) with each attention in ATTENTION (default
 #                                  "grouped sdpa"; grouped:N sets the values' chunk) and, with
-#                                  COST_S > 0, the forward costs (ops/gpu_cost.py), on random weights
+#                                  COST_S > 0, the forward costs (specsplit bench gpu), on random weights
 #                                  of the real configs; logs and JSON under $OUT. TESTS_S / ATTN_S /
 #                                  LONGCTX_S / COST_S bound each part; CONTEXTS, MODES the sweeps.
 #
@@ -68,8 +68,9 @@ run)
       --modes "${MODES:-full,approx}" --max-new-tokens 64 --tree 16,3,4 --json "$OUT/gpu-longctx-${spec/:/-}.json" \
       2>&1 | grep -v "^context" | tee "$OUT/gpu-longctx-${spec/:/-}.log" | tail -18
   done
-  [ "${COST_S:-0}" -gt 0 ] && timeout "${COST_S}" python3 gpu_cost.py --device cuda --target-config ../.whl/cfg/target \
-    --draft-config ../.whl/cfg/draft --json "$OUT/gpu-cost.json" 2>&1 | tee "$OUT/gpu-cost.log" | tail -25
+  [ "${COST_S:-0}" -gt 0 ] && timeout "${COST_S}" python3 -m specsplit bench gpu --device cuda --target-config ../.whl/cfg/target \
+    --draft-config ../.whl/cfg/draft --max-seconds $((COST_S * 3 / 4)) --json "$OUT/gpu-cost.json" 2>&1 \
+    | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -45
   true
   ;;
 *)

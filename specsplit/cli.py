@@ -174,6 +174,10 @@ def _bench(argv: list[str]) -> int:
         from specsplit.bench.soak import main
 
         return main(argv[1:])
+    if argv and argv[0] == "gpu":
+        from specsplit.bench.gpu import main
+
+        return main(argv[1:])
     if argv and argv[0] == "costreplay":
         from specsplit.orchestrator.replay import main
 
