@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from schemas import CacheSync, FlatTree, SamplingSpec, TreeSpec, VerifyReply
 from specsplit.orchestrator.costmodel import Choice, CostModel, select_nodes
 from specsplit.orchestrator.ngrams import NgramCache
 from specsplit.proposers.base import Budget, Proposal, Proposer, Shared
+from specsplit.proposers.ngram_cache import NgramCacheProposer
+from specsplit.proposers.prompt_lookup import PromptLookup
 from specsplit.tree import depths_of, merge_chain
 
 
@@ -262,11 +265,6 @@ def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: S
     the same chain proposers."""
     if not sampling.greedy:
         return Candidates(tree, merged=tree)
-    from types import SimpleNamespace
-
-    from specsplit.proposers.ngram_cache import NgramCacheProposer
-    from specsplit.proposers.prompt_lookup import PromptLookup
-
     shared = Shared(policy=SimpleNamespace(lookup_min_ngram=lookup_min_ngram),
                     resources={"ngrams": ngrams} if ngrams is not None else {})
     chains: list[tuple[str, Proposal]] = []

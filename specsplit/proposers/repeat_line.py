@@ -46,6 +46,7 @@ class RepeatLine(Proposer):
 
     @classmethod
     def create_shared(cls, shared: Shared) -> frozenset[int]:
+        # here, not at the top: only an orchestrator that runs this proposer reads model files
         from specsplit.api.tokenizer import keep_torch_out, wait_for_tokenizer_dir
         from specsplit.models.settings import ModelSettings
 
