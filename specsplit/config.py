@@ -370,6 +370,9 @@ class ApiSettings(ProducerSettings):
         "Seconds for a request's body to arrive, once its headers came."))
     api_keep_alive_s: float = Field(default=5.0, gt=0, le=600, description=(
         "Seconds an idle keep-alive connection stays open."))
+    api_shutdown_grace_s: float = Field(default=5.0, gt=0, le=3600, description=(
+        "Seconds a stopping API (SIGTERM) gives open requests and streams to finish before it closes them; "
+        "under Kubernetes, less than the pod's termination grace period minus its preStop pause."))
     api_orchestrator_wait_s: float = Field(default=10.0, ge=0, le=600, description=(
         "Seconds a request waits for a live orchestrator (one restarting) before it gets 503."))
     api_tokenizer_wait_s: float = Field(default=1800.0, gt=0, description=(

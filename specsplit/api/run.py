@@ -100,7 +100,7 @@ def api_main(argv: list[str]) -> int:
     config = uvicorn.Config(build_app(state), host=settings.api_host, port=port, http=protocol,
                             lifespan="on", log_config=None, access_log=False, server_header=False,
                             timeout_keep_alive=max(1, int(settings.api_keep_alive_s)),
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=max(1, round(settings.api_shutdown_grace_s)))
     server = uvicorn.Server(config)
 
     def stop() -> None:
