@@ -182,6 +182,10 @@ def _bench(argv: list[str]) -> int:
         from specsplit.orchestrator.replay import main
 
         return main(argv[1:])
+    if argv and argv[0] == "replay":
+        from specsplit.bench.replay import main
+
+        return main(argv[1:])
     from specsplit.bench import require_bench_extras
 
     if argv and argv[0] == "load":

@@ -1,0 +1,458 @@
+"""``specsplit bench replay``: a round trace's verify forwards re-run on this device, through the
+target engine a target worker runs, against the target alone on the same engine and kernels.
+
+A trace (``SPECSPLIT_TRACE_FILE``, ``specsplit.orchestrator.trace``) records for every round the
+committed length at its start (``context_len``, the root being the last), the shape of the tree
+the target verified (the ``chosen`` nodes of ``merged``) and how many of its nodes the target
+accepted. For each greedy session, in file order, the replay prefills a seeded random prompt of
+the recorded length (untimed), then sends one ``VerifyRequest`` per recorded round: a tree of
+the recorded shape (random tokens) whose root sits at the recorded context, timed. The verdict
+of these weights and tokens is not the recorded one, so the replay commits what the trace
+committed: the next request's ``CacheSync`` keeps at most what the recorded round committed
+(``base_len`` below the cache's length crops it, as after any round); where the engine accepted
+fewer nodes, an untimed root-only request first appends the missing tokens, so the timed forward
+holds only the recorded sync tokens and the tree. Recorded accepted 2 in a round at context 50:
+the next round runs at context 53, on a cache of 52; the engine kept 50 + its own accepted
+tokens, so it is cropped to 52 (it accepted 2 or more) or first brought to 52 (0 or 1). After
+every request the engine's cache length is checked against that arithmetic.
+
+The target alone: the same prompt in a second session, then one root-only request per token (the
+forward a plain round sends) at each context whose token a replayed round committed, timed right
+after that round (before it, every other round), so the machine's drift hits both alike. Decode
+figures count the clean rounds (not the prompt's prefill round, nor resends): tokens (accepted
++ 1 each) over the replayed verify ms, and over replayed verify + the draft ms recorded on the
+trace's machine (the draft is not replayed). Prints Markdown tables; ``--json FILE`` writes
+every figure.
+
+    specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
+    specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas import CacheSync, EndSession, ErrorReply, FlatTree, VerifyReply, VerifyRequest
+from specsplit.openmp import set_worker_openmp
+from specsplit.orchestrator.costmodel import select_nodes
+from specsplit.orchestrator.replay import Record, TraceError, merged_tree, read_trace, segments
+from specsplit.tree import path_to
+
+
+class ReplayError(RuntimeError):
+    """The engine refused a request or its cache left the recorded progression."""
+
+
+@dataclass(frozen=True, slots=True)
+class TracedRound:
+    """What the replay takes from one round line."""
+
+    round: int
+    context_len: int  # committed tokens at the round's start; the root is the last
+    sync_tokens: int
+    parents: tuple[int, ...]  # the verified tree's shape (merged's chosen nodes)
+    accepted: int  # nodes the target accepted (the bonus not counted)
+    draft_ms: float
+    verify_ms: float
+    wall_ms: float
+    clean: bool  # a first send, not the prompt's prefill
+    batch_size: int
+
+    @property
+    def committed(self) -> int:
+        return self.accepted + 1
+
+
+@dataclass(frozen=True, slots=True)
+class TracedSession:
+    trace: str
+    session: str
+    prompt_len: int
+    rounds: tuple[TracedRound, ...]
+
+
+def _round(rec: Record) -> TracedRound:
+    tree, _ = merged_tree(rec)
+    n = tree.num_nodes
+    chosen = list(range(n)) if rec["chosen"] is None else list(rec["chosen"])
+    if not chosen or chosen[0] != 0 or chosen != sorted(set(chosen)) or chosen[-1] >= n:
+        raise ValueError(f"chosen {chosen} is not ascending node indices of the {n}-node merged tree from 0")
+    try:
+        parents = select_nodes(tree, chosen).parents
+    except KeyError as exc:
+        raise ValueError(f"chosen {chosen} leaves node {exc} without its parent") from None
+    if rec["verified_nodes"] != len(parents):
+        raise ValueError(f"verified_nodes {rec['verified_nodes']} but {len(parents)} chosen nodes")
+    accepted = list(rec["accepted_nodes"])
+    if accepted and (accepted[-1] >= len(parents) or path_to(accepted[-1], parents)[1:] != accepted):
+        raise ValueError(f"accepted_nodes {accepted} is no root-side path of the verified tree")
+    return TracedRound(round=int(rec["round"]), context_len=int(rec["context_len"]),
+                       sync_tokens=int(rec["sync_tokens"]), parents=tuple(parents), accepted=len(accepted),
+                       draft_ms=float(rec["draft_ms"]), verify_ms=float(rec["verify_ms"]),
+                       wall_ms=float(rec["wall_ms"]), clean=bool(rec["clean"]),
+                       batch_size=int(rec.get("batch_size") or 1))
+
+
+def _session(trace: str, sid: str, recs: list[Record]) -> TracedSession:
+    rounds = []
+    for rec in recs:
+        try:
+            rounds.append(_round(rec))
+            prompt_len = int(rec["prompt_len"])
+        except (KeyError, TypeError, ValueError) as exc:
+            what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise TraceError(f"{trace}: session {sid} round {rec.get('round')}: {what}") from exc
+    for a, b in zip([None, *rounds], rounds):
+        want = prompt_len if a is None else a.context_len + a.committed
+        if b.context_len != want or b.context_len - 1 - b.sync_tokens < 0:
+            raise TraceError(f"{trace}: session {sid} round {b.round}: context_len {b.context_len} after "
+                             f"{'the prompt' if a is None else f'round {a.round}'}, expected {want} "
+                             "(a rollback or a missing round cannot be replayed)")
+    return TracedSession(trace, sid, prompt_len, tuple(rounds))
+
+
+def traced_sessions(trace: str, records: Iterable[Record]) -> list[TracedSession]:
+    """The greedy sessions of a trace's records, in the order their first rounds appear."""
+    out = []
+    for k, (_, body) in enumerate(segments(records)):
+        by_session: dict[str, list[Record]] = {}
+        for rec in body:
+            if rec.get("kind") == "round":
+                if "session" not in rec or "greedy" not in rec:
+                    raise TraceError(f"{trace}: a round line without session or greedy: {str(rec)[:120]}")
+                if rec["greedy"]:
+                    by_session.setdefault(rec["session"], []).append(rec)
+        out += [_session(trace, f"{k}-{sid}" if k else sid, recs) for sid, recs in by_session.items()]
+    return out
+
+
+def limit(sessions: Sequence[TracedSession], max_sessions: int | None,
+          max_rounds: int | None) -> list[TracedSession]:
+    """The first ``max_sessions`` sessions, cut to ``max_rounds`` rounds in all (file order)."""
+    out, left = [], max_rounds if max_rounds is not None else sum(len(s.rounds) for s in sessions)
+    for s in sessions[:max_sessions]:
+        if left <= 0:
+            break
+        out.append(TracedSession(s.trace, s.session, s.prompt_len, s.rounds[:left]))
+        left -= len(out[-1].rounds)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayedRound:
+    trace: str
+    session: str
+    round: int
+    context_len: int
+    nodes: int
+    sync_tokens: int  # in the timed forward
+    accepted: int  # recorded
+    engine_accepted: int  # this engine's verdict (then overruled)
+    catchup_tokens: int  # appended by an untimed request first
+    verify_ms: float  # the reply's
+    wall_ms: float  # around the engine's handle
+    recorded_verify_ms: float
+    recorded_draft_ms: float
+    recorded_wall_ms: float
+    clean: bool
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class AloneStep:
+    trace: str
+    session: str
+    context_len: int
+    verify_ms: float
+    wall_ms: float
+
+
+class Replayer:
+    """Sends a trace's rounds to ``engine`` (a TargetEngine) as the orchestrator would."""
+
+    def __init__(self, engine, seed: int = 0) -> None:
+        self.engine, self.rng = engine, random.Random(seed)
+        self._round: dict[str, int] = {}
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.engine.vocab_size) for _ in range(n)]
+
+    def send(self, sid: str, sync: CacheSync, parents: Sequence[int]) -> tuple[VerifyReply, float]:
+        """(reply, wall ms) of one verify of a random tree shaped ``parents``."""
+        rnd = self._round[sid] = self._round.get(sid, -1) + 1
+        req = VerifyRequest(session_id=sid, round=rnd, sync=sync,
+                            tree=FlatTree(token_ids=self.tokens(len(parents)), parents=list(parents)))
+        t0 = time.perf_counter()
+        reply = self.engine.handle(req)
+        wall = (time.perf_counter() - t0) * 1e3
+        if isinstance(reply, ErrorReply):
+            raise ReplayError(f"session {sid} request {rnd}: the engine answered {reply.code}: {reply.message}")
+        return reply, wall
+
+    def expect(self, sid: str, reply: VerifyReply, want: int, what: str) -> None:
+        """Fail unless the reply and the engine's session both hold ``want`` committed tokens."""
+        session = self.engine.store.get(sid)
+        held = -1 if session is None else self.engine.committed_len(session)
+        if reply.cache_len != want or held != want:
+            raise ReplayError(f"session {sid}, {what}: the engine's cache holds {held} tokens (reply: "
+                              f"{reply.cache_len}), the recorded progression implies {want}")
+
+    def prefill(self, sid: str, prompt: list[int]) -> int:
+        """The prompt as round 0 sends it (sync + root-only tree); the cached length."""
+        self._round.pop(sid, None)
+        reply, _ = self.send(sid, CacheSync(base_len=0, append_token_ids=prompt[:-1], prompt_len=len(prompt)), [-1])
+        self.expect(sid, reply, len(prompt), "prefill")
+        return len(prompt)
+
+    def catch_up(self, sid: str, held: int, want: int) -> int:
+        """Untimed: bring a cache holding ``held`` committed tokens to ``want`` (> held)."""
+        reply, _ = self.send(sid, CacheSync(base_len=held, append_token_ids=self.tokens(want - held - 1)), [-1])
+        self.expect(sid, reply, want, f"appending {want - held} tokens")
+        return want
+
+    def session(self, s: TracedSession, prompt: list[int],
+                sid: str | None = None) -> tuple[list[ReplayedRound], list[AloneStep]]:
+        """Every round of ``s`` at its recorded context and shape, committing what it recorded;
+        after (or, every other round, before) each clean round, the target alone decodes that
+        round's tokens at their contexts in a second session, so the machine's drift hits both alike."""
+        sid = sid or s.session
+        lone = f"alone-{sid}"
+        held = self.prefill(sid, prompt)
+        lone_held = self.prefill(lone, prompt)
+        rounds: list[ReplayedRound] = []
+        steps: list[AloneStep] = []
+        for i, r in enumerate(s.rounds):
+            contexts = range(r.context_len, r.context_len + r.committed) if r.clean else range(0)
+            if i % 2:
+                for c in contexts:
+                    lone_held = self.decode(lone, lone_held, c, s, steps)
+            held = self.replay_round(sid, held, r, s, rounds)
+            if not i % 2:
+                for c in contexts:
+                    lone_held = self.decode(lone, lone_held, c, s, steps)
+        for name in (sid, lone):
+            self.engine.handle(EndSession(session_id=name))
+        return rounds, steps
+
+    def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
+        """Round ``r`` timed, its row appended to ``out``; the committed tokens the cache then holds."""
+        sync = r.sync_tokens if r.clean else 0  # a prefill / resend round's sync: the prefill did it
+        base = r.context_len - 1 - sync
+        catchup = max(0, base - held)
+        if catchup:
+            held = self.catch_up(sid, held, base)
+        reply, wall = self.send(sid, CacheSync(base_len=base, append_token_ids=self.tokens(sync),
+                                               prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0), r.parents)
+        self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
+        out.append(ReplayedRound(
+            s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
+            catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size))
+        return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
+
+    def decode(self, sid: str, held: int, c: int, s: TracedSession, out: list[AloneStep]) -> int:
+        """The target alone's step at context ``c`` (a plain round: root-only), timed into ``out``."""
+        if held < c - 1:
+            held = self.catch_up(sid, held, c - 1)
+        reply, wall = self.send(sid, CacheSync(base_len=c - 1), [-1])
+        self.expect(sid, reply, c, f"decoding at context {c}")
+        out.append(AloneStep(s.trace, s.session, c, reply.verify_ms, wall))
+        return c
+
+
+def run(replayer: Replayer, sessions: Sequence[TracedSession], *, warmup_rounds: int = 3,
+        progress=None) -> tuple[list[ReplayedRound], list[AloneStep]]:
+    """Each session replayed beside the target alone; a short untimed replay first warms the kernels."""
+    if sessions and warmup_rounds:
+        s = sessions[0]
+        replayer.session(TracedSession(s.trace, s.session, s.prompt_len, s.rounds[:warmup_rounds]),
+                         replayer.tokens(s.prompt_len), sid="warmup")
+    rounds: list[ReplayedRound] = []
+    alone: list[AloneStep] = []
+    for i, s in enumerate(sessions):
+        got, steps = replayer.session(s, replayer.tokens(s.prompt_len))
+        rounds += got
+        alone += steps
+        if progress:
+            progress(f"session {i + 1}/{len(sessions)}: {len(s.rounds)} rounds")
+    return rounds, alone
+
+
+def _per_s(tokens: float, ms: float) -> float:
+    return round(1e3 * tokens / ms, 3) if ms > 0 else 0.0
+
+
+def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> dict[str, Any]:
+    """Decode figures over the clean rounds and the target alone at the same contexts."""
+    clean = [r for r in rounds if r.clean]
+    tokens = sum(r.accepted + 1 for r in clean)
+    verify, draft = sum(r.verify_ms for r in clean), sum(r.recorded_draft_ms for r in clean)
+    alone_ms = sum(a.verify_ms for a in alone)
+    out = {
+        "rounds": len(clean), "other_rounds": len(rounds) - len(clean), "tokens": tokens,
+        "mean_nodes": round(statistics.fmean(r.nodes for r in clean), 3) if clean else 0.0,
+        "tokens_per_round": round(tokens / len(clean), 3) if clean else 0.0,
+        "verify_ms": round(verify, 3), "wall_ms": round(sum(r.wall_ms for r in clean), 3),
+        "recorded_draft_ms": round(draft, 3), "recorded_verify_ms": round(sum(r.recorded_verify_ms for r in clean), 3),
+        "verify_only_tok_s": _per_s(tokens, verify), "with_draft_tok_s": _per_s(tokens, verify + draft),
+        "alone_tokens": len(alone), "alone_ms": round(alone_ms, 3), "alone_tok_s": _per_s(len(alone), alone_ms),
+        "recorded_verify_only_tok_s": _per_s(tokens, sum(r.recorded_verify_ms for r in clean)),
+        "recorded_tok_s": _per_s(tokens, sum(r.recorded_wall_ms for r in clean)),
+        "catchup_rounds": sum(1 for r in rounds if r.catchup_tokens),
+        "batched_rounds": sum(1 for r in clean if r.batch_size > 1),
+    }
+    a = out["alone_tok_s"]
+    out["verify_only_vs_alone"] = round(out["verify_only_tok_s"] / a, 3) if a else 0.0
+    out["with_draft_vs_alone"] = round(out["with_draft_tok_s"] / a, 3) if a else 0.0
+    out["paired_median_vs_alone"] = paired_median(clean, alone)
+    return out
+
+
+def paired_median(clean: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> float:
+    """The median over clean rounds of (the target alone's ms for the round's tokens, measured
+    right beside it) / (the round's verify ms): verify-only speedup, robust to the machine's drift."""
+    step = {(a.trace, a.session, a.context_len): a.verify_ms for a in alone}
+    ratios = [sum(step[r.trace, r.session, c] for c in range(r.context_len, r.context_len + r.accepted + 1))
+              / r.verify_ms for r in clean if (r.trace, r.session, r.context_len) in step and r.verify_ms > 0]
+    return round(statistics.median(ratios), 3) if ratios else 0.0
+
+
+def by_nodes(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> list[dict[str, Any]]:
+    """Per verified tree size (clean rounds): median forward ms replayed and recorded."""
+    sizes: dict[int, list[ReplayedRound]] = {}
+    for r in rounds:
+        if r.clean:
+            sizes.setdefault(r.nodes, []).append(r)
+    rows = [{"nodes": n, "rounds": len(rs), "median_ms": round(statistics.median(r.verify_ms for r in rs), 2),
+             "recorded_median_ms": round(statistics.median(r.recorded_verify_ms for r in rs), 2),
+             "tokens_per_round": round(statistics.fmean(r.accepted + 1 for r in rs), 3)}
+            for n, rs in sorted(sizes.items())]
+    if alone:
+        rows.append({"nodes": 1, "alone": True, "rounds": len(alone),
+                     "median_ms": round(statistics.median(a.verify_ms for a in alone), 2),
+                     "recorded_median_ms": None, "tokens_per_round": 1.0})
+    return rows
+
+
+SUMMARY_COLUMNS = (("rounds", "rounds"), ("tokens", "tokens"), ("tokens/round", "tokens_per_round"),
+                   ("verify-only tok/s", "verify_only_tok_s"), ("with draft tok/s", "with_draft_tok_s"),
+                   ("target alone tok/s", "alone_tok_s"), ("verify-only / alone", "verify_only_vs_alone"),
+                   ("with draft / alone", "with_draft_vs_alone"), ("paired median", "paired_median_vs_alone"),
+                   ("recorded tok/s", "recorded_tok_s"))
+
+
+def markdown(summaries: dict[str, dict[str, Any]], sizes: list[dict[str, Any]], device: str) -> str:
+    lines = ["| trace | device | " + " | ".join(h for h, _ in SUMMARY_COLUMNS) + " |",
+             "|---|---|" + "---:|" * len(SUMMARY_COLUMNS)]
+    for name, s in summaries.items():
+        cells = (f"{s[k]:.2f}" if isinstance(s[k], float) else str(s[k]) for _, k in SUMMARY_COLUMNS)
+        lines.append(f"| {name} | {device} | " + " | ".join(cells) + " |")
+    lines += ["", "| verified nodes | rounds | forward ms (median) | recorded ms (median) | tokens/round |",
+              "|---:|---:|---:|---:|---:|"]
+    for row in sizes:
+        name = "1 (target alone)" if row.get("alone") else str(row["nodes"])
+        rec = "-" if row["recorded_median_ms"] is None else f"{row['recorded_median_ms']:.1f}"
+        lines.append(f"| {name} | {row['rounds']} | {row['median_ms']:.1f} | {rec} | {row['tokens_per_round']:.2f} |")
+    return "\n".join(lines)
+
+
+def build_target(args) -> tuple[Any, dict[str, Any]]:
+    """(TargetEngine, description) as a target worker's on ``args.device``, by
+    ``specsplit.bench.gpu``'s loader: the preset's pulled weights (never downloaded), else random
+    weights of its config.json (``--target-config``); the device's backend; the workers' limits."""
+    from specsplit.bench.gpu import load_engine
+    from specsplit.config import WorkerSettings
+    from specsplit.models import ModelSettings
+
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}), target_device=args.device)
+    settings = WorkerSettings(**({"target_threads": args.threads} if args.threads else {}))
+    engine, described = load_engine("target", args, ms, settings)
+    return engine, {"preset": ms.preset, **described}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specsplit bench replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", action="append", required=True, metavar="FILE",
+                   help="a round trace (.jsonl or .jsonl.gz); repeat for several")
+    p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
+    p.add_argument("--target-config", default=None, metavar="DIR",
+                   help="random weights of DIR/config.json instead of the preset's target")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights of the preset's target config even where its weights are pulled")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default: bfloat16 on accelerators, SPECSPLIT_TARGET_DTYPE on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="CPU: the target's threads (default: a worker's)")
+    p.add_argument("--sessions", type=int, default=None, metavar="N", help="replay the first N greedy sessions")
+    p.add_argument("--max-rounds", type=int, default=None, metavar="N", help="replay N rounds in all (file order)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and tree tokens")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="also write every figure as JSON to FILE")
+    return p.parse_args(argv)
+
+
+def load_sessions(args) -> list[TracedSession]:
+    sessions = [s for path in args.trace for s in traced_sessions(path, read_trace(path))]
+    picked = limit(sessions, args.sessions, args.max_rounds)
+    if not picked:
+        raise TraceError(f"{', '.join(args.trace)}: no greedy round to replay")
+    return picked
+
+
+def _log(msg: str) -> None:
+    print(f"replay: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    set_worker_openmp()  # the engine here stands for a target worker: its OpenMP wait
+    args = parse(argv)
+    try:
+        sessions = load_sessions(args)
+        import torch  # only now: main() has set OpenMP's environment
+
+        from specsplit.logs import configure_logging
+
+        configure_logging("WARNING")
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        engine, described = build_target(args)
+        rounds, alone = run(Replayer(engine, args.seed), sessions, progress=_log)
+    except (OSError, TraceError, ReplayError) as exc:
+        print(f"specsplit bench replay: {exc}", file=sys.stderr)
+        return 1
+    report(args, described | {"backend": engine.backend.describe()}, sessions, rounds, alone)
+    return 0
+
+
+def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], rounds: list[ReplayedRound],
+           alone: list[AloneStep]) -> None:
+    """The Markdown tables on stdout; with ``--json``, every figure and row."""
+    import torch
+
+    summaries = {t: summarize([r for r in rounds if r.trace == t], [a for a in alone if a.trace == t])
+                 for t in dict.fromkeys(s.trace for s in sessions)}
+    if len(summaries) > 1:
+        summaries["total"] = summarize(rounds, alone)
+    sizes = by_nodes(rounds, alone)
+    print(markdown(summaries, sizes, args.device))
+    print("with draft: replayed verify ms + the draft ms recorded on the trace's machine (the draft is not "
+          "replayed); figures over the clean rounds")
+    if args.json_path:
+        name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
+        config = {k: v for k, v in vars(args).items() if k != "json_path"} | described | {
+            "torch": torch.__version__, "device_name": name, "draft_ms": "recorded"}
+        out = {"config": config, "summary": summaries, "by_nodes": sizes, "rounds": [asdict(r) for r in rounds],
+               "alone": [asdict(a) for a in alone]}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
