@@ -45,6 +45,21 @@ def wait_until(pred, timeout_s: float = 20.0, what: str = "condition", poll_s: f
     raise TimeoutError(what)
 
 
+async def async_wait_until(pred, timeout_s: float = 20.0, what: str = "condition", poll_s: float = 0.005):
+    """wait_until for a coroutine: yields to the event loop between tries (``timeout_s`` is a
+    hang guard, never the thing tested)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        await asyncio.sleep(poll_s)
+    raise TimeoutError(what)
+
+
 class KillAfterTokens:
     """A stream callback (``on_tokens``) for fault injection on an event: once ``after`` tokens
     have arrived it calls ``kill()`` (from inside the stream, so the run is certainly under way

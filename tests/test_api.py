@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -259,9 +258,8 @@ def test_slow_headers_and_body_time_out(fleet):
     port = fleet["ports"]["api"]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
-        s.settimeout(30)
-        t0 = time.monotonic()
-        assert s.recv(1024) == b"" and time.monotonic() - t0 < 25  # closed by the server (10 s default)
+        s.settimeout(120)  # a hang guard far above the server's own 10 s default
+        assert s.recv(1024) == b""  # closed by the server, not by our timeout (that raises)
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"model\"")
@@ -282,18 +280,26 @@ def _worker_sessions(fleet) -> float:
     return total
 
 
+def _orchestrator_cancelled(fleet) -> float:
+    """Sessions the orchestrator (its metrics port: base + 200) ended as cancelled."""
+    page = scrape(f"http://127.0.0.1:{fleet['metrics'] + 200}/metrics")
+    return page['specsplit:sessions_finished_total{finish_reason="cancelled"}']
+
+
 def test_client_disconnect_cancels_the_session_everywhere(fleet):
     body = {"model": "tiny-v1", **LONG}
+    cancelled_before = _orchestrator_cancelled(fleet)
     with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
         assert _scrape_api(fleet)["specsplit:num_requests_running"] >= 1
-    t0 = time.monotonic()
-    wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 10, "running back to 0")
-    wait_until(lambda: _worker_sessions(fleet) == 0, 10, "no session left on the workers")
-    assert time.monotonic() - t0 < 10
+    # on events, not within a time: the orchestrator ended the session as cancelled (run out, it
+    # would be "length": LONG is thousands of tokens from done), then the workers dropped it
+    wait_until(lambda: _orchestrator_cancelled(fleet) > cancelled_before, 60, "the orchestrator cancelled it")
+    wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 60, "running back to 0")
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on the workers")
     assert _scrape_api(fleet)['specsplit:request_success_total{finished_reason="abort"}'] >= 1
 
 

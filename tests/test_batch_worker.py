@@ -29,7 +29,7 @@ from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.testing import (
     TEST_SECRET, EchoHandler, RouterThread, WorkerThread, authed_dealer, make_hello, make_verify,
 )
-from tests.conftest import greedy_reference
+from tests.conftest import async_wait_until, greedy_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,7 +163,7 @@ async def test_requests_queued_behind_a_forward_are_handed_over_together(fail):
             rest = [asyncio.ensure_future(client.call(make_verify(s, r), session_id=s, timeout_s=10))
                     for s, r in (("b", 1), ("c", 2), ("d", 3))]
             end = asyncio.ensure_future(client.call(EndSession(session_id="e"), session_id="e", timeout_s=10))
-            await asyncio.sleep(0.3)
+            await async_wait_until(lambda: worker.loop.queue_depth() == 4, 20, "all four queued behind the forward")
             eng.release.set()
             replies = [await first, *[await f for f in rest], await end]
         assert eng.calls == [[0], [1, 2], [3], [-1]]  # the 3rd verify would exceed 10 tokens; order kept
@@ -181,7 +181,7 @@ async def test_a_garbage_body_in_a_batch_gets_its_own_error():
     eng = _GatedBatcher()
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
-                         **HB):
+                         **HB) as worker:
         async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             first = asyncio.ensure_future(client.call(make_verify("a", 0), session_id="a", timeout_s=10))
             await asyncio.to_thread(eng.entered.wait, 5)
@@ -189,7 +189,7 @@ async def test_a_garbage_body_in_a_batch_gets_its_own_error():
             raw = await asyncio.to_thread(authed_dealer, ctx, router.frontend)  # an authenticated client
             raw.send_multipart([PROTO, MsgKind.VERIFY_REQUEST.as_byte(), b"x", b"r9", b"\xc1"])
             ok = asyncio.ensure_future(client.call(make_verify("b", 1), session_id="b", timeout_s=10))
-            await asyncio.sleep(0.3)
+            await async_wait_until(lambda: worker.loop.queue_depth() == 2, 20, "both queued behind the forward")
             eng.release.set()
             assert (await first).round == 0 and (await ok).round == 1
             assert await asyncio.to_thread(raw.poll, 10_000)

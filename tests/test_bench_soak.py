@@ -31,8 +31,9 @@ def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
     assert [s["sessions"] for s in data["samples"]] == [100, 200, 300, 400, 500]
     assert set(soak.CHECKED) <= set(data["rss_ratio"]) and all(r > 0 for r in data["rss_ratio"].values())
     # nothing in flight: every per-session table is empty again, once the last EndSession landed
-    assert data["samples"][-1]["settled_s"] < 15.0
+    # (what the soak's last scrape read, not how long it took: settled_s is the box's speed)
     end = data["samples"][-1]["gauges"]
+    assert not soak.busy(end), end
     assert end["draft0"]['specsplit:worker_sessions{service="draft"}'] == 0
     assert end["target0"]['specsplit:worker_kv_bytes{service="target"}'] == 0
     assert end["orchestrator"]["specsplit:num_sessions_running"] == 0

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 
 import pytest
@@ -23,10 +22,11 @@ from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, Heartbe
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 from specsplit.transport.testing import TEST_SECRET, authed_dealer, make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
+from tests.conftest import async_wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
-HB = dict(heartbeat_s=0.1, liveness=5)  # generous: router, workers and test share one GIL
+HB = dict(heartbeat_s=0.1, liveness=20)  # generous (2 s): router, workers and test share one GIL, and CI boxes are busy
 
 
 verify = make_verify
@@ -142,11 +142,10 @@ async def test_sessions_stick_to_their_rendezvous_worker(router):
 
 async def test_no_worker_is_answered_at_once(router):
     async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
-        t0 = time.monotonic()
         reply = await client.call(verify("lonely"), session_id="lonely", timeout_s=5)
+    # an answer at all, not RpcTimeout: the router answered instead of holding the request
     assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
-    assert reply.session_id == "lonely"
-    assert time.monotonic() - t0 < 0.5
+    assert reply.session_id == "lonely" and router.router.stats.no_worker == 1
 
 
 def _raw_roundtrip(sock: zmq.Socket, frames: list[bytes]) -> list[bytes]:
@@ -238,15 +237,13 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
             for s in sessions:
                 if owner[s] != b"stuck":
                     before[s] = (await client.call(verify(s), session_id=s, timeout_s=5)).cache_len
-            pending = asyncio.ensure_future(client.call(verify(on_stuck[0]), session_id=on_stuck[0], timeout_s=10))
-            await asyncio.sleep(0.2)
-            assert len(stuck.requests) == 1 and not pending.done()
-            t0 = time.monotonic()
+            pending = asyncio.ensure_future(client.call(verify(on_stuck[0]), session_id=on_stuck[0], timeout_s=20))
+            await async_wait_until(lambda: len(stuck.requests) == 1, 20, "the stuck worker holds the request")
+            assert not pending.done()
             stuck.stop_heartbeats()
-            reply = await pending
+            reply = await pending  # answered on expiry (2 s), not by the call's timeout (RpcTimeout)
             assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
             assert reply.session_id == on_stuck[0]
-            assert time.monotonic() - t0 < 2.0
             router.wait_live(2)
             for s in sessions:
                 reply = await client.call(verify(s), session_id=s, timeout_s=5)
@@ -271,10 +268,9 @@ async def test_restarted_worker_reclaims_its_identity(router):
     try:
         async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             lost = asyncio.ensure_future(client.call(verify("s"), session_id="s", timeout_s=10))
-            await asyncio.sleep(0.2)
-            assert len(old.requests) == 1
+            await async_wait_until(lambda: len(old.requests) == 1, 20, "the old worker holds the request")
             old.close()  # the old process dies
-            reply = await asyncio.wait_for(lost, 2)
+            reply = await lost
             assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER and reply.retryable
             with WorkerThread(router.backend, b"same-id", EchoHandler(tag=7), **HB):
                 reply = await client.call(verify("s", 1), session_id="s", timeout_s=5)
@@ -294,13 +290,15 @@ async def test_vanished_worker_or_client_does_not_stall_the_router(router):
                 if isinstance(reply, ErrorReply):
                     assert reply.retryable
         # a client that leaves before its reply: the router logs EHOSTUNREACH and goes on
+        stats = router.router.stats
+        routed, replies = stats.routed, stats.replies
         ctx = zmq.Context()
         sock = authed_dealer(ctx, router.frontend)
         sock.send_multipart(pack_frames(verify("bye"), "bye", b"r"))
-        time.sleep(0.05)
+        await async_wait_until(lambda: stats.routed > routed, 20, "the request reached the worker")
         sock.close()
         ctx.term()
-        await asyncio.sleep(0.3)
+        await async_wait_until(lambda: stats.replies > replies, 20, "the router had the reply for the gone client")
         async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
             assert isinstance(await client.call(verify("after"), session_id="after", timeout_s=3), VerifyReply)
         assert router.live_workers() == (b"here",)
@@ -311,15 +309,14 @@ async def test_killed_worker_is_dropped_on_disconnect_before_expiry():
         gone = SilentWorker(rt.backend, b"killed").start()
         try:
             async with AsyncRpcClient(rt.frontend, secret=TEST_SECRET) as client:
-                lost = asyncio.ensure_future(client.call(verify("k"), session_id="k", timeout_s=10))
-                await asyncio.sleep(0.2)
-                assert len(gone.requests) == 1
-                t0 = time.monotonic()
+                lost = asyncio.ensure_future(client.call(verify("k"), session_id="k", timeout_s=20))
+                await async_wait_until(lambda: len(gone.requests) == 1, 20, "the worker holds the request")
                 gone.close()  # the process vanishes: its connection drops
                 reply = await lost
                 assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKER
-                assert time.monotonic() - t0 < 1.0
             assert rt.live_workers() == ()
+            # dropped on the disconnect, not at expiry (5 s) nor by the call's timeout
+            assert rt.router.stats.workers_lost == 1 and rt.router.stats.workers_expired == 0
         finally:
             gone.close()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import time
 
 import pytest
 import zmq
@@ -24,7 +23,7 @@ from specsplit.transport.sockets import make_socket
 from specsplit.transport.testing import TEST_SECRET, EchoHandler, RouterThread, WorkerThread, make_verify
 
 pytestmark = pytest.mark.timeout(60)
-HB = dict(heartbeat_s=0.1, liveness=5)
+HB = dict(heartbeat_s=0.1, liveness=20)  # generous (2 s): router, workers and test share one GIL
 
 
 def keypair() -> tuple[bytes, bytes]:
@@ -153,11 +152,10 @@ async def test_curve_router_serves_listed_keys_and_refuses_others_clearly(fleet_
             async with AsyncRpcClient(rt.frontend, curve=client, default_timeout_s=5.0, secret=TEST_SECRET) as rpc:
                 reply = await rpc.call(make_verify("s1"), session_id="s1")
                 assert reply.cache_len == 7
-            t0 = time.monotonic()
             async with AsyncRpcClient(rt.frontend, curve=stranger, default_timeout_s=20.0, secret=TEST_SECRET) as rpc:
+                # RpcRefused, not RpcTimeout: refused at the handshake, not at the call's timeout
                 with pytest.raises(RpcRefused, match="SPECSPLIT_CURVE_AUTHORIZED_KEYS"):
                     await rpc.call(make_verify("s2"), session_id="s2")
-            assert time.monotonic() - t0 < 10.0  # refused at the handshake, not at the call's timeout
             async with AsyncRpcClient(rt.frontend, default_timeout_s=0.5, secret=TEST_SECRET) as plain:  # no CURVE: no service
                 with pytest.raises(RpcTimeout):
                     await plain.call(make_verify("s3"), session_id="s3")
@@ -175,13 +173,13 @@ async def test_producer_with_an_unlisted_key_is_refused_not_left_waiting(fleet_k
     sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", curve=server)  # an orchestrator frontend
     addr = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     try:
-        t0 = time.monotonic()
         async with SpecSplitClient(addr, curve=stranger, timeout_s=30.0, heartbeat_s=0.2) as producer:
+            # OrchestratorRefused, not TimeoutError: refused at the handshake, not at the timeout
             with pytest.raises(OrchestratorRefused, match="refused this process's CURVE key"):
                 await producer.generate([1, 2, 3], max_new_tokens=4)
-            with pytest.raises(OrchestratorRefused):  # and at once afterwards
-                await asyncio.wait_for(producer.generate([1], max_new_tokens=1), 1.0)
-        assert time.monotonic() - t0 < 10.0
+            assert producer.refused  # remembered: a later call fails before it sends anything
+            with pytest.raises(OrchestratorRefused):
+                await asyncio.wait_for(producer.generate([1], max_new_tokens=1), 10.0)  # a hang guard
     finally:
         sock.close(linger=0)
         curve_mod.release_zap(ctx)

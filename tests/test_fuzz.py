@@ -30,12 +30,12 @@ COUNT = int(os.environ.get("SPECSPLIT_FUZZ_COUNT", "10000"))
 
 @pytest.mark.system
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_fleet_survives_ten_thousand_fuzzed_messages(tmp_path):
     from specsplit.fuzz.__main__ import fuzz_fleet
 
     print(f"fuzz seed={SEED} count={COUNT} (set SPECSPLIT_FUZZ_SEED to change it)")
-    res = fuzz_fleet(tmp_path, SEED, COUNT)
+    res = fuzz_fleet(tmp_path, SEED, COUNT, deadline_s=300)  # a hang guard: every message must be sent
     rep = res.report
     print(rep.summary(), res.timings)
     assert not res.problems, f"seed {SEED}: " + "\n".join(res.problems)

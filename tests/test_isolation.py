@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from schemas import Cancel, GenerateDone, GenerateRequest, pack_frames, unpack_frames
+from schemas import Cancel, GenerateDone, GenerateRequest, Heartbeat, TokenChunk, pack_frames, unpack_frames
 from specsplit.launch import Fleet
 
 pytestmark = [pytest.mark.system]
@@ -28,20 +28,31 @@ def test_another_producers_cancel_neither_ends_the_session_nor_gets_an_answer(tm
         async def run():
             async with SpecSplitClient(fleet.orchestrator, timeout_s=120) as victim:
                 alone = await victim.generate(prompt, max_new_tokens=48)
-                ctx = zmq.asyncio.Context()
+                ctx = zmq.Context()
                 attacker = ctx.socket(zmq.DEALER)
                 attacker.connect(fleet.orchestrator)
+                attacks = []
+
+                def attack(_tokens=None) -> None:
+                    attacker.send_multipart(pack_frames(Cancel(session_id="victim-1"), "victim-1", b"x"))
+                    attacks.append(_tokens is not None)
+
                 try:
-                    task = asyncio.ensure_future(victim.generate(prompt, max_new_tokens=48, session_id="victim-1"))
-                    for _ in range(20):  # before it is admitted, while it runs
-                        await attacker.send_multipart(pack_frames(Cancel(session_id="victim-1"), "victim-1", b"x"))
-                        await asyncio.sleep(0.02)
+                    # on events: before it is admitted, and on every chunk it streams (so while it
+                    # certainly runs), whatever the machine's speed
+                    task = asyncio.ensure_future(victim.generate(prompt, max_new_tokens=48, session_id="victim-1",
+                                                                 on_tokens=attack))
+                    attack()
                     attacked = await task
-                    answered = await attacker.poll(500)  # dropped like an unknown session: no reply
+                    # then a ping on the same connection: its answer comes after any answer to the
+                    # Cancels (one connection, in order), so nothing before it means no answer at all
+                    attacker.send_multipart(pack_frames(Heartbeat(), "-", b"ping"))
+                    assert await asyncio.to_thread(attacker.poll, 60_000), "no answer to the ping"  # a hang guard
+                    first = unpack_frames(attacker.recv_multipart())
                 finally:
                     attacker.close(linger=0)
                     ctx.term()
-            return alone, attacked, answered, await owner_cancels()
+            return alone, attacked, (first, attacks), await owner_cancels()
 
         async def owner_cancels():  # the producer that started a session can still end it
             ctx = zmq.asyncio.Context()
@@ -50,21 +61,24 @@ def test_another_producers_cancel_neither_ends_the_session_nor_gets_an_answer(tm
             try:
                 req = GenerateRequest(session_id="victim-2", prompt_token_ids=prompt, max_new_tokens=3000)
                 await owner.send_multipart(pack_frames(req, "victim-2", b"r1"))
-                await asyncio.sleep(1.0)
-                await owner.send_multipart(pack_frames(Cancel(session_id="victim-2"), "victim-2", b"r2"))
-                async with asyncio.timeout(60):
+                cancel_sent = False
+                async with asyncio.timeout(120):  # a hang guard
                     while True:
                         msg = unpack_frames(await owner.recv_multipart()).msg
+                        if isinstance(msg, TokenChunk) and not cancel_sent:  # under way: thousands to go
+                            await owner.send_multipart(pack_frames(Cancel(session_id="victim-2"), "victim-2", b"r2"))
+                            cancel_sent = True
                         if isinstance(msg, GenerateDone):
                             return msg
             finally:
                 owner.close(linger=0)
                 ctx.term()
 
-        alone, attacked, answered, cancelled = asyncio.run(run())
+        alone, attacked, (first, attacks), cancelled = asyncio.run(run())
         assert attacked.finish_reason == alone.finish_reason != "cancelled"
         assert attacked.token_ids == alone.token_ids
-        assert answered == 0
+        assert any(attacks), "no Cancel was sent while the session streamed"
+        assert isinstance(first.msg, Heartbeat) and first.request_id == b"ping", first  # the Cancels: no answer
         assert cancelled.finish_reason == "cancelled"
         assert "cancel_refused" in fleet.log("orchestrator")
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -26,12 +25,14 @@ def test_a_lookup_only_fleet_runs_without_a_draft_worker(tmp_path, tiny_paths, t
         fleet.wait_ready(drafts=0, targets=1)
         rng = random.Random(5)
         prompts = [[rng.randrange(400) for _ in range(12)] * 4 for _ in range(3)]
-        t0 = time.monotonic()
-        results = asyncio.run(asyncio.wait_for(generate_all(fleet.orchestrator, prompts, 24), 120))
+        results = asyncio.run(asyncio.wait_for(generate_all(fleet.orchestrator, prompts, 24), 300))  # a hang guard
         for p, r in zip(prompts, results):
             assert r.token_ids == greedy_cached(target_model, p, 24)[0] and r.finish_reason == "length"
         assert sum(r.drafted_tokens for r in results) > 0  # lookup nodes were verified
-        assert time.monotonic() - t0 < 60
         assert fleet.log("router_draft").count("worker_admitted") == 0
+        # never waited on the draft router: no request there timed out or was retried (on events,
+        # where a bound on the run's time would only say how fast the box is)
+        log = fleet.log("orchestrator")
+        assert "request_retry" not in log and "request_resent" not in log, log[-3000:]
     finally:
         fleet.stop()

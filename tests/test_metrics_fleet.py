@@ -37,9 +37,10 @@ def total(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
-def settled(fleet: Fleet, timeout_s: float = 30.0) -> dict[str, dict[str, float]]:
+def settled(fleet: Fleet, timeout_s: float = 120.0) -> dict[str, dict[str, float]]:
     """Every process's metrics once nothing is in flight: each routed request answered, every
-    session ended on the workers (EndSession follows GenerateDone)."""
+    session ended on the workers (EndSession follows GenerateDone). ``timeout_s`` only guards a
+    hang: past it, the snapshot is returned as it is (and the checks on it fail)."""
     deadline, previous = time.monotonic() + timeout_s, None
     while True:
         # processes are scraped one after another: a request that lands between two scrapes shows

@@ -27,6 +27,7 @@ class FakeOrchestrator:
         self.sock = make_socket(ctx, zmq.ROUTER, bind=addr)
         self.addr, self.behave, self.requests = endpoint(self.sock), behave, []
         self.mute = False  # hung: reads, never answers
+        self.received = asyncio.Event()  # set by _run once the producer has streamed tokens
         self.task = asyncio.ensure_future(self._serve())
 
     async def _serve(self) -> None:
@@ -74,13 +75,16 @@ async def _run(behave_a, n=20, **pool_kw):
     a = FakeOrchestrator(ctx, behave_a)
     b = FakeOrchestrator(ctx, serve_all)
     try:
-        async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=3, timeout_s=20,
+        # liveness: 1 s of silence (a busy box may stall the loop for a while; the hung orchestrator
+        # is noticed a little later, as it should be)
+        async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=10, timeout_s=20,
                                     **pool_kw) as pool:
             assert await pool.ping(5.0)
             while len(pool.live) < 2:
                 await asyncio.sleep(0.05)
             # both idle: the first attempt goes to a (the first of equals)
-            res = await pool.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[1000])
+            res = await pool.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[1000],
+                                      on_tokens=lambda _: a.received.set())
             return res, a, b
     finally:
         await a.close()
@@ -92,7 +96,7 @@ def test_orchestrator_dies_mid_stream_request_resumes_elsewhere_from_received_to
     async def die_after_5(orch, req, send):
         toks = continuation(req)[:5]
         await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
-        await asyncio.sleep(0.05)
+        await orch.received.wait()  # the tokens arrived (a close at once would drop them unsent)
         orch.sock.close(linger=0)  # the process died
 
     res, a, b = asyncio.run(_run(die_after_5))

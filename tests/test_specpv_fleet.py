@@ -13,13 +13,12 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 
 from schemas import SpecPVSpec
 from specsplit.launch import Fleet, generate_all
-from tests.conftest import greedy_cached
+from tests.conftest import KillAfterTokens, greedy_cached
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -53,12 +52,12 @@ def test_fleet_exact_specpv_equals_greedy_through_a_worker_kill(tmp_path, tiny_p
         new = 48
 
         async def run():
-            task = asyncio.ensure_future(generate_all(fleet.orchestrator, prompts, new))
-            deadline = time.monotonic() + 120
-            while fleet.log("orchestrator").count("round_done") < 12:  # every session is under way
-                assert time.monotonic() < deadline and not task.done(), "sessions did not start"
-                await asyncio.sleep(0.05)
-            fleet.kill9("target0")  # (8 sessions all on target1: probability 1/256)
+            # fault injection on an event: the kill comes from the stream callback once 16 tokens
+            # arrived (8 sessions all on target1: probability 1/256)
+            kill = KillAfterTokens(lambda: fleet.kill9("target0"), 16)
+            task = asyncio.ensure_future(generate_all(fleet.orchestrator, prompts, new, on_tokens=kill))
+            await asyncio.wait_for(kill.done.wait(), 240)  # hang guards, not speed bounds
+            assert kill.streamed < len(prompts) * new, "the run ended before the kill"
             return await asyncio.wait_for(task, 240)
 
         results = asyncio.run(run())

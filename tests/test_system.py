@@ -11,7 +11,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import msgpack
 import pytest
@@ -21,7 +20,7 @@ from schemas import (
     PROTO, CacheSync, DraftRequest, ErrorCode, ErrorReply, MsgKind, SamplingSpec, TreeSpec, pack_frames,
     unpack_frames,
 )
-from tests.conftest import KillAfterTokens, greedy_reference
+from tests.conftest import KillAfterTokens, greedy_reference, wait_until
 from specsplit.launch import Fleet, generate_all, port_is_free
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -81,17 +80,14 @@ def test_b_kill9_target_mid_run_every_session_completes(fleet, target_model):
         # arrived, so the run is under way whatever the machine's speed
         kill = KillAfterTokens(lambda: fleet.kill9("target0"), 24)
         task = asyncio.ensure_future(generate_all(fleet.orchestrator, ps, 96, on_tokens=kill))
-        await asyncio.wait_for(kill.done.wait(), 120)
+        await asyncio.wait_for(kill.done.wait(), 300)  # hang guards, not speed bounds
         assert kill.streamed < len(ps) * 96, "the run ended before the kill"
-        t0 = time.monotonic()
-        results = await asyncio.wait_for(task, 120)
-        return results, time.monotonic() - t0
+        return await asyncio.wait_for(task, 300)
 
-    results, after_kill = asyncio.run(run())
+    results = asyncio.run(run())
     for p, r in zip(ps, results):
         ref, _ = greedy_reference(target_model, p, 96)
         assert r.token_ids == ref
-    assert after_kill < 90
     fleet.spawn("target0", "target", env={"SPECSPLIT_WORKER_ID": "target-0"})  # restore for later tests
     fleet.wait_log("router_target", "worker_admitted", 3)
 
@@ -225,19 +221,16 @@ def test_g2_tree_growth_is_reused_and_exact(fleet, target_model):
 def test_h_many_concurrent_sessions_on_one_loop(fleet):
     """The orchestrator holds 256 concurrent sessions on one event loop."""
     ps = prompts(256, seed=7)
-    t0 = time.monotonic()
-    results = asyncio.run(generate_all(fleet.orchestrator, ps, 4))
+    results = asyncio.run(generate_all(fleet.orchestrator, ps, 4))  # no speed bound: `specsplit bench load`
     assert len(results) == 256 and all(len(r.token_ids) == 4 and r.finish_reason == "length" for r in results)
-    assert time.monotonic() - t0 < 170
 
 
 def test_z_teardown_leaves_nothing(fleet):
-    codes = fleet.stop()
+    codes = fleet.stop(timeout_s=120)  # SIGKILL only past a hang guard: a slow drain still exits 0
     assert all(proc.poll() is not None for proc in fleet.procs.values())
     clean = {n: c for n, c in codes.items() if n != "target0" or c == 0}
     assert all(c == 0 for c in clean.values()), codes
-    time.sleep(0.5)
     for name, port in fleet.ports.items():
-        assert port_is_free(port), f"{name} port {port} still bound"
+        wait_until(lambda port=port: port_is_free(port), 30, f"{name} port {port} freed")
     leftover = subprocess.run(["pgrep", "-f", str(fleet.ports["orch"])], capture_output=True, text=True).stdout
     assert leftover.strip() == ""

@@ -19,6 +19,7 @@ from specsplit.transport.testing import (
     TEST_SECRET, EchoHandler, RouterThread, WorkerThread, authed_dealer, authenticate, client_id, hello_raw_worker,
     make_hello, make_verify,
 )
+from tests.conftest import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,6 +49,15 @@ def _poll_all(sock: zmq.Socket, ms: int) -> list[list[bytes]]:
     return got
 
 
+def _first(sock: zmq.Socket, pred, timeout_s: float = 20.0) -> list[bytes]:
+    """The first frames on ``sock`` that ``pred`` accepts (``timeout_s``: a hang guard)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000) + 1) and pred(frames := sock.recv_multipart()):
+            return frames
+    raise TimeoutError("no such frames")
+
+
 def test_forged_worker_is_refused_learns_nothing_and_gets_no_requests(router):
     ctx = zmq.Context()
     forger = make_socket(ctx, zmq.DEALER, identity=b"forger", connect=router.backend)
@@ -61,7 +71,7 @@ def test_forged_worker_is_refused_learns_nothing_and_gets_no_requests(router):
             assert_discloses_nothing(err.message)
             # a hello without a nonce (an old worker, or a guess) is refused the same way
             forger.send_multipart([b"", *pack_frames(make_hello(), "-", b"h2")])
-            bare = [f for f in _poll_all(forger, 500) if f[4] == b"h2"][0]
+            bare = _first(forger, lambda f: f[4] == b"h2")
             assert decode(bare[2], bare[5]).message == err.message
             # a WorkerLoop with another secret finds that the router cannot prove its secret: it
             # answers nothing and stops as refused (rc 2)
@@ -125,15 +135,16 @@ def test_only_the_worker_sent_a_request_can_answer_it():
             workers[b"worker-b"].send_multipart([token, *pack_frames(forged, sid, b"rid-1")])
             stranger.send_multipart([token, *pack_frames(forged, sid, b"rid-1")])
             workers[b"worker-a"].send_multipart([token, *pack_frames(forged, sid, b"rid-9")])
-            assert not client.poll(500)
-            assert rt.router.stats.unsolicited_replies == 3
+            # on events: the router dropped all three; then the first thing the client gets is the real answer
+            wait_until(lambda: rt.router.stats.unsolicited_replies == 3, 20, "the three forgeries dropped")
             real = VerifyReply(session_id=sid, round=0, accepted_token_ids=[], bonus_token_id=5, cache_len=1)
             workers[b"worker-a"].send_multipart([token, *pack_frames(real, sid, b"rid-1")])
-            assert client.poll(5000)
+            assert client.poll(20_000)
             got = unpack_frames(client.recv_multipart())
             assert got.request_id == b"rid-1" and got.msg.cache_len == 1
             workers[b"worker-a"].send_multipart([token, *pack_frames(forged, sid, b"rid-1")])  # a second answer
-            assert not client.poll(300)
+            wait_until(lambda: rt.router.stats.unsolicited_replies == 4, 20, "the second answer dropped")
+            assert not client.poll(0)
         finally:
             for sock in (*workers.values(), client, stranger):
                 if sock is not None:
@@ -171,7 +182,9 @@ async def test_a_client_with_a_wrong_secret_cannot_call(router):
         async with AsyncRpcClient(router.frontend, secret=WRONG) as client:
             with pytest.raises(TimeoutError):
                 await client.call(make_verify("s"), session_id="s", timeout_s=0.5)
-            assert "could not prove" in client.auth_error  # mutual: it does not even answer the router
+            # mutual: it does not even answer the router (the check may end after the call's timeout)
+            await async_wait_until(lambda: client.auth_error, 20, "the client's verdict on the router")
+            assert "could not prove" in client.auth_error
 
 
 async def test_two_clients_with_one_session_id_have_two_sessions(router):
