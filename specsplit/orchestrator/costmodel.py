@@ -56,6 +56,9 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from schemas import FlatTree, TreeSpec
+from specsplit.orchestrator.estimators import (  # noqa: F401  (re-exported: the model's parts)
+    CELL_PRIOR, CELL_SEEN_MAX, CELL_WEIGHT, EWMA_WEIGHT, MIN_VARIANCE, Hits, LineFit, SizeCost, ewma,
+)
 
 BINS = 10  # acceptance bins by draft path probability: each fills in a few rounds, yet they separate paths
 SMALL_SYNC = 64  # a verify carrying more sync tokens than this is a prefill or a resend: not a cost sample
@@ -63,10 +66,6 @@ LOOKUP_POSITIONS = 16  # chain positions calibrated apart; chains rarely run dee
 EXPLORE_EVERY = 8  # a lone plain round verifies a lookup node that does not pay once in this many
 CACHE_NGRAMS = 8  # n-gram cache candidates: calibrated per key length up to this many tokens
 TABLE_TOKENS = 64  # forwards of up to this many tokens keep their own measured cost (``verify_ms``)
-CELL_WEIGHT = 0.15  # a size's cost: exponential average with this weight on the newest forward
-CELL_PRIOR = 1.0  # the line's estimate counts as this many forwards of a size measured few times
-CELL_SEEN_MAX = 1.0 / CELL_WEIGHT  # forwards a size's count stops at: about its average's memory
-EWMA_WEIGHT = 0.2  # the other averages' (overhead, rate, load) newest weight: follows load in a few rounds
 DECAY = 0.97  # line fits' history weight per step: 1 / (1 - DECAY) steps' memory, one slow forward barely tilts
 MIN_NODES = 1  # a lone session keeps at least this many nodes besides the root (1: always speculate)
 MIN_OBSERVATIONS = 5  # rounds and fresh drafts before the model sets the draft's depth: fewer are noise
@@ -75,7 +74,6 @@ CHAIN_PRIOR_MEAN = 0.5  # a chain cell with no observations: Beta(1, 1), as like
 CHAIN_PRIOR_WEIGHT = 2.0  # ... worth two observations, so a few verdicts move it
 THRESHOLD_STEPS = BINS * 10  # ``draft_spec`` tries min_path_prob in steps this fine: ten per calibration bin
 SHARED_SESSIONS = 0.5  # ``others_sessions`` (an average) from which a forward is more often shared than not
-MIN_VARIANCE = 1e-6  # a variance of x below this is rounding, not sizes that varied: the line has no slope
 MIN_MS = 1e-9  # a duration divided by is at least this: a zero-ms estimate does not divide by zero
 MAX_CHAINS = 64  # (proposer, key) pairs kept, least recently observed out first: above any fleet's proposers
 LOOKUP = "lookup"  # prompt lookup's chain nodes (``lookup`` parameters): calibrated per position
@@ -87,79 +85,6 @@ class Choice:
     nodes: list[int]  # kept node indices, ascending (root first)
     expected_tokens: float  # 1 (bonus) + expected accepted nodes
     expected_ms: float  # overhead + verify(tokens)
-
-
-@dataclass(slots=True)
-class LineFit:
-    """Exponentially weighted least-squares sums of (x, y) observations: their weight ``n`` and
-    the weighted sums of x, y, x*x and x*y."""
-
-    n: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def observe(self, x: float, y: float, decay: float) -> None:
-        """Add (x, y), every earlier observation's weight times ``decay``."""
-        self.n = self.n * decay + 1.0
-        self.x = self.x * decay + x
-        self.y = self.y * decay + y
-        self.xx = self.xx * decay + x * x
-        self.xy = self.xy * decay + x * y
-
-    def line(self) -> tuple[float, float]:
-        """(intercept, slope); slope 0 until x varies, neither negative; (0, 0) with no
-        observations. Observed (1, 3) and (3, 7): (1.0, 2.0)."""
-        n, sx, sy = self.n, self.x, self.y
-        if n <= 0:
-            return 0.0, 0.0
-        var = self.xx / n - (sx / n) ** 2
-        slope = max(0.0, (self.xy / n - (sx / n) * (sy / n)) / var) if var > MIN_VARIANCE else 0.0
-        return max(0.0, sy / n - slope * sx / n), slope
-
-    def y_per_x(self) -> float | None:
-        """Weighted y per unit of x over every observation (None before any x)."""
-        return self.y / self.x if self.n > 0 and self.x > 0 else None
-
-
-@dataclass(slots=True)
-class SizeCost:
-    """One forward size's measured verify cost: an exponential average and the forwards it has
-    seen (capped at ``CELL_SEEN_MAX``)."""
-
-    ms: float = 0.0
-    seen: float = 0.0
-
-    @property
-    def measured(self) -> bool:
-        return self.seen > 0
-
-    def observe(self, ms: float) -> None:
-        self.ms = _ewma(self.ms if self.seen > 0 else None, ms, CELL_WEIGHT)
-        self.seen = min(self.seen + 1.0, CELL_SEEN_MAX)
-
-    def price(self, line: float) -> float:
-        """Its cost, with the line's estimate ``line`` weighing in while few forwards were seen."""
-        return (self.seen * self.ms + CELL_PRIOR * line) / (self.seen + CELL_PRIOR)
-
-
-@dataclass(slots=True)
-class Hits:
-    """How often nodes of one calibration cell ended on the accepted path."""
-
-    hits: float = 0.0
-    total: float = 0.0
-
-    def add(self, hit: bool) -> None:
-        if hit:
-            self.hits += 1.0
-        self.total += 1.0
-
-    def posterior(self, prior_mean: float, prior_weight: float) -> float:
-        """The hit rate smoothed toward ``prior_mean``, which counts as ``prior_weight``
-        observations: 3 hits of 4 toward 0.5 weighing 2 give (3 + 1) / (4 + 2)."""
-        return (self.hits + prior_weight * prior_mean) / (self.total + prior_weight)
 
 
 Source = tuple[str, int]  # a chain node's (proposer name, calibration key)
@@ -211,8 +136,8 @@ class CostModel:
         not reported, the forward was this session's alone)."""
         total = max(batch_tokens, own_tokens)
         self.observe_verify(total, ms)
-        self.others_sessions = _ewma(self.others_sessions, float(max(0, batch_size - 1)))
-        self.others_tokens = _ewma(self.others_tokens, float(total - own_tokens))
+        self.others_sessions = ewma(self.others_sessions, float(max(0, batch_size - 1)))
+        self.others_tokens = ewma(self.others_tokens, float(total - own_tokens))
 
     def load(self) -> tuple[float, float]:
         """(new tokens, delivered tokens) the rest of a verify forward is expected to bring."""
@@ -242,12 +167,12 @@ class CostModel:
     def observe_rate(self, tokens: int, ms: float) -> None:
         if ms <= 0:
             return
-        self.rate = _ewma(self.rate, tokens / ms)
+        self.rate = ewma(self.rate, tokens / ms)
         # the sessions that shared the draft worker with this round: those drafting, not those
         # decoding plainly beside it (one session measuring speculation among 15 plain ones got
         # 16 x its rate credited, as if all 16 could draft that fast)
-        self.rate_sessions = _ewma(self.rate_sessions, float(max(1, self.speculating)))
-        self.round_tokens = _ewma(self.round_tokens, float(tokens))
+        self.rate_sessions = ewma(self.rate_sessions, float(max(1, self.speculating)))
+        self.round_tokens = ewma(self.round_tokens, float(tokens))
         self._rounds_seen += 1
 
     def observe_plain(self, tokens: int, overhead_ms: float) -> None:
@@ -256,20 +181,20 @@ class CostModel:
         (``round_tokens``: the sessions sharing a forward decode plainly together), never
         ``rate``: that is what speculative rounds deliver, which ``plain_pays`` weighs plain
         decoding against."""
-        self.round_tokens = _ewma(self.round_tokens, float(tokens))
-        self.plain_overhead_ms = _ewma(self.plain_overhead_ms, max(0.0, overhead_ms))
+        self.round_tokens = ewma(self.round_tokens, float(tokens))
+        self.plain_overhead_ms = ewma(self.plain_overhead_ms, max(0.0, overhead_ms))
 
     def observe_speculation(self, tokens: int, draft_busy_ms: float, *, draft_ms: float | None = None,
                             nodes: int | None = None) -> None:
         """A drafted round delivered ``tokens`` and held the draft worker ``draft_busy_ms``, of
         which its draft call took ``draft_ms``; its tree sent ``nodes`` tokens to verify."""
         if draft_busy_ms > 0:
-            self.spec_tokens = _ewma(self.spec_tokens, float(tokens))
-            self.draft_busy_ms = _ewma(self.draft_busy_ms, draft_busy_ms)
+            self.spec_tokens = ewma(self.spec_tokens, float(tokens))
+            self.draft_busy_ms = ewma(self.draft_busy_ms, draft_busy_ms)
             if draft_ms is not None:
-                self.draft_call_ms = _ewma(self.draft_call_ms, max(0.0, draft_ms))
+                self.draft_call_ms = ewma(self.draft_call_ms, max(0.0, draft_ms))
             if nodes is not None:
-                self.spec_nodes = _ewma(self.spec_nodes, float(max(nodes, tokens)))
+                self.spec_nodes = ewma(self.spec_nodes, float(max(nodes, tokens)))
 
     def plain_pays(self) -> bool:
         """Whether the sessions under way deliver more together by plain decoding (no draft
@@ -371,7 +296,7 @@ class CostModel:
         return line
 
     def observe_overhead(self, ms: float) -> None:
-        self.overhead_ms = _ewma(self.overhead_ms, ms)
+        self.overhead_ms = ewma(self.overhead_ms, ms)
 
     # ---- acceptance ---------------------------------------------------------------------
     def accept_prob(self, path_prob: float) -> float:
@@ -501,10 +426,6 @@ def chain_sources(lookup: Collection[int] = frozenset(), cached: dict[int, int] 
 
 def _bin(path_prob: float) -> int:
     return min(BINS - 1, max(0, int(path_prob * BINS)))
-
-
-def _ewma(old: float | None, new: float, weight: float = EWMA_WEIGHT) -> float:
-    return new if old is None else (1.0 - weight) * old + weight * new
 
 
 def expanded_nodes(tree: FlatTree) -> int:
