@@ -213,6 +213,7 @@ class OrchestratorSettings(SessionLimitSettings):
         "What proposes each round's tokens, in order, comma-separated (specsplit.proposers): `draft` (the "
         "draft model's tree), `lookup` (prompt lookup), `ngrams` (the cross-session n-gram cache, asked where "
         "lookup finds nothing), `repeat_line` (the rest of the previous line; loads the target's tokenizer). "
+        "The chain proposers (all but `draft`) add at most SPECSPLIT_LOOKUP_MAX_TOKENS nodes a round together. "
         "Empty: from SPECSPLIT_SPECULATOR, SPECSPLIT_LOOKUP_MAX_TOKENS and SPECSPLIT_LOOKUP_CACHE_KEYS."))
     trace_file: str | None = Field(default=None, description=(
         "Write one JSON line per round to this file (round traces: the proposed tree, the cost model's choice, "
