@@ -10,7 +10,9 @@ EXTRAS=${1:-}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+# --no-compile: no .pyc for every file of torch and transformers at install (~20 s of a fresh
+# setup); Python compiles the modules a process imports, when it first imports them
+.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
 # llama-cpp-python ships as an sdist: build only the library, for this machine's CPU (the GGUF
 # engines' kernels); skipped when it is installed already. Without AMX: on Sapphire Rapids-class
 # CPUs (amx_int8) the vendored ggml's AMX matmul segfaults on the first batched decode (the 2-core
@@ -31,6 +33,6 @@ if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2
       --disable-pip-version-check -w "$wheels.tmp" "$LLAMA"
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$wheels"/llama_cpp_python-*.whl
+  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$wheels"/llama_cpp_python-*.whl
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"
+.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"
