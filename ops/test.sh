@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (ops/setup.sh) and run the whole test suite. Usage: ./ops/test.sh [pytest args]
+# Set up (ops/setup.sh) and run the whole test suite. Usage: ./ops/test.sh [pytest args, e.g. -n 0]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./ops/setup.sh test,bench,gguf
@@ -14,7 +14,9 @@ fi
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 set +e
-python -m pytest -q -ra --durations=25 "$@"
+# two pytest workers, a test file each at a time (its module fixtures, fleets included, start once):
+# many tests wait on processes they started, so one worker leaves a core idle; `-n 0` runs serially
+python -m pytest -q -ra --durations=25 -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -49,13 +49,19 @@ def tiny():
     return model, ServedTokenizer(paths.target), paths
 
 
+SLOW_CLIENT_S = 4  # the fleet's header and body timeouts
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny):
     tmp = tmp_path_factory.mktemp("api")
     base = _metrics_base()
     proc, ports, env = honcho_fleet(tmp, "draft=1,target=2,orchestrator=1,api=1", SPECSPLIT_ORCHESTRATOR_COUNT="1",
                                     SPECSPLIT_API_MAX_BODY_BYTES=str(MAX_BODY), SPECSPLIT_METRICS_PORT=str(base),
-                                    SPECSPLIT_RPC_TIMEOUT_S="60")
+                                    SPECSPLIT_RPC_TIMEOUT_S="60",
+                                    # the slow-client test waits these out (defaults 10 and 30 s)
+                                    SPECSPLIT_API_HEADER_TIMEOUT_S=str(SLOW_CLIENT_S),
+                                    SPECSPLIT_API_BODY_TIMEOUT_S=str(SLOW_CLIENT_S))
     url = f"http://127.0.0.1:{ports['api']}"
     try:
         wait_until(lambda: _health(url) == 200 or proc.poll() is not None, 240, "the API serves")
@@ -258,7 +264,7 @@ def test_slow_headers_and_body_time_out(fleet):
     port = fleet["ports"]["api"]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
-        s.settimeout(120)  # a hang guard far above the server's own 10 s default
+        s.settimeout(120)  # a hang guard far above the server's timeout
         assert s.recv(1024) == b""  # closed by the server, not by our timeout (that raises)
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

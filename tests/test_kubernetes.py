@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -156,7 +157,9 @@ def image(tmp_path_factory):
     if why:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("podman")
-    podman = podman_image.Podman(root / "p")
+    # podman refuses a run root over 50 characters, and pytest's folders (under xdist: .../popen-gw0/)
+    # run longer: its storage lives in a short folder of its own, removed by reset()
+    podman = podman_image.Podman(Path(tempfile.mkdtemp(prefix="specsplit-podman-")))
     try:
         context = podman_image.build_context(root / "context")
         built = podman_image.build_image(podman, context, f"localhost/specsplit:test-{uuid.uuid4().hex[:8]}")
