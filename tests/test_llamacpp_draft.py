@@ -15,7 +15,7 @@ from specsplit.tree import path_to
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the gguf extra: ./ops/setup.sh gguf")
 
 from specsplit.engine.llamacpp import LlamaDraftEngine  # noqa: E402
-from tests.test_llamacpp_engine import PROMPT, _near_tie, _path_logits, gguf, lm, lm_draft  # noqa: E402,F401
+from tests.test_llamacpp_engine import PROMPT, _near_tie, _paths_logits, gguf, lm, lm_draft  # noqa: E402,F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -86,17 +86,17 @@ def test_batched_drafts_build_each_sessions_own_tree(lm, lm_draft):
     assert len(batched.pool) == free0
     with lm_draft.lock:
         assert all(lm_draft.seq_pos_max(s) == -1 for s in range(lm_draft.n_seq))
-    checked = 0
+    expanded = []  # (context, path root->node, the node's children's tokens)
     for ctx, t in trees:
         for node in range(len(t.token_ids)):
             children = {t.token_ids[k] for k, q in enumerate(t.parents) if q == node}
-            if not children:
-                continue
-            path = [t.token_ids[k] for k in path_to(node, t.parents)]
-            ref = _path_logits(lm, ctx + path)
-            if not _near_tie(ref[None]):
-                assert int(np.argmax(ref)) in children, (ctx[-3:], path)
-                checked += 1
+            if children:
+                expanded.append((ctx, [t.token_ids[k] for k in path_to(node, t.parents)], children))
+    checked = 0
+    for (ctx, path, children), ref in zip(expanded, _paths_logits(lm, [(c, p) for c, p, _ in expanded])):
+        if not _near_tie(ref[None]):
+            assert int(np.argmax(ref)) in children, (ctx[-3:], path)
+            checked += 1
     assert checked >= 30
 
 
