@@ -131,6 +131,14 @@ class WorkerSettings(SessionLimitSettings):
         "Dynamic int8 Linear layers for the target model (CPU, torch engine). A quantized target is its own "
         "reference: its greedy output is that quantized model's greedy decoding (up to the dynamic activation "
         "scale, which depends on how many tokens a forward carries)."))
+    draft_kv_pool_gb: float = Field(default=0.0, ge=0, le=65536, description=(
+        "Torch draft engine: GB (10^9 bytes) of KV cache allocated once at startup on the model's device, one "
+        "fixed slot of SPECSPLIT_MAX_SESSION_TOKENS per session (at most SPECSPLIT_WORKER_MAX_SESSIONS slots; "
+        "static buffers, what CUDA graphs need). When every slot is held, the least recently used idle "
+        "session is dropped; a new session gets OVERLOADED (retryable) while every slot has a request in "
+        "flight. A pool smaller than one slot is refused at startup. 0: caches grow per session as needed."))
+    target_kv_pool_gb: float = Field(default=0.0, ge=0, le=65536, description=(
+        "The same for a torch target engine (SPECSPLIT_DRAFT_KV_POOL_GB)."))
     pack_weights: bool = Field(default=True, description=(
         "Reorder bf16/fp16 Linear weights once into oneDNN's layout (CPU): bit-identical, faster target "
         "forwards (specsplit.models.packing)."))
@@ -166,6 +174,9 @@ class WorkerSettings(SessionLimitSettings):
 
     def engine_for(self, service: str) -> str:
         return self.draft_engine if service == "draft" else self.target_engine
+
+    def kv_pool_gb_for(self, service: str) -> float:
+        return self.draft_kv_pool_gb if service == "draft" else self.target_kv_pool_gb
 
     def quantize_for(self, service: str) -> str:
         return self.draft_quantize if service == "draft" else self.target_quantize

@@ -24,8 +24,9 @@ import torch
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
 from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.kvpool import GB, KVPool, pool_shape, pool_slots
 from specsplit.engine.masks import additive_mask, causal
-from specsplit.engine.store import Session, SessionStore
+from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, SpecError
 from specsplit.logs import get_logger
 from specsplit.tree import check_token_ids
@@ -39,6 +40,7 @@ class EngineLimits:
     cache_chunk: int = 64  # KV capacity granularity (tokens); see specsplit.engine.kvcache
     max_tree_nodes: int = 64
     max_tree_depth: int = 16
+    kv_pool_gb: float = 0.0  # > 0: every session's KV in a pool preallocated at start (specsplit.engine.kvpool)
 
 
 def model_vocab_size(model) -> int:
@@ -126,10 +128,19 @@ class Engine:
         self._segment_attention: str | None | bool = False  # False: not looked up yet
         self.log = get_logger(f"specsplit.{self.role}")
         layers = model_num_layers(model)
+        self.kv_pool: KVPool | None = None
+        make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
+        if limits.kv_pool_gb > 0:
+            shape = pool_shape(model, limits.max_session_tokens, self.dtype)
+            self.kv_pool = KVPool(shape, pool_slots(limits.kv_pool_gb, shape, limits.max_sessions), self.device)
+            make_kv, on_evict = self.kv_pool.make_kv, self.kv_pool.release
+            self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
+                          tokens_per_slot=limits.max_session_tokens)
         self.store = SessionStore(
-            lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk),
+            make_kv,
             max_sessions=limits.max_sessions,
             ttl_s=limits.session_ttl_s,
+            on_evict=on_evict,
         )
 
     # ---- request plumbing -------------------------------------------------------------
@@ -158,7 +169,10 @@ class Engine:
         if session is None:
             if sync.base_len != 0:
                 raise SpecError(ErrorCode.CACHE_MISS, "unknown session; resend with base_len 0")
-            session = self.store.get_or_create(session_id)
+            try:
+                session = self.store.get_or_create(session_id)
+            except StoreFull as exc:
+                raise SpecError(ErrorCode.OVERLOADED, f"{exc}; retry later") from None
         return session
 
     @staticmethod
@@ -168,6 +182,8 @@ class Engine:
 
     def check_locked(self, session: Session, round: int, sync: CacheSync) -> None:
         """Checks made under the session lock, before anything changes."""
+        if getattr(session.kv, "released", False):  # its pool slot went to another session after it left the store
+            raise SpecError(ErrorCode.CACHE_MISS, "unknown session; resend with base_len 0")
         if round < session.last_round:
             # the texts name nothing about the session (its round, its length): only its owner
             # knows those, and a request from anyone else must learn nothing from a refusal

@@ -114,6 +114,8 @@ class ChunkedLayer(DynamicLayer):
 class SessionKV(Cache):
     """A session's KV cache: one ChunkedLayer per decoder layer, batch 1."""
 
+    released = False  # a pooled cache whose slot went back to its pool (specsplit.engine.kvpool)
+
     def __init__(self, num_layers: int, max_len: int, chunk: int = 64):
         super().__init__(layers=[ChunkedLayer(max_len, chunk) for _ in range(num_layers)])
         self.max_len = max_len

@@ -2,6 +2,8 @@
 
 Thread-safe. A session evicted while a request is being served keeps working for that request
 (the request holds a reference); the next request for it finds nothing and gets CACHE_MISS.
+With a fixed pool of caches (``specsplit.engine.kvpool``) a new session may find none free: the
+least recently used session no request holds makes room, and StoreFull says none does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specsplit.engine.kvcache import SessionKV
+
+
+class StoreFull(Exception):
+    """No cache can be made for a new session: every one is held by a request."""
 
 
 @dataclass(eq=False)
@@ -57,6 +63,23 @@ class SessionStore:
             self.evicted += 1
             self._on_evict(s)
 
+    def _new_kv_locked(self) -> SessionKV:
+        """A cache for a new session. ``make_kv`` returns None when a fixed pool of caches is full
+        (``specsplit.engine.kvpool``): then the least recently used session no request holds is
+        evicted (its ``on_evict`` frees its cache) until one is made. StoreFull when every
+        session is held by a request: nothing was evicted then (unless a request took a victim's
+        lock as it was evicted, which retires that victim's cache instead of freeing it)."""
+        kv = self._make_kv()
+        while kv is None:
+            victim = next((s for s in self._sessions.values() if not s.lock.locked()), None)
+            if victim is None:
+                raise StoreFull(f"every one of the worker's {len(self._sessions)} session caches is in use")
+            del self._sessions[victim.session_id]
+            self.evicted += 1
+            self._on_evict(victim)
+            kv = self._make_kv()
+        return kv
+
     def get(self, session_id: str) -> Session | None:
         """The live session, touched (most recently used), or None."""
         now = self._clock()
@@ -74,11 +97,12 @@ class SessionStore:
             self._expire_locked(now)
             s = self._sessions.get(session_id)
             if s is None:
+                kv = self._new_kv_locked()
                 while len(self._sessions) >= self.max_sessions:
                     _, old = self._sessions.popitem(last=False)
                     self.evicted += 1
                     self._on_evict(old)
-                s = Session(session_id, self._make_kv(), last_used=now)
+                s = Session(session_id, kv, last_used=now)
                 self._sessions[session_id] = s
             else:
                 s.last_used = now

@@ -1,0 +1,168 @@
+"""A preallocated KV pool: every session's cache in a fixed slot, allocated once at engine start.
+
+Per decoder layer one K and one V tensor [slots, Hkv, max_session_tokens, D] on the engine's
+device and dtype. A new session takes a free slot and its ``SessionKV`` writes into that slot's
+views (``SlotLayer``): a cache never grows or moves, so its addresses are static (what CUDA graphs
+captured over the buffers need); rollback, ``compact`` and ``crop_to`` work as on growing buffers.
+
+A slot goes back to the pool when its session leaves the store (LRU, TTL, end, drop), but only
+once no request holds that session: a session evicted while a request is being served keeps its
+slot ("retired") until that request released the session's lock, so a new session never writes
+K/V that are still being read. A released session's cache is detached from the slot; a request
+that still holds it gets CACHE_MISS (``Engine.check_locked``), and any write raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from specsplit.engine.kvcache import ChunkedLayer, SessionKV
+
+GB = 10**9  # the pool's size setting counts bytes in units of 10^9
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What one slot holds: ``layers`` x (K, V) of [Hkv, max_len, D] in ``dtype``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    dtype: torch.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.max_len * self.head_dim * item
+
+
+def pool_shape(model, max_len: int, dtype: torch.dtype) -> PoolShape:
+    """The slot shape of ``model``'s decoder (its KV heads and head size) at ``max_len`` tokens."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return PoolShape(int(cfg.num_hidden_layers), kv_heads, head_dim, max_len, dtype)
+
+
+def pool_slots(gb: float, shape: PoolShape, max_sessions: int) -> int:
+    """Slots a pool of ``gb`` x 10^9 bytes holds, at most ``max_sessions``; ValueError when it
+    holds none (a pool smaller than one session's cache serves nobody)."""
+    slots = round(gb * GB) // shape.slot_bytes
+    if slots < 1:
+        raise ValueError(f"a KV pool of {gb} GB holds no session: one slot ({shape.max_len} tokens, "
+                         f"{shape.layers} layers) needs {shape.slot_bytes / GB:.4f} GB")
+    return min(slots, max_sessions)
+
+
+class SlotLayer(ChunkedLayer):
+    """One layer's K/V in a pool slot: fixed [1, Hkv, max_len, D] views, never reallocated."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        super().__init__(k.shape[2], k.shape[2])
+        self._k, self._v = k, v
+        self.dtype, self.device = k.dtype, k.device
+        self.is_initialized = True
+        self._views()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("this session's KV pool slot was released")  # only a detached layer gets here
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and (key_states.dtype != self._k.dtype or key_states.shape[1] != self._k.shape[1]
+                                    or key_states.shape[3] != self._k.shape[3]):
+            raise ValueError(f"K/V {tuple(key_states.shape)} {key_states.dtype} do not fit the KV pool's slot "
+                             f"{tuple(self._k.shape)} {self._k.dtype}")
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def detach(self) -> None:
+        """Forget the slot: nothing of this layer can read or write it any more."""
+        self._k = self._v = None
+        self.keys = self.values = None
+        self.length = 0
+        self.is_initialized = False
+
+
+class PooledKV(SessionKV):
+    """A session's cache in pool slot ``slot`` (``SessionKV`` over ``SlotLayer``s)."""
+
+    def __init__(self, pool: KVPool, slot: int):
+        Cache.__init__(self, layers=[SlotLayer(k[slot:slot + 1], v[slot:slot + 1])
+                                     for k, v in zip(pool.keys, pool.values)])
+        self.max_len, self.slot = pool.shape.max_len, slot
+        self.released = False
+
+    def detach(self) -> None:
+        self.released = True
+        for layer in self.layers:
+            layer.detach()
+
+
+class KVPool:
+    """``slots`` session caches of ``shape`` allocated once on ``device``; thread-safe."""
+
+    def __init__(self, shape: PoolShape, slots: int, device: torch.device):
+        if slots < 1:
+            raise ValueError("a KV pool needs at least one slot")
+        self.shape, self.slots, self.device = shape, slots, torch.device(device)
+        size = (slots, shape.kv_heads, shape.max_len, shape.head_dim)
+        # zeros, not empty: a later reader of the whole buffer (a captured graph under a mask) must
+        # never meet NaN garbage
+        self.keys = [torch.zeros(size, dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
+        self.values = [torch.zeros(size, dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._retired: list = []  # sessions that left the store while a request held them
+        self._lock = threading.Lock()
+
+    def make_kv(self) -> PooledKV | None:
+        """A cache in a free slot, or None when every slot is held (the store then frees one)."""
+        with self._lock:
+            if not self._free:
+                self._reclaim_locked()
+            if not self._free:
+                return None
+            return PooledKV(self, self._free.pop())
+
+    def release(self, session) -> None:
+        """``session`` left the store: its slot is free now if no request holds the session,
+        else once that request released the session's lock (see ``make_kv``)."""
+        with self._lock:
+            if not self._free_if_idle_locked(session):
+                self._retired.append(session)
+
+    def _free_if_idle_locked(self, session) -> bool:
+        kv = session.kv
+        if not isinstance(kv, PooledKV) or kv.released:
+            return True
+        if not session.lock.acquire(blocking=False):  # a request (maybe this thread's) holds it
+            return False
+        try:
+            kv.detach()
+            session.draft_tree = None  # a kept draft tree names slots of this cache
+            self._free.append(kv.slot)
+        finally:
+            session.lock.release()
+        return True
+
+    def _reclaim_locked(self) -> None:
+        self._retired = [s for s in self._retired if not self._free_if_idle_locked(s)]
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def retired(self) -> int:
+        """Slots of sessions that left the store while a request held them, not yet reclaimed."""
+        with self._lock:
+            return len(self._retired)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.shape.slot_bytes

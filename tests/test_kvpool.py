@@ -1,0 +1,360 @@
+"""The preallocated KV pool (issue 45): engines whose session caches live in fixed slots allocated
+once give plain greedy decoding, tree forwards equal to sequential paths and batched verification
+equal to each session alone; a slot is reused only once no request holds its old session, and a
+full pool refuses a new session with OVERLOADED, changing nothing (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from schemas import (
+    CacheSync, DraftRequest, EndSession, ErrorCode, ErrorReply, FlatTree, GrowRequest, SamplingSpec, TreeSpec,
+    VerifyReply, VerifyRequest,
+)
+from specsplit.engine.base import Engine, EngineLimits
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.kvpool import GB, KVPool, PooledKV, pool_shape, pool_slots
+from specsplit.engine.target import TargetEngine
+from specsplit.errors import SpecError
+from specsplit.local import generate
+from specsplit.orchestrator.state import SessionCursor
+from specsplit.tree import root_to_leaf_paths
+from tests.conftest import FAMILIES, fp32_tolerance, greedy_reference, tiny_model
+from tests.test_batch_draft import drafts_match, kv_close
+from tests.test_tree_forward import prefill, random_parents, sequential_logits, tree_logits
+
+LIMITS = EngineLimits(max_sessions=8, max_session_tokens=160, max_tree_nodes=24, max_tree_depth=8)
+GREEDY = SamplingSpec()
+SAMPLED = SamplingSpec(temperature=0.9, top_p=0.95, seed=7)
+MARGIN = 1e-3
+
+
+def pooled(limits: EngineLimits, model, slots: int) -> EngineLimits:
+    """``limits`` with a pool of exactly ``slots`` slots for ``model``."""
+    shape = pool_shape(model, limits.max_session_tokens, torch.float32)
+    return replace(limits, kv_pool_gb=slots * shape.slot_bytes / GB)
+
+
+def assert_in_pool(engine: Engine) -> None:
+    """Every live session's cache is its slot's view of the pool's buffers, which never moved."""
+    pool = engine.kv_pool
+    for sid in list(engine.store.bytes_by_session()):
+        kv = engine.store.get(sid).kv
+        assert isinstance(kv, PooledKV) and not kv.released
+        for layer, k, v in zip(kv.layers, pool.keys, pool.values):
+            assert layer._k.data_ptr() == k[kv.slot].data_ptr() and layer._v.data_ptr() == v[kv.slot].data_ptr()
+            assert layer._k.shape[2] == pool.shape.max_len
+
+
+def test_pool_sizing_from_gb():
+    model = tiny_model("qwen3", seed=1)
+    shape = pool_shape(model, 160, torch.float32)
+    # 2 layers x (K, V) x 2 KV heads x 160 tokens x 16 dims x 4 bytes
+    assert (shape.layers, shape.kv_heads, shape.head_dim) == (2, 2, 16)
+    assert shape.slot_bytes == 2 * 2 * 2 * 160 * 16 * 4
+    assert pool_slots(3 * shape.slot_bytes / GB, shape, 64) == 3
+    assert pool_slots(3.9 * shape.slot_bytes / GB, shape, 64) == 3  # whole slots only
+    assert pool_slots(100 * shape.slot_bytes / GB, shape, 5) == 5  # bounded by max_sessions
+    with pytest.raises(ValueError, match="holds no session"):
+        pool_slots(0.9 * shape.slot_bytes / GB, shape, 64)
+    with pytest.raises(ValueError, match="holds no session"):
+        TargetEngine(model, replace(LIMITS, kv_pool_gb=0.5 * shape.slot_bytes / GB))
+    engine = TargetEngine(model, pooled(LIMITS, model, 3))
+    pool = engine.kv_pool
+    assert pool.slots == pool.free_slots == 3 and pool.nbytes == 3 * shape.slot_bytes
+    for t in (*pool.keys, *pool.values):
+        assert t.shape == (3, 2, 160, 16) and t.dtype == engine.dtype and t.device == engine.device
+    assert TargetEngine(model, LIMITS).kv_pool is None  # 0: off, caches grow as before
+    assert not isinstance(TargetEngine(model, LIMITS).store.get_or_create("s").kv, PooledKV)
+
+
+def test_settings_reach_the_engine_limits(monkeypatch):
+    from specsplit.config import WorkerSettings
+    from specsplit.workers import engine_limits
+
+    monkeypatch.setenv("SPECSPLIT_TARGET_KV_POOL_GB", "2.5")
+    s = WorkerSettings()
+    assert s.draft_kv_pool_gb == 0.0 and s.target_kv_pool_gb == 2.5
+    assert engine_limits(s, "target").kv_pool_gb == 2.5 and engine_limits(s, "draft").kv_pool_gb == 0.0
+    assert engine_limits(s).kv_pool_gb == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_in_a_slot_matches_each_path(family):
+    model = tiny_model(family, seed=1)
+    engine = Engine(model, pooled(EngineLimits(max_sessions=4, max_session_tokens=128), model, 2))
+    rng = random.Random(7)
+    for offset in (1, 9, 33):
+        for n in (1, 7, 23):
+            engine.store.end_session("s")  # the next session reuses the slot, stale K/V in it
+            prefix = [rng.randrange(128) for _ in range(offset)]
+            kv = prefill(engine, prefix)
+            assert isinstance(kv, PooledKV)
+            parents = random_parents(n, rng)
+            tokens = [rng.randrange(128) for _ in range(n)]
+            logits = tree_logits(engine, kv, tokens, parents)  # [N, V]
+            for path in root_to_leaf_paths(parents):
+                ref = sequential_logits(model, prefix + [tokens[i] for i in path])[offset:]
+                torch.testing.assert_close(logits[path], ref, **fp32_tolerance("cpu"))
+            path = rng.choice(root_to_leaf_paths(parents))
+            kv.compact([offset + i for i in path], offset)  # the accepted path, moved inside the slot
+            nxt = tree_logits(engine, kv, [5], [-1])
+            ref = sequential_logits(model, prefix + [tokens[i] for i in path] + [5])[-1:]
+            torch.testing.assert_close(nxt, ref, **fp32_tolerance("cpu"))
+            assert_in_pool(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_pools_equals_plain_greedy(models, family):
+    """Draft and target engines both on pools give the target's greedy decoding, their caches
+    stay in their slots, and a sampled run equals the same run on growing caches."""
+    target, often, rarely = models[family]
+    engines = []
+
+    def pooled_engine(cls):
+        def make(model, limits):
+            engines.append(cls(model, pooled(limits, model, 1)))
+            return engines[-1]
+        return make
+
+    rng = random.Random(11)
+    compared = 0
+    for i in range(6):
+        prompt = [rng.randrange(128) for _ in range(rng.randrange(1, 30))]
+        ref, gap = greedy_reference(target, prompt, 20)
+        if gap < MARGIN:
+            continue
+        for tree in (TreeSpec(max_nodes=5, max_depth=4, branch=1), TreeSpec(max_nodes=16, max_depth=5, branch=3)):
+            out = generate(often if i % 2 else rarely, target, prompt, max_new_tokens=20, tree=tree,
+                           sampling=GREEDY, make_target_engine=pooled_engine(TargetEngine),
+                           make_draft_engine=pooled_engine(DraftEngine), grow_budget_ms=5.0 * (i % 2))
+            assert out == ref, (family, prompt, tree)
+            for e in engines[-2:]:
+                assert e.kv_pool is not None and len(e.store) == 1
+                assert_in_pool(e)
+        compared += 1
+    assert compared >= 4
+    kw = {"max_new_tokens": 16, "tree": TreeSpec(max_nodes=8, max_depth=4, branch=2), "sampling": SAMPLED}
+    assert generate(often, target, [3, 1, 4], **kw, make_target_engine=pooled_engine(TargetEngine),
+                    make_draft_engine=pooled_engine(DraftEngine)) == generate(often, target, [3, 1, 4], **kw)
+
+
+def same(a, b) -> bool:
+    measured = {"verify_ms", "batch_tokens", "batch_size"}
+    return type(a) is type(b) and a.model_dump(exclude=measured) == b.model_dump(exclude=measured)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_verify_on_a_pool_equals_each_session_alone(models, family):
+    """The same rounds verified one at a time on growing caches and batched on a pool whose
+    slots were used before (stale K/V in them): the same replies."""
+    target, draft_model, _ = models[family]
+    rng = random.Random(5)
+    alone = TargetEngine(target, LIMITS)
+    batched = TargetEngine(target, pooled(LIMITS, target, 4))
+    for i in range(4):  # fill every slot with other sessions' K/V, then free them
+        kv = batched.store.get_or_create(f"old{i}").kv
+        batched.forward_linear(kv, [rng.randrange(128) for _ in range(100)])
+    for i in range(4):
+        batched.store.end_session(f"old{i}")
+    assert batched.kv_pool.free_slots == 4
+    draft = DraftEngine(draft_model, LIMITS)
+    sizes, real = [], batched.forward_segments
+    batched.forward_segments = lambda segs: sizes.append(len(segs)) or real(segs)
+    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(4)}
+    accepted = 0
+    for rnd in range(5):
+        reqs = []
+        for j, (sid, cur) in enumerate(cursors.items()):
+            d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
+                                          tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY))
+            cur.after_draft()
+            reqs.append(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree, sampling=GREEDY))
+        want = [alone.handle(r) for r in reqs]
+        got = batched.verify_batch(reqs)
+        for r, w, g in zip(reqs, want, got):
+            assert isinstance(w, VerifyReply) and same(w, g), (w, g)
+            accepted += len(cursors[r.session_id].apply_verify(w)) - 1
+    assert sizes == [4] * 5 and accepted > 0
+    assert_in_pool(batched)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lockstep_drafts_on_a_pool_equal_each_session_alone(models, family):
+    """Greedy sessions drafting (and growing their kept trees) in lockstep on a pool's slots give
+    the trees and caches each session gets alone on growing caches."""
+    target_model, draft_model, _ = models[family]
+    rng = random.Random(len(family))
+    alone, batched = DraftEngine(draft_model, LIMITS), DraftEngine(draft_model, pooled(LIMITS, draft_model, 4))
+    target = TargetEngine(target_model, LIMITS)
+    sizes, real = [], batched.forward_segments
+    batched.forward_segments = lambda segs: sizes.append(len(segs)) or real(segs)
+    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(4)}
+    reused = 0
+    for rnd in range(5):
+        reqs = [DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
+                             tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY)
+                for j, (sid, cur) in enumerate(cursors.items())]
+        want = [alone.handle(r) for r in reqs]
+        got = batched.draft_batch(reqs)
+        for r, w, g in zip(reqs, want, got):
+            assert drafts_match(w, g), (w, g)
+            cur = cursors[r.session_id]
+            cur.after_draft()
+            reused += w.reused_nodes
+            for e in (alone, batched):
+                e.handle(GrowRequest(session_id=r.session_id, round=rnd, budget_ms=60_000.0))
+            kv_close(alone, batched, r.session_id)
+            cur.apply_verify(target.handle(VerifyRequest(session_id=r.session_id, round=rnd, sync=cur.target_sync(),
+                                                         tree=w.tree, sampling=GREEDY)))
+    assert max(sizes) == 4 and reused > 0
+    assert_in_pool(batched)
+
+
+def greedy_in_engine(engine: TargetEngine, sid: str, prompt: list[int], n: int) -> list[int]:
+    """n tokens of greedy decoding through ``engine``'s session ``sid``, one root-only tree per
+    round (every token is the target's bonus)."""
+    cur = SessionCursor(list(prompt))
+    for rnd in range(n):
+        reply = engine.handle(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(),
+                                            tree=_root(cur.committed[-1]), sampling=GREEDY))
+        assert isinstance(reply, VerifyReply), reply
+        cur.apply_verify(reply)
+    return cur.committed[len(prompt):]
+
+
+def _root(token: int) -> FlatTree:
+    return FlatTree(token_ids=[token], parents=[-1], draft_logprobs=[0.0])
+
+
+class Held:
+    """Runs ``engine.handle(req)`` on a thread that stops inside its forward (the session's lock
+    held, its request in flight) until ``go()``."""
+
+    def __init__(self, engine: Engine, req):
+        self.entered, self.gate, self.reply = threading.Event(), threading.Event(), None
+        real = engine.forward
+
+        def forward(*args, **kwargs):
+            if threading.current_thread() is self.thread:
+                self.entered.set()
+                assert self.gate.wait(30)
+            return real(*args, **kwargs)
+
+        engine.forward = forward
+        self.thread = threading.Thread(target=lambda: setattr(self, "reply", engine.handle(req)), daemon=True)
+        self.thread.start()
+        assert self.entered.wait(30)
+
+    def go(self):
+        self.gate.set()
+        self.thread.join(30)
+        return self.reply
+
+
+def first_request(sid: str, prompt: list[int]) -> VerifyRequest:
+    return VerifyRequest(session_id=sid, round=0, sync=CacheSync(base_len=0, append_token_ids=prompt[:-1]),
+                         tree=_root(prompt[-1]), sampling=GREEDY)
+
+
+def test_a_slot_is_reused_only_after_its_evicted_sessions_request_ended():
+    model = tiny_model("llama", seed=4)
+    engine = TargetEngine(model, pooled(LIMITS, model, 1))
+    pool = engine.kv_pool
+    a_prompt, b_prompt = list(range(40, 100)), [7, 3, 9]
+    a_ref, gap_a = greedy_reference(model, a_prompt, 1)
+    b_ref, gap_b = greedy_reference(model, b_prompt, 12)
+    assert min(gap_a, gap_b) > MARGIN
+    held = Held(engine, first_request("A", a_prompt))  # A's first request, stopped in its forward
+    a_session = engine.store.get("A")
+    assert engine.handle(EndSession(session_id="A")).existed  # A leaves the store mid-request
+    assert pool.retired == 1 and pool.free_slots == 0 and "A" not in engine.store
+    refused = engine.handle(first_request("B", b_prompt))
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.OVERLOADED and refused.retryable
+    assert "B" not in engine.store and pool.retired == 1
+    a_reply = held.go()  # A's request reads its own K/V to the end: its slot was not given away
+    assert isinstance(a_reply, VerifyReply) and a_reply.bonus_token_id == a_ref[0], a_reply
+    # A's request ended: B gets A's slot, over A's longer stale K/V, and decodes exactly
+    assert greedy_in_engine(engine, "B", b_prompt, 12) == b_ref
+    assert pool.retired == 0 and engine.store.get("B").kv.slot == 0
+    assert_in_pool(engine)
+    with pytest.raises(SpecError) as refused_a:  # a request still holding A's old session
+        engine.check_locked(a_session, 1, CacheSync(base_len=0))
+    assert refused_a.value.code == ErrorCode.CACHE_MISS
+    again = engine.handle(VerifyRequest(session_id="A", round=1, sync=CacheSync(base_len=len(a_prompt)),
+                                        tree=_root(a_ref[0]), sampling=GREEDY))
+    assert isinstance(again, ErrorReply) and again.code == ErrorCode.CACHE_MISS
+
+
+def test_a_full_pool_evicts_the_least_recently_used_idle_session():
+    """Two slots: A's request is in flight (A the least recently used), B idles; C takes B's
+    slot (B's next request gets CACHE_MISS), never A's; A and C decode exactly."""
+    model = tiny_model("qwen2", seed=5)
+    engine = TargetEngine(model, pooled(LIMITS, model, 2))
+    a_prompt, b_prompt, c_prompt = list(range(10, 50)), list(range(60, 90)), [1, 2]
+    refs = {p[0]: greedy_reference(model, p, 8) for p in (a_prompt, c_prompt)}
+    assert all(gap > MARGIN for _, gap in refs.values())
+    held = Held(engine, first_request("A", a_prompt))
+    greedy_in_engine(engine, "B", b_prompt, 1)
+    b_slot = engine.store.get("B").kv.slot
+    evicted = engine.store.evicted
+    assert greedy_in_engine(engine, "C", c_prompt, 8) == refs[c_prompt[0]][0]
+    assert engine.store.evicted == evicted + 1 and "B" not in engine.store and "A" in engine.store
+    assert engine.store.get("C").kv.slot == b_slot
+    a_reply = held.go()
+    assert isinstance(a_reply, VerifyReply) and a_reply.bonus_token_id == refs[a_prompt[0]][0][0]
+    b_again = engine.handle(VerifyRequest(session_id="B", round=1, sync=CacheSync(base_len=len(b_prompt)),
+                                          tree=_root(5), sampling=GREEDY))
+    assert isinstance(b_again, ErrorReply) and b_again.code == ErrorCode.CACHE_MISS
+    assert_in_pool(engine)
+
+
+def test_a_pool_full_of_busy_sessions_refuses_a_new_one_and_changes_nothing():
+    model = tiny_model("qwen3", seed=6)
+    engine = TargetEngine(model, pooled(LIMITS, model, 1))
+    greedy_in_engine(engine, "A", list(range(20, 50)), 2)
+    a = engine.store.get("A")
+    before = ([k.clone() for k in engine.kv_pool.keys], [v.clone() for v in engine.kv_pool.values],
+              a.kv.length, a.last_round, engine.store.evicted, engine.store.bytes_by_session())
+    with a.lock:  # a request is being served for A
+        refused = engine.handle(first_request("B", [1, 2, 3]))
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.OVERLOADED and refused.retryable
+    assert "B" not in engine.store and engine.store.get("A") is a
+    after = (engine.kv_pool.keys, engine.kv_pool.values, a.kv.length, a.last_round, engine.store.evicted,
+             engine.store.bytes_by_session())
+    for x, y in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(x, y)
+    assert before[2:] == after[2:]
+    # once A is idle, B takes its slot
+    assert isinstance(engine.handle(first_request("B", [1, 2, 3])), VerifyReply)
+    assert "A" not in engine.store
+
+
+def test_a_released_cache_refuses_every_write():
+    model = tiny_model("llama", seed=7)
+    shape = pool_shape(model, 32, torch.float32)
+    pool = KVPool(shape, 1, torch.device("cpu"))
+    kv = pool.make_kv()
+    assert isinstance(kv, SessionKV) and pool.make_kv() is None
+    kv.layers[0].update(torch.ones(1, 2, 4, 16), torch.ones(1, 2, 4, 16))
+    kv.crop_to(2)
+    assert kv.length == 2 and pool.keys[0][0, :, :4].eq(1).all()
+
+    class S:  # what the store hands its on_evict: a session with a lock and a cache
+        lock, draft_tree = threading.Lock(), object()
+
+    s = S()
+    s.kv = kv
+    pool.release(s)
+    assert kv.released and pool.free_slots == 1 and s.draft_tree is None
+    with pytest.raises(RuntimeError, match="released"):
+        kv.layers[0].update(torch.ones(1, 2, 1, 16), torch.ones(1, 2, 1, 16))
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.make_kv().layers[0].update(torch.ones(1, 2, 1, 16, dtype=torch.float64),
+                                        torch.ones(1, 2, 1, 16, dtype=torch.float64))
