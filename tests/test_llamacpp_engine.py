@@ -309,7 +309,8 @@ def test_batched_rounds_verify_as_each_alone(lm, lm_draft):
     out instead, the sessions a box's rounding split off left too few rounds to compare on a
     2-core AVX512 Xeon). Every sequence comes back when the sessions end."""
     prompts = [PROMPT, (PROMPT * 3)[:45], list(range(300, 340)), PROMPT[:5]]
-    refs = [greedy_decode(lm, p, 40) for p in prompts]
+    # a round commits at most 4 tokens (3 accepted, the bonus): 7 rounds, then the 8th's 3 nodes
+    refs = [greedy_decode(lm, p, 7 * 4 + 3) for p in prompts]
     alone, batched = LlamaTargetEngine(lm, EngineLimits()), LlamaTargetEngine(lm_draft, EngineLimits())
     free0 = len(batched.pool)
     seen = {"alone": _capture_logits(alone), "batched": _capture_logits(batched)}
