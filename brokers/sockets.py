@@ -11,6 +11,7 @@ connecting one a CURVE client. It works for ``zmq.Context`` and ``zmq.asyncio.Co
 from __future__ import annotations
 
 import ipaddress
+from typing import Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -61,14 +62,16 @@ def make_socket(
     bind: str | None = None,
     connect: str | None = None,
     curve: CurveKeys | None = None,
+    before_connect: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
     """Create a socket of ``zmq_type`` on ``ctx`` with every option set explicitly.
 
     router_mandatory defaults to True for ROUTER sockets (a send to an unknown or vanished peer
     raises ``EHOSTUNREACH`` instead of being dropped silently) and must be left unset for other
     types; router_handover (a reconnecting peer with the same identity takes the identity over)
-    is for ROUTER sockets only. ``bind`` / ``connect`` are applied last; on any failure the
-    socket is closed before the error propagates.
+    is for ROUTER sockets only. ``bind`` / ``connect`` are applied last (``before_connect`` is
+    called with the socket just before them); on any failure the socket is closed before the
+    error propagates.
 
     ``curve`` (None: no CURVE, loopback addresses only, else ``CurveRequired``): with ``bind`` the
     socket is a CURVE server admitting ``curve.authorized`` (the caller calls
@@ -100,6 +103,8 @@ def make_socket(
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover else 0)
         if curve is not None:
             _set_curve(sock, curve, server)
+        if before_connect is not None:
+            before_connect(sock)
         if bind is not None:
             sock.bind(bind)
         if connect is not None:
@@ -110,6 +115,20 @@ def make_socket(
             release_zap(ctx)
         raise
     return sock
+
+
+def make_monitored_socket(ctx: zmq.Context, zmq_type: int, events: int, **kw) -> tuple[zmq.Socket, zmq.Socket]:
+    """``make_socket(ctx, zmq_type, **kw)`` and a monitor socket of its ``events``, attached before
+    it connects: a handshake that fails at once is reported, never missed (libzmq does not retry
+    after a refused CURVE key, so a missed refusal would leave the socket silent for good)."""
+    monitors: list[zmq.Socket] = []
+    try:
+        sock = make_socket(ctx, zmq_type, before_connect=lambda s: monitors.append(s.get_monitor_socket(events)), **kw)
+    except BaseException:
+        for mon in monitors:
+            mon.close(linger=0)
+        raise
+    return sock, monitors[0]
 
 
 def _check_curve(curve: CurveKeys | None, bind: str | None, connect: str | None) -> bool:

@@ -36,7 +36,7 @@ from schemas import (
 )
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from specsplit.logs import get_logger
-from specsplit.transport.sockets import make_socket
+from specsplit.transport.sockets import make_monitored_socket, make_socket
 
 
 class GenerationError(RuntimeError):
@@ -142,13 +142,18 @@ class SpecSplitClient:
 
     def start(self) -> None:
         if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.addr, curve=self.curve)
+            mon = None
+            if self.heartbeat_s or self.curve is not None:
+                events = zmq.EVENT_DISCONNECTED | (HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED if self.curve else 0)
+                self._sock, mon = make_monitored_socket(self._ctx, zmq.DEALER, events, connect=self.addr,
+                                                        curve=self.curve)
+            else:
+                self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.addr, curve=self.curve)
             loop = asyncio.get_running_loop()
             self._reader = loop.create_task(self._read_loop())
             self._last_heard = time.monotonic()
-            if self.heartbeat_s or self.curve is not None:
-                events = zmq.EVENT_DISCONNECTED | (HANDSHAKE_FAILURES | zmq.EVENT_HANDSHAKE_SUCCEEDED if self.curve else 0)
-                self._tasks.append(loop.create_task(self._monitor(self._sock.get_monitor_socket(events))))
+            if mon is not None:
+                self._tasks.append(loop.create_task(self._monitor(mon)))
             if self.heartbeat_s:
                 self._tasks.append(loop.create_task(self._watch()))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 
 import pytest
 import zmq
@@ -19,7 +20,7 @@ from specsplit.cli import main as cli_main
 from specsplit.client import OrchestratorRefused, SpecSplitClient
 from specsplit.config import OrchestratorSettings
 from specsplit.transport.rpc import AsyncRpcClient, RpcRefused, RpcTimeout
-from specsplit.transport.sockets import make_socket
+from specsplit.transport.sockets import make_monitored_socket, make_socket
 from specsplit.transport.testing import TEST_SECRET, EchoHandler, RouterThread, WorkerThread, make_verify
 
 pytestmark = pytest.mark.timeout(60)
@@ -139,6 +140,27 @@ def test_settings_refuse_public_binds_without_keys_at_startup(tmp_path, monkeypa
 
 
 # ------------------------------------------------------------------------ real handshakes
+def test_a_refusal_before_anyone_reads_the_monitor_is_still_reported(fleet_keys):
+    """The monitor is attached before the socket connects: libzmq does not retry a refused key, so
+    a refusal that came before a late-attached monitor would be lost and the client silent."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    server, _, stranger = fleet_keys
+    with RouterThread("target", curve=server, **HB) as rt:
+        ctx = zmq.Context()
+        sock, mon = make_monitored_socket(ctx, zmq.DEALER, curve_mod.HANDSHAKE_FAILURES, connect=rt.frontend,
+                                          curve=stranger)
+        try:
+            time.sleep(1.0)  # the point: the handshake fails while nothing reads the monitor
+            mon.setsockopt(zmq.RCVTIMEO, 10_000)  # a hang guard
+            assert recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        finally:
+            sock.disable_monitor()
+            mon.close(linger=0)
+            sock.close(linger=0)
+            ctx.term()
+
+
 async def test_curve_router_serves_listed_keys_and_refuses_others_clearly(fleet_keys):
     server, client, stranger = fleet_keys
     with RouterThread("target", curve=server, **HB) as rt:

@@ -46,7 +46,7 @@ from brokers import auth
 from schemas.codec import CodecError, check_envelope, decode, pack_frames
 from schemas.messages import AuthChallenge, AuthResponse, ClientHello, ErrorCode, ErrorReply, Heartbeat, Message
 from specsplit.logs import get_logger
-from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
+from specsplit.transport.sockets import DEFAULT_HWM, make_monitored_socket, make_socket, recv_frames, send_frames
 
 
 class RpcError(Exception):
@@ -152,15 +152,15 @@ class AsyncRpcClient:
             raise RpcClosed(f"client of {self.addr} is closed")
         if self._sock is None:
             snd, rcv = self._hwm
-            self._sock = make_socket(
-                self._ctx, zmq.DEALER, identity=self._identity, sndhwm=snd, rcvhwm=rcv, connect=self.addr,
-                curve=self.curve,
-            )
-            self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self._sock.FD, self._drain)
+            kw = dict(identity=self._identity, sndhwm=snd, rcvhwm=rcv, connect=self.addr, curve=self.curve)
             if self.heartbeat_s or self.curve is not None:
                 events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES
-                self._mon = self._sock.get_monitor_socket(events)
+                self._sock, self._mon = make_monitored_socket(self._ctx, zmq.DEALER, events, **kw)
+            else:
+                self._sock = make_socket(self._ctx, zmq.DEALER, **kw)
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._sock.FD, self._drain)
+            if self._mon is not None:
                 self._loop.add_reader(self._mon.FD, self._on_monitor)
                 self._loop.call_soon(self._on_monitor)  # edge-triggered: drain what came before
             if self.heartbeat_s:

@@ -65,7 +65,7 @@ from schemas.messages import (
 from specsplit.compute import ComputeThread, Task
 from specsplit.logs import get_logger
 from specsplit.transport.batching import Gather, take_batch, verify_tokens
-from specsplit.transport.sockets import DEFAULT_HWM, make_socket, recv_frames, send_frames
+from specsplit.transport.sockets import DEFAULT_HWM, make_monitored_socket, make_socket, recv_frames, send_frames
 from specsplit.transport.worker_batching import EngineBatching, _Job, scoped_session_id
 from specsplit.transport.worker_handshake import CONTROL_SID, RouterHandshake, _Outcome
 
@@ -228,15 +228,15 @@ class WorkerLoop(EngineBatching, RouterHandshake):
     def _serve(self, stop_event: threading.Event) -> tuple[_Outcome, bool]:
         """One connection's lifetime: connect, hello, poll until stopped/silent/refused."""
         snd, rcv = self._hwm
-        self._sock = make_socket(
-            self._ctx, zmq.DEALER, identity=self.identity, sndhwm=snd, rcvhwm=rcv, connect=self.backend_addr,
-            curve=self.curve,
-        )
+        kw = dict(identity=self.identity, sndhwm=snd, rcvhwm=rcv, connect=self.backend_addr, curve=self.curve)
+        if self.curve is not None:
+            self._sock, self._mon = make_monitored_socket(self._ctx, zmq.DEALER, HANDSHAKE_FAILURES, **kw)
+        else:
+            self._sock = make_socket(self._ctx, zmq.DEALER, **kw)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._pair, zmq.POLLIN)
-        if self.curve is not None:
-            self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILURES)
+        if self._mon is not None:
             poller.register(self._mon, zmq.POLLIN)
         self.ready.clear()
         self._send_hello()
