@@ -206,3 +206,14 @@ def models():
         target = tiny_model(fam, seed=10 + i)
         out[fam] = (target, perturbed(target, seed=100 + i, noise=0.004), tiny_model(fam, seed=200 + i))
     return out
+
+
+# The files that take minutes (the image build and the manifests' fleet; the honcho kill tests)
+# are collected first, so under ops/test.sh's xdist workers they start at once and the run does not
+# end on one worker finishing them alone; the rest keep their order.
+FIRST = ("test_kubernetes.py", "test_crash_only.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: each file keeps its order
