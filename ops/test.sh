@@ -16,7 +16,8 @@ export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
 set +e
 # two pytest workers, a test file each at a time (its module fixtures, fleets included, start once):
 # many tests wait on processes they started, so one worker leaves a core idle; `-n 0` runs serially
-python -m pytest -q -ra --durations=25 -n 2 --dist loadfile "$@"
+# --no-loadscope-reorder: files in collection order (tests/conftest.py puts the longest first)
+python -m pytest -q -ra --durations=25 -n 2 --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
