@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install SpecSplit. Idempotent.
 #   ./ops/setup.sh                  # the serving system only (what ./ops/demo.sh needs)
-#   ./ops/setup.sh gguf             # plus llama.cpp's kernels for the GGUF engines (compiles, ~8 min)
+#   ./ops/setup.sh gguf             # plus llama.cpp's kernels for the GGUF engines (compiles, ~3 min)
 #   ./ops/setup.sh test,bench,gguf  # plus the test and benchmark extras (what ./ops/test.sh needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,21 +13,26 @@ fi
 # --no-compile: no .pyc for every file of torch and transformers at install (~20 s of a fresh
 # setup); Python compiles the modules a process imports, when it first imports them
 .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
-# llama-cpp-python ships as an sdist: build only the library, for this machine's CPU (the GGUF
-# engines' kernels); skipped when it is installed already. Without AMX: on Sapphire Rapids-class
-# CPUs (amx_int8) the vendored ggml's AMX matmul segfaults on the first batched decode (the 2-core
-# Xeon box, both GGUFs of the pair and SmolLM2); -mno-amx-* overrides what -march=native turns on,
-# so every other native ISA (AVX512, VNNI) stays. The wheel is kept under ~/.cache/specsplit/wheels,
-# keyed by the build flags and this CPU's flags (pip's own wheel cache keys on neither), so a fresh
-# clone or venv on the same machine installs it in seconds instead of compiling again.
+# llama-cpp-python ships as an sdist: build only what its Python bindings load (libllama, libggml),
+# for this machine's CPU (the GGUF engines' kernels); skipped when it is installed already. Left
+# out: llama.cpp's programs, its multimodal library (LLAVA_BUILD; imported only by the multimodal
+# chat handlers) and its `common` library (ops/llama-cpp-bindings-only.cmake): ~60 % of the
+# compile. Without AMX: on Sapphire Rapids-class CPUs (amx_int8) the vendored ggml's AMX matmul
+# segfaults on the first batched decode (the 2-core Xeon box, both GGUFs of the pair and SmolLM2);
+# -mno-amx-* overrides what -march=native turns on, so every other native ISA (AVX512, VNNI)
+# stays. The wheel is kept under ~/.cache/specsplit/wheels, keyed by the build flags and this
+# CPU's flags (pip's own wheel cache keys on neither), so a fresh clone or venv on the same
+# machine installs it in seconds instead of compiling again.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA=llama-cpp-python==0.3.36
+ONLY="$PWD/ops/llama-cpp-bindings-only.cmake"
 if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
-  key=$( (echo "$LLAMA $CMAKE_ARGS"; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; cc --version 2>/dev/null | head -1) | sha256sum | cut -c1-16)
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$ONLY'}"
+  # keyed by the include file's text, not its path: every clone of the repository shares the wheel
+  key=$( (echo "$LLAMA ${CMAKE_ARGS//$ONLY/}"; cat "$ONLY"; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; cc --version 2>/dev/null | head -1) | sha256sum | cut -c1-16)
   wheels="${SPECSPLIT_CACHE_DIR:-$HOME/.cache/specsplit}/wheels/llama-cpp-$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "setup: building llama-cpp-python for this CPU (once per machine, ~8 min on 2 cores)" >&2
+    echo "setup: building llama-cpp-python for this CPU (once per machine, ~3 min on 2 cores)" >&2
     mkdir -p "$wheels.tmp"
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" .venv/bin/python -m pip wheel -q --no-deps --no-cache-dir \
       --disable-pip-version-check -w "$wheels.tmp" "$LLAMA"
