@@ -4,6 +4,8 @@ session finishes; the rest are refused at once (OVERLOADED); the other producer 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -18,8 +20,10 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 def test_flood_from_one_client_loses_no_admitted_session_and_starves_no_one(tmp_path):
     from specsplit.client import GenerationError, SpecSplitClient
 
-    fleet = Fleet.create(tmp_path, SPECSPLIT_MAX_ATTEMPTS="8", SPECSPLIT_RPC_TIMEOUT_S="60")
+    # liveness 100 beats: the target worker, paused below until the flood is in, stays admitted
+    fleet = Fleet.create(tmp_path, SPECSPLIT_MAX_ATTEMPTS="8", SPECSPLIT_RPC_TIMEOUT_S="60", SPECSPLIT_LIVENESS="100")
     fleet.start(drafts=1, targets=1)
+    target = fleet.procs["target0"].pid  # its supervisor's process group holds the worker
     try:
         fleet.wait_ready(drafts=1, targets=1)
         flood = prompts(1500, seed=31)
@@ -44,10 +48,16 @@ def test_flood_from_one_client_loses_no_admitted_session_and_starves_no_one(tmp_
                             refused.set()
                         return exc
 
-                flood_task = asyncio.gather(*(one(p) for p in flood))
-                # on an event: the first refusal says the flood holds its whole share, queued ahead
-                await asyncio.wait_for(asyncio.wait([asyncio.ensure_future(refused.wait()), flood_task],
-                                                    return_when=asyncio.FIRST_COMPLETED), 240)
+                # the target paused while the flood comes: no session can finish before it holds its
+                # share, however fast this machine serves and however slowly this process sends
+                os.killpg(target, signal.SIGSTOP)
+                try:
+                    flood_task = asyncio.gather(*(one(p) for p in flood))
+                    # on an event: the first refusal says the flood holds its whole share, queued ahead
+                    await asyncio.wait_for(asyncio.wait([asyncio.ensure_future(refused.wait()), flood_task],
+                                                        return_when=asyncio.FIRST_COMPLETED), 240)
+                finally:
+                    os.killpg(target, signal.SIGCONT)
                 other = await b.generate([5, 6, 7], max_new_tokens=2)
                 done_before_other = len(finished)
                 return await flood_task, other, done_before_other, done_when_refused
