@@ -2,14 +2,18 @@
 # Set up (ops/setup.sh) and run the whole test suite. Usage: ./ops/test.sh [pytest args, e.g. -n 0]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./ops/setup.sh test,bench,gguf
 # tests/test_kubernetes.py runs the manifests with podman (runc; mmdebstrap makes its base image);
-# without them it is skipped, so a failed install only warns
+# without them it is skipped, so a failed install only warns. apt downloads while setup compiles.
+apt_pid=""
 if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v mmdebstrap >/dev/null; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap; } >/dev/null \
-      || echo "ops/test.sh: podman not installed; tests/test_kubernetes.py will be skipped" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap; } >/dev/null &
+    apt_pid=$!
   fi
+fi
+./ops/setup.sh test,bench,gguf
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  echo "ops/test.sh: podman not installed; tests/test_kubernetes.py will be skipped" >&2
 fi
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
