@@ -10,9 +10,8 @@ EXTRAS=${1:-}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# --no-compile: no .pyc for every file of torch and transformers at install (~20 s of a fresh
-# setup); Python compiles the modules a process imports, when it first imports them
-.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
+# The llama-cpp-python wheel, if asked for and not installed: built in the background (the CPU)
+# while pip downloads and installs the rest (the network), installed once both are done.
 # llama-cpp-python ships as an sdist: build only what its Python bindings load (libllama, libggml),
 # for this machine's CPU (the GGUF engines' kernels); skipped when it is installed already. Left
 # out: llama.cpp's programs, its multimodal library (LLAVA_BUILD; imported only by the multimodal
@@ -26,6 +25,7 @@ fi
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA=llama-cpp-python==0.3.36
 ONLY="$PWD/ops/llama-cpp-bindings-only.cmake"
+wheels="" build_pid=""
 if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$ONLY'}"
   # keyed by the include file's text, not its path: every clone of the repository shares the wheel
@@ -33,9 +33,23 @@ if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2
   wheels="${SPECSPLIT_CACHE_DIR:-$HOME/.cache/specsplit}/wheels/llama-cpp-$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "setup: building llama-cpp-python for this CPU (once per machine, ~3 min on 2 cores)" >&2
-    mkdir -p "$wheels.tmp"
+    rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" .venv/bin/python -m pip wheel -q --no-deps --no-cache-dir \
-      --disable-pip-version-check -w "$wheels.tmp" "$LLAMA"
+      --disable-pip-version-check -w "$wheels.tmp" "$LLAMA" &
+    build_pid=$!
+    trap 'kill "$build_pid" 2>/dev/null || true' EXIT  # a failed setup leaves no compile running
+  fi
+fi
+# --no-compile: no .pyc for every file of torch and transformers at install (~20 s of a fresh
+# setup); Python compiles the modules a process imports, when it first imports them
+.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
+if [ -n "$wheels" ]; then
+  # everything but the gguf extra first (installing it now would build the sdist a second time)
+  rest=$(echo ",$EXTRAS," | sed 's/,gguf,/,/g; s/^,*//; s/,*$//')
+  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e ".${rest:+[$rest]}"
+  if [ -n "$build_pid" ]; then
+    wait "$build_pid"
+    trap - EXIT
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   fi
   .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$wheels"/llama_cpp_python-*.whl
