@@ -1,6 +1,6 @@
 """Unit oracles for sampling.py and verify_sampling, plus seeded reproducibility of generate.
 
-The statistical (distribution-level) tests live in test_sampling_stats.py.
+The statistical (distribution-level) tests live in test_sampling_stats.py (rules) and test_sampling_engines.py.
 """
 
 from __future__ import annotations
