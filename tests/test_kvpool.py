@@ -150,6 +150,18 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a.model_dump(exclude=measured) == b.model_dump(exclude=measured)
 
 
+def lockstep(engine: Engine, rng: random.Random) -> tuple[list[int], dict[str, SessionCursor]]:
+    """Four sessions with random prompts for rounds in lockstep on ``engine``, and the list its
+    ``forward_segments`` appends each fused forward's session count to."""
+    sizes, real = [], engine.forward_segments
+    engine.forward_segments = lambda segs: sizes.append(len(segs)) or real(segs)
+    return sizes, {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(4)}
+
+
+def tree_spec(j: int) -> TreeSpec:
+    return TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_verify_on_a_pool_equals_each_session_alone(models, family):
     """The same rounds verified one at a time on growing caches and batched on a pool whose
@@ -165,15 +177,13 @@ def test_batched_verify_on_a_pool_equals_each_session_alone(models, family):
         batched.store.end_session(f"old{i}")
     assert batched.kv_pool.free_slots == 4
     draft = DraftEngine(draft_model, LIMITS)
-    sizes, real = [], batched.forward_segments
-    batched.forward_segments = lambda segs: sizes.append(len(segs)) or real(segs)
-    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(4)}
+    sizes, cursors = lockstep(batched, rng)
     accepted = 0
     for rnd in range(5):
         reqs = []
         for j, (sid, cur) in enumerate(cursors.items()):
             d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
-                                          tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY))
+                                          tree=tree_spec(j), sampling=GREEDY))
             cur.after_draft()
             reqs.append(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree, sampling=GREEDY))
         want = [alone.handle(r) for r in reqs]
@@ -193,13 +203,11 @@ def test_lockstep_drafts_on_a_pool_equal_each_session_alone(models, family):
     rng = random.Random(len(family))
     alone, batched = DraftEngine(draft_model, LIMITS), DraftEngine(draft_model, pooled(LIMITS, draft_model, 4))
     target = TargetEngine(target_model, LIMITS)
-    sizes, real = [], batched.forward_segments
-    batched.forward_segments = lambda segs: sizes.append(len(segs)) or real(segs)
-    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(4)}
+    sizes, cursors = lockstep(batched, rng)
     reused = 0
     for rnd in range(5):
         reqs = [DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
-                             tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY)
+                             tree=tree_spec(j), sampling=GREEDY)
                 for j, (sid, cur) in enumerate(cursors.items())]
         want = [alone.handle(r) for r in reqs]
         got = batched.draft_batch(reqs)
