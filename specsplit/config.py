@@ -154,6 +154,10 @@ class WorkerSettings(SessionLimitSettings):
     cuda_grouped_attention: bool = Field(default=True, description=(
         "CUDA: forwards of up to 64 new tokens over 8K+ cached tokens attend through grouped matmuls instead "
         "of sdpa's memory-efficient kernel, which runs few thread blocks for few queries. Off: sdpa always."))
+    cuda_graphs: bool = Field(default=True, description=(
+        "CUDA, with a KV pool (SPECSPLIT_TARGET_KV_POOL_GB / SPECSPLIT_DRAFT_KV_POOL_GB > 0): forwards of up to "
+        "64 new tokens per session and 32 sessions replay CUDA graphs, one captured per shape bucket on its "
+        "first use (specsplit.engine.graphs). Off, or without a pool: eager forwards."))
     draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64, description=(
         "Draft forwards allowed after re-rooting a grown tree (unset: up to the tree's depth, as from scratch). "
         "They delay the round, while growth adds the same nodes during the next verify at no wait; 0 measured "

@@ -62,15 +62,18 @@ def log_loaded(log, engine, **fields) -> None:
                                  "dtype": str(engine.dtype).removeprefix("torch."), **engine.backend.describe()})
 
 
-def engine_limits(settings: WorkerSettings, service: str | None = None):
-    """The engine limits of ``service``'s worker (its KV pool: None, or a llama.cpp engine, none)."""
+def engine_limits(settings: WorkerSettings, service: str | None = None, backend=None):
+    """The engine limits of ``service``'s worker (its KV pool: None, or a llama.cpp engine, none;
+    CUDA graphs over the pool where ``backend`` is CUDA's and SPECSPLIT_CUDA_GRAPHS allows)."""
     from specsplit.engine.base import EngineLimits  # torch: never at this module's import (see build_engine)
 
+    pool = settings.kv_pool_gb_for(service) if service and settings.engine_for(service) == "torch" else 0.0
+    cuda = getattr(backend, "name", None) == "cuda"
     return EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
-        kv_pool_gb=settings.kv_pool_gb_for(service) if service and settings.engine_for(service) == "torch" else 0.0,
+        kv_pool_gb=pool, graphs="cuda" if pool > 0 and cuda and settings.cuda_graphs else "off",
     )
 
 
@@ -82,7 +85,7 @@ def draft_window(settings: WorkerSettings):
 
 def role_engine(service: str, settings: WorkerSettings, model, backend, draft_cls, target_cls):
     """The role's engine class around ``model`` (a torch model or a LlamaCppModel)."""
-    limits = engine_limits(settings, service)
+    limits = engine_limits(settings, service, backend)
     if service == "draft":
         return draft_cls(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend,
                          window=draft_window(settings))

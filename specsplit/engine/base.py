@@ -23,6 +23,7 @@ import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
+from specsplit.engine.graphs import GraphRunner, Item
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import GB, KVPool, pool_shape, pool_slots
 from specsplit.engine.masks import additive_mask, causal
@@ -41,6 +42,7 @@ class EngineLimits:
     max_tree_nodes: int = 64
     max_tree_depth: int = 16
     kv_pool_gb: float = 0.0  # > 0: every session's KV in a pool preallocated at start (specsplit.engine.kvpool)
+    graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
 
 
 def model_vocab_size(model) -> int:
@@ -129,13 +131,21 @@ class Engine:
         self.log = get_logger(f"specsplit.{self.role}")
         layers = model_num_layers(model)
         self.kv_pool: KVPool | None = None
+        self.graphs: GraphRunner | None = None
         make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
         if limits.kv_pool_gb > 0:
             shape = pool_shape(model, limits.max_session_tokens, self.dtype)
-            self.kv_pool = KVPool(shape, pool_slots(limits.kv_pool_gb, shape, limits.max_sessions), self.device)
+            scratch = limits.graphs != "off"  # the graphs' padding sessions take one slot of the budget
+            slots = pool_slots(limits.kv_pool_gb, shape, limits.max_sessions + scratch) - scratch
+            if slots < 1:
+                raise ValueError(f"a KV pool of {limits.kv_pool_gb} GB holds no session beside the graphs' "
+                                 f"scratch slot: each slot needs {shape.slot_bytes / GB:.4f} GB")
+            self.kv_pool = KVPool(shape, slots, self.device, scratch=scratch)
             make_kv, on_evict = self.kv_pool.make_kv, self.kv_pool.release
             self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
                           tokens_per_slot=limits.max_session_tokens)
+            if scratch:
+                self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log)
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,
@@ -211,6 +221,11 @@ class Engine:
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         self.backend.before_forward(t)
         t0 = time.perf_counter()
+        if self.graphs is not None:
+            out = self.graphs.forward([Item(kv, token_ids, position_ids, visible, keep)], **model_kwargs)
+            if out is not None:
+                self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
+                return out[0]
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None],
@@ -236,12 +251,17 @@ class Engine:
         segment's tokens on top of its own cache, under its own positions and mask. Returns per
         segment float32 logits of its last ``keep`` tokens [keep_i, V] (on the device). Every
         cache gains its segment's tokens, as after ``forward`` of that segment alone."""
+        t = sum(len(s.token_ids) for s in segments)
+        self.backend.before_forward(t)
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            out = self.graphs.forward([Item(s.kv, s.token_ids, s.position_ids, s.visible, s.keep) for s in segments])
+            if out is not None:
+                self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
+                return out
         if not self.batched_forward_supported():
             raise RuntimeError(f"attention {self.model.config._attn_implementation!r} takes no per-session masks")
         batch = flatten(segments, self.dtype, self.device)
-        t = batch.input_ids.shape[1]
-        self.backend.before_forward(t)
-        t0 = time.perf_counter()
         placeholder = torch.zeros(1, 1, t, 0, dtype=self.dtype, device=self.device)  # passed through, unread
         with using_attention(self.model, self._segment_attention):
             out = self.model(

@@ -70,6 +70,27 @@ class SlotLayer(ChunkedLayer):
         self.is_initialized = True
         self._views()
 
+    # keys / values: the slot's first ``length`` entries, sliced when read (a request moves the
+    # length of every layer, often several times; slicing each layer each time cost host time)
+    @property
+    def keys(self):
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass  # derived from the slot and the length
+
+    @property
+    def values(self):
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    def _views(self) -> None:
+        pass
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("this session's KV pool slot was released")  # only a detached layer gets here
 
@@ -94,8 +115,14 @@ class PooledKV(SessionKV):
     def __init__(self, pool: KVPool, slot: int):
         Cache.__init__(self, layers=[SlotLayer(k[slot:slot + 1], v[slot:slot + 1])
                                      for k, v in zip(pool.keys, pool.values)])
-        self.max_len, self.slot = pool.shape.max_len, slot
+        self.max_len, self.slot, self.pool = pool.shape.max_len, slot, pool
         self.released = False
+
+    def advance(self, n: int) -> None:
+        """``n`` more entries were written into the slot after ``length`` (a graph's forward,
+        ``specsplit.engine.graphs``): count them."""
+        for layer in self.layers:
+            layer.length += n
 
     def detach(self) -> None:
         self.released = True
@@ -104,13 +131,16 @@ class PooledKV(SessionKV):
 
 
 class KVPool:
-    """``slots`` session caches of ``shape`` allocated once on ``device``; thread-safe."""
+    """``slots`` session caches of ``shape`` allocated once on ``device``; thread-safe. With
+    ``scratch``, one more slot (index ``slots``) that no session gets: static-shape forwards
+    (``specsplit.engine.graphs``) write their padding sessions there."""
 
-    def __init__(self, shape: PoolShape, slots: int, device: torch.device):
+    def __init__(self, shape: PoolShape, slots: int, device: torch.device, scratch: bool = False):
         if slots < 1:
             raise ValueError("a KV pool needs at least one slot")
         self.shape, self.slots, self.device = shape, slots, torch.device(device)
-        size = (slots, shape.kv_heads, shape.max_len, shape.head_dim)
+        self.scratch = slots if scratch else None
+        size = (slots + scratch, shape.kv_heads, shape.max_len, shape.head_dim)
         # zeros, not empty: a later reader of the whole buffer (a captured graph under a mask) must
         # never meet NaN garbage
         self.keys = [torch.zeros(size, dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
@@ -165,4 +195,4 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.shape.slot_bytes
+        return (self.slots + (self.scratch is not None)) * self.shape.slot_bytes

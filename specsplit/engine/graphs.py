@@ -1,0 +1,269 @@
+"""Forwards over the KV pool's slots at static shapes, replayed as CUDA graphs.
+
+A forward of B sessions x at most T new tokens each, over caches of at most L entries, runs at a
+bucket's shape (B, T, L: the smallest bucket of each that fits) through one body whose every
+tensor has a fixed address, so on CUDA it is captured once per bucket (``torch.cuda.CUDAGraph``)
+and replayed: one launch instead of a few hundred kernel launches, which is what an eager forward
+of a small model spends its time on (docs/results.md, GPU).
+
+Per (B, T) the static inputs are ``meta`` [B, T+2] (each row: the token ids, padded; the
+session's pool slot; its cache length P), ``pos`` [B, T] position ids and ``vis`` [B, T, Lmax]
+bool visibility; the output ``logits`` [B, T, V]. Inside the body each layer writes the new K/V
+into the session's slot at P.. (``index_copy_`` into the pool's rows), reads its slot's first L
+entries (``index_select``: a copy of B x L entries per layer) and attends under the additive mask
+made from ``vis``. Padding tokens of a session land after its length (nothing reads them, the
+next forward overwrites them); padding sessions run on the pool's scratch slot, which no session
+holds. Nothing of a call is read on the host inside the body.
+
+Mode ``cuda`` captures and replays; mode ``static`` runs the same body eagerly (how the CPU tests
+check it against the engine's plain forward). A forward that does not fit a bucket (more tokens
+or sessions, a cache without a pool slot, attention kwargs, another attention function) returns
+None and the engine runs it eagerly; so does every bucket whose capture failed (logged once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from specsplit.engine.batch import using_attention
+from specsplit.engine.kvpool import KVPool, PooledKV
+from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, grouped_attention
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
+MIN_KEYS = 256  # the smallest cache bucket; then doubling up to the pool's slot length
+MODES = ("cuda", "static")
+GRAPH_ATTENTION = "specsplit_graph_gqa"
+GROUPED = ("sdpa", GQA_ATTENTION)  # attention a graph's body replaces with grouped matmuls
+
+
+def graph_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """A bucket's attention: grouped matmuls for every forward (``grouped_attention``; its keys
+    are the bucket's, at most a few thousand in a graph of up to 64 queries). sdpa's masked
+    kernel spent ~40 us a layer on one query over 1K keys and copied every KV head per query
+    head for more (repeat_kv); its extra launches cost nothing in a replay (docs/results.md, GPU)."""
+    chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
+    return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk), None
+
+
+def register_graph_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GRAPH_ATTENTION, graph_attention)
+    return GRAPH_ATTENTION
+
+
+def smallest(n: int, buckets) -> int | None:
+    """The first of ``buckets`` (ascending) that is at least ``n``, or None."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def key_buckets(max_len: int) -> tuple[int, ...]:
+    """Cache lengths a forward is shaped to: MIN_KEYS, doubling, and ``max_len`` last."""
+    out, b = [], MIN_KEYS
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return (*out, max_len)
+
+
+class _SlotCache(Cache):
+    """The cache a bucket's body hands the model: each layer's ``update`` writes the new K/V
+    [B, Hkv, T, D] into the pool at ``rows`` and returns the first ``keys`` entries of the
+    sessions' slots [B, Hkv, keys, D] (``heads``: their (slot, KV head) runs, slot x Hkv + head)."""
+
+    def __init__(self, pool: KVPool, rows: torch.Tensor, heads: torch.Tensor, keys: int):
+        super().__init__(layers=[])
+        self.pool, self.rows, self.heads, self.keys = pool, rows, heads, keys
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        out = []
+        for buf, new in ((self.pool.keys[layer_idx], key_states), (self.pool.values[layer_idx], value_states)):
+            s, h, max_len, d = buf.shape
+            buf.view(-1, d).index_copy_(0, self.rows, new.reshape(-1, d).to(buf.dtype))
+            # rows of whole (slot, head) runs: one contiguous copy of keys x D per KV head of each session
+            runs = buf.view(s * h, max_len * d)[:, : self.keys * d].index_select(0, self.heads)
+            out.append(runs.view(-1, h, self.keys, d))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # never asked for when positions and a 4D mask are passed
+
+
+@dataclass
+class _Inputs:
+    """The static buffers of one (B, T): every bucket (B, T, L) reads and writes these."""
+
+    meta: torch.Tensor  # [B, T+2] int64: token ids, slot, cache length
+    pos: torch.Tensor  # [B, T] int64
+    vis: torch.Tensor  # [B, T, Lmax] bool
+    logits: torch.Tensor  # [B, T, V] in the model's dtype
+
+
+@dataclass(frozen=True)
+class Item:
+    """One session's part of a forward (as ``Segment``): ``token_ids`` on top of ``kv``,
+    ``position_ids`` [t] and ``visible`` [t, P+t] on the device, logits of the last ``keep``."""
+
+    kv: object
+    token_ids: list
+    position_ids: torch.Tensor
+    visible: torch.Tensor
+    keep: int
+
+
+class GraphRunner:
+    """Forwards of an engine's ``model`` over ``pool`` at bucketed static shapes (``mode``:
+    "cuda" replays captured graphs, "static" runs the bodies eagerly)."""
+
+    def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None):
+        if mode not in MODES:
+            raise ValueError(f"graph mode {mode!r}: one of {MODES}")
+        if pool.scratch is None:
+            raise ValueError("CUDA graphs need a KV pool with a scratch slot")
+        if mode == "cuda" and pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {pool.device}")
+        self.model, self.pool, self.vocab_size, self.mode, self.log = model, pool, vocab_size, mode, log
+        self.device, self.dtype = pool.device, pool.shape.dtype
+        self.attention = model.config._attn_implementation  # the model's: a forward on another runs eagerly
+        self.body_attention = register_graph_attention() if self.attention in GROUPED else self.attention
+        self.max_len = pool.shape.max_len
+        self.key_buckets = key_buckets(self.max_len)
+        self._inputs: dict[tuple[int, int], _Inputs] = {}  # at most |BATCH| x |TOKEN| entries
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}  # None: capture failed
+        self._arange = torch.arange(max(TOKEN_BUCKETS), dtype=torch.long, device=self.device)
+        self._heads = torch.arange(pool.shape.kv_heads, dtype=torch.long, device=self.device)
+        self._mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self._lock = threading.Lock()
+        self.captures, self.capture_ms, self.served = 0, 0.0, 0  # served: forwards run through a bucket
+
+    # ---- shapes ------------------------------------------------------------------------
+    def bucket(self, items) -> tuple[int, int, int] | None:
+        """(B, T, L) for ``items``, or None when they do not fit one."""
+        b = smallest(len(items), BATCH_BUCKETS)
+        t = smallest(max(len(it.token_ids) for it in items), TOKEN_BUCKETS)
+        if b is None or t is None:
+            return None
+        keys = smallest(max(it.kv.length for it in items) + t, self.key_buckets)
+        return None if keys is None else (b, t, keys)
+
+    def fits(self, items, model_kwargs) -> bool:
+        return (not model_kwargs and self.model.config._attn_implementation == self.attention
+                and all(isinstance(it.kv, PooledKV) and not it.kv.released and it.kv.pool is self.pool
+                        for it in items))
+
+    # ---- a forward ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, items: list[Item], **model_kwargs) -> list[torch.Tensor] | None:
+        """Per item float32 logits of its last ``keep`` tokens [keep, V] (on the device), every
+        cache grown by its tokens, as the engine's forward would; None (nothing moved) when the
+        items fit no bucket or its capture failed."""
+        if not items or not self.fits(items, model_kwargs):
+            return None
+        shape = self.bucket(items)
+        if shape is None:
+            return None
+        with self._lock:
+            b, t, keys = shape
+            inp = self._buffers(b, t)
+            graph = self._graph(shape, inp) if self.mode == "cuda" else None
+            if self.mode == "cuda" and graph is None:
+                return None
+            self._fill(inp, items, t, keys)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._body(inp, b, t, keys)
+            self.served += 1
+            for it in items:
+                it.kv.advance(len(it.token_ids))
+            if len(items) == 1:
+                n = len(items[0].token_ids)
+                return [inp.logits[0, n - items[0].keep: n].float()]
+            rows = [i * t + r for i, it in enumerate(items)
+                    for r in range(len(it.token_ids) - it.keep, len(it.token_ids))]
+            kept = inp.logits.view(b * t, -1).index_select(0, torch.tensor(rows, device=self.device)).float()
+            return list(kept.split([it.keep for it in items]))
+
+    def _buffers(self, b: int, t: int) -> _Inputs:
+        inp = self._inputs.get((b, t))
+        if inp is None:
+            dev = self.device
+            meta = torch.zeros(b, t + 2, dtype=torch.long, device=dev)
+            meta[:, t] = self.pool.scratch
+            inp = self._inputs[(b, t)] = _Inputs(
+                meta=meta, pos=torch.zeros(b, t, dtype=torch.long, device=dev),
+                vis=torch.zeros(b, t, self.max_len, dtype=torch.bool, device=dev),
+                logits=torch.zeros(b, t, self.vocab_size, dtype=self.dtype, device=dev))
+        return inp
+
+    def _fill(self, inp: _Inputs, items, t: int, keys: int) -> None:
+        """The call's values into the static buffers: one host copy for ids, slots and lengths;
+        per session its positions and visibility (device to device)."""
+        meta = torch.zeros(inp.meta.shape, dtype=torch.long)
+        meta[:, t] = self.pool.scratch  # padding sessions: the scratch slot, length 0
+        for i, it in enumerate(items):
+            n = len(it.token_ids)
+            meta[i, :n] = torch.tensor(it.token_ids, dtype=torch.long)
+            meta[i, t], meta[i, t + 1] = it.kv.slot, it.kv.length
+        inp.meta.copy_(meta)
+        inp.vis[:, :, :keys].zero_()
+        for i, it in enumerate(items):
+            n, p = len(it.token_ids), it.kv.length
+            inp.vis[i, :n, : p + n].copy_(it.visible)
+            inp.pos[i, :n].copy_(it.position_ids)
+
+    def _body(self, inp: _Inputs, b: int, t: int, keys: int) -> None:
+        """The forward at shape (b, t, keys) from the static inputs into ``inp.logits``."""
+        ids, slots, lengths = inp.meta[:, :t], inp.meta[:, t], inp.meta[:, t + 1]
+        where = lengths[:, None] + self._arange[:t]  # [B, T] cache positions the new tokens take
+        heads, max_len = self._heads, self.max_len
+        runs = slots[:, None] * heads.numel() + heads[None, :]  # [B, Hkv]
+        rows = runs[:, :, None] * max_len + where[:, None, :]  # [B, Hkv, T]
+        mask = torch.zeros(b, 1, t, keys, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~inp.vis[:, None, :, :keys], torch.finfo(self.dtype).min)
+        with using_attention(self.model, self.body_attention):
+            out = self.model(input_ids=ids, position_ids=inp.pos, attention_mask=mask,
+                             past_key_values=_SlotCache(self.pool, rows.reshape(-1), runs.reshape(-1), keys),
+                             use_cache=True, logits_to_keep=0)
+        inp.logits.copy_(out.logits)
+
+    def _graph(self, shape, inp: _Inputs):
+        """The bucket's graph, captured on first use (a warm-up run on the scratch slot first);
+        None when its capture failed (then its forwards run eagerly)."""
+        if shape in self._graphs:
+            return self._graphs[shape]
+        b, t, keys = shape
+        t0 = time.perf_counter()
+        try:
+            inp.meta[:, t] = self.pool.scratch
+            inp.meta[:, t + 1] = 0
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._body(inp, b, t, keys)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                self._body(inp, b, t, keys)
+        except Exception as exc:  # e.g. a host sync inside the model: this bucket stays eager
+            graph = None
+            if self.log is not None:
+                self.log.warning("cuda_graph_capture_failed", batch=b, tokens=t, keys=keys,
+                                 error=f"{type(exc).__name__}: {exc}"[:500], action="eager forwards for this shape")
+        self._graphs[shape] = graph
+        ms = (time.perf_counter() - t0) * 1e3
+        self.captures += 1
+        self.capture_ms += ms
+        if self.log is not None and graph is not None:
+            self.log.info("cuda_graph_captured", batch=b, tokens=t, keys=keys, ms=round(ms, 1))
+        return graph
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "captures": self.captures, "capture_ms": round(self.capture_ms, 1),
+                "failed": sum(g is None for g in self._graphs.values()), "served": self.served}

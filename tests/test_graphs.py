@@ -1,0 +1,188 @@
+"""Forwards at static shapes over the KV pool (issue 45, ``specsplit.engine.graphs``): on CUDA
+replayed as captured graphs, on CPU the same bodies run eagerly ("static"). Either way they give
+plain greedy decoding, tree logits equal to the eager forward's, batched verification equal to
+each session alone on slots that held other sessions' K/V (a graph's buffers reused), and a
+sampled run equal to the same run on eager forwards (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from schemas import DraftRequest, SamplingSpec, TreeSpec, VerifyReply, VerifyRequest
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.draft import DraftEngine
+from specsplit.engine.graphs import TOKEN_BUCKETS, key_buckets, smallest
+from specsplit.engine.kvpool import GB, pool_shape
+from specsplit.engine.masks import positions
+from specsplit.engine.target import TargetEngine
+from specsplit.local import generate
+from specsplit.orchestrator.state import SessionCursor
+from specsplit.tree import validate_tree
+from tests.conftest import FAMILIES, fp32_tolerance, greedy_reference, on_device
+from tests.test_tree_forward import random_parents
+
+LIMITS = EngineLimits(max_sessions=8, max_session_tokens=600, max_tree_nodes=40, max_tree_depth=8)
+GREEDY = SamplingSpec()
+SAMPLED = SamplingSpec(temperature=0.9, top_p=0.95, seed=7)
+MARGIN = 1e-3
+MODES = [pytest.param("static", id="static"),
+         pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+             not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)"))]
+
+
+def graphed(limits: EngineLimits, model, slots: int, mode: str) -> EngineLimits:
+    """``limits`` with a pool of ``slots`` session slots (+ the scratch slot) and graphs ``mode``."""
+    shape = pool_shape(model, limits.max_session_tokens, next(model.parameters()).dtype)
+    return replace(limits, kv_pool_gb=(slots + 1) * shape.slot_bytes / GB, graphs=mode)
+
+
+def device_of(mode: str) -> torch.device:
+    return torch.device("cuda" if mode == "cuda" else "cpu")
+
+
+def test_buckets():
+    assert [smallest(n, TOKEN_BUCKETS) for n in (1, 3, 16, 17, 64, 65)] == [1, 4, 16, 32, 64, None]
+    assert key_buckets(600) == (256, 512, 600) and key_buckets(160) == (160,) and key_buckets(512) == (256, 512)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_logits_through_graphs_equal_eager(models, family, mode):
+    """Trees of 1 to 40 nodes on caches crossing the key buckets: the graph body's logits and
+    caches equal the eager forward's, and a padded bucket wrote nothing a session reads."""
+    dev = device_of(mode)
+    target = on_device(models[family][0], dev)
+    eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 2, "off").kv_pool_gb))
+    fast = TargetEngine(target, graphed(LIMITS, target, 2, mode))
+    assert fast.graphs is not None and eager.graphs is None
+    rng = random.Random(3)
+    for nodes, cached in ((1, 5), (3, 200), (9, 250), (16, 300), (33, 500), (40, 540)):
+        prompt = [rng.randrange(128) for _ in range(cached)]
+        parents = random_parents(nodes, rng)
+        tokens = [rng.randrange(128) for _ in range(nodes)]
+        layout = validate_tree_layout(tokens, parents)
+        out = []
+        for engine in (eager, fast):
+            kv = engine.store.get_or_create(f"s{nodes}").kv
+            engine.forward_linear(kv, prompt)
+            visible, pos = engine.tree_inputs(cached, 0, layout)
+            out.append((engine.forward(kv, tokens, pos, visible, keep=nodes), kv))
+        (want, kv_a), (got, kv_b) = out
+        assert got.shape == want.shape == (nodes, 128)
+        torch.testing.assert_close(got, want, **fp32_tolerance(dev))
+        assert kv_a.length == kv_b.length == cached + nodes
+        for la, lb in zip(kv_a.layers, kv_b.layers):
+            torch.testing.assert_close(lb.keys, la.keys, **fp32_tolerance(dev))
+            torch.testing.assert_close(lb.values, la.values, **fp32_tolerance(dev))
+    assert fast.graphs.served >= 6
+
+
+def validate_tree_layout(tokens, parents):
+    from schemas import FlatTree
+
+    return validate_tree(FlatTree(token_ids=tokens, parents=parents), vocab_size=128, max_nodes=64, max_depth=64)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_through_graphs_equals_plain_greedy(models, family, mode):
+    """Draft and target engines on pools with graphs give the target's greedy decoding; a sampled
+    run equals the same run on eager forwards."""
+    dev = device_of(mode)
+    target, often, rarely = (on_device(m, dev) for m in models[family])
+    engines = []
+
+    def engine_of(cls):
+        def make(model, limits):
+            engines.append(cls(model, graphed(replace(limits, max_session_tokens=600), model, 1, mode)))
+            return engines[-1]
+        return make
+
+    rng = random.Random(11)
+    compared = 0
+    for i in range(5):
+        prompt = [rng.randrange(128) for _ in range(rng.randrange(1, 30))]
+        ref, gap = greedy_reference(models[family][0], prompt, 20)
+        if gap < MARGIN:
+            continue
+        for tree in (TreeSpec(max_nodes=5, max_depth=4, branch=1), TreeSpec(max_nodes=16, max_depth=5, branch=3)):
+            out = generate(often if i % 2 else rarely, target, prompt, max_new_tokens=20, tree=tree,
+                           sampling=GREEDY, make_target_engine=engine_of(TargetEngine),
+                           make_draft_engine=engine_of(DraftEngine))
+            assert out == ref, (family, prompt, tree)
+        compared += 1
+    assert compared >= 3
+    assert all(e.graphs.served > 0 for e in engines)
+    kw = {"max_new_tokens": 16, "tree": TreeSpec(max_nodes=8, max_depth=4, branch=2), "sampling": SAMPLED}
+    assert generate(often, target, [3, 1, 4], **kw, make_target_engine=engine_of(TargetEngine),
+                    make_draft_engine=engine_of(DraftEngine)) == generate(often, target, [3, 1, 4], **kw)
+
+
+def same(a, b) -> bool:
+    measured = {"verify_ms", "batch_tokens", "batch_size"}
+    return type(a) is type(b) and a.model_dump(exclude=measured) == b.model_dump(exclude=measured)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_verify_through_graphs_equals_each_session_alone(models, family, mode):
+    """Rounds of three sessions verified one at a time eagerly on growing caches and batched
+    through graphs on slots that held other sessions' K/V: the same replies; the batches pad to
+    four sessions (the scratch slot) and to the trees' token bucket."""
+    dev = device_of(mode)
+    target, draft_model = (on_device(m, dev) for m in models[family][:2])
+    rng = random.Random(5)
+    alone = TargetEngine(target, LIMITS)
+    batched = TargetEngine(target, graphed(LIMITS, target, 3, mode))
+    for i in range(3):  # every slot holds another session's K/V, then is freed
+        kv = batched.store.get_or_create(f"old{i}").kv
+        batched.forward_linear(kv, [rng.randrange(128) for _ in range(300)])
+        batched.forward(kv, [1, 2, 3], torch.arange(300, 303, device=dev),
+                        torch.ones(3, 303, dtype=torch.bool, device=dev).tril(300), keep=1)
+        batched.store.end_session(f"old{i}")
+    assert batched.kv_pool.free_slots == 3
+    draft = DraftEngine(draft_model, LIMITS)
+    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(3)}
+    accepted, served = 0, batched.graphs.served
+    for rnd in range(5):
+        reqs = []
+        for j, (sid, cur) in enumerate(cursors.items()):
+            d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
+                                          tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY))
+            cur.after_draft()
+            reqs.append(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree, sampling=GREEDY))
+        want = [alone.handle(r) for r in reqs]
+        got = batched.verify_batch(reqs)
+        for r, w, g in zip(reqs, want, got):
+            assert isinstance(w, VerifyReply) and same(w, g), (w, g)
+            accepted += len(cursors[r.session_id].apply_verify(w)) - 1
+    assert accepted > 0 and batched.graphs.served >= served + 4  # round 0 prefills alone, then batches
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forwards_that_fit_no_bucket_run_eagerly(models, mode):
+    """More new tokens than the largest bucket, attention kwargs, a cache past the last key
+    bucket's room: eager forwards, the same logits as an engine without graphs."""
+    dev = device_of(mode)
+    target = on_device(models["qwen2"][0], dev)
+    fast = TargetEngine(target, graphed(LIMITS, target, 1, mode))
+    eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 1, "off").kv_pool_gb))
+    rng = random.Random(1)
+    prompt = [rng.randrange(128) for _ in range(max(TOKEN_BUCKETS) + 6)]  # one forward of 70 tokens
+    tail = [rng.randrange(128) for _ in range(LIMITS.max_session_tokens - len(prompt) - 2)]
+    out = []
+    for engine in (eager, fast):
+        kv = engine.store.get_or_create("s").kv
+        first = engine.forward_linear(kv, prompt)
+        engine.forward_linear(kv, tail, chunk=64)  # 64-token forwards: the last ones leave no room for 64
+        last = engine.forward(kv, [5, 6], positions([0, 1], kv.length, dev),
+                              torch.ones(2, kv.length + 2, dtype=torch.bool, device=dev).tril(kv.length), keep=2)
+        out.append((first, last, kv.length))
+    assert out[0][2] == out[1][2] == LIMITS.max_session_tokens
+    for a, b in zip(out[0][:2], out[1][:2]):
+        torch.testing.assert_close(b, a, **fp32_tolerance(dev))
+    assert fast.graphs.served > 0  # the 64-token chunks that fit went through the buckets
