@@ -21,7 +21,7 @@ from specsplit.engine.sampling import argmax_rows, make_generator
 from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
 from specsplit.engine.target_batch import fused, verify_batch
-from specsplit.engine.verify import Outcome, Verdict, verify_greedy, verify_sampling
+from specsplit.engine.verify import Outcome, Verdict, greedy_verdict, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
 from specsplit.models.int8 import prompt_attention_name
 from specsplit.tree import TreeLayout, validate_tree
@@ -280,8 +280,12 @@ class TargetEngine(Engine):
         j, token, any_wrong = torch.stack([first, argmax[first], wrong.any().long()]).tolist()
         return (j, token) if any_wrong else None
 
-    def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
+    def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor,
+               argmax: list[int] | None = None) -> Verdict:
+        """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
+        computed for several sessions at once)."""
         if req.sampling.greedy:
-            return verify_greedy(req.tree, layout, logits, visible)
+            return verify_greedy(req.tree, layout, logits) if argmax is None else \
+                greedy_verdict(req.tree, layout, argmax)
         g = make_generator(req.sampling.seed, req.round, "target", self.device)
         return verify_sampling(req.tree, layout, logits, req.sampling, g)

@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from schemas import Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
 from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
@@ -109,20 +111,35 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
             verify_alone(engine, m, replies, t0)
         return
     tokens = sum(len(m.segment.token_ids) for m in members)  # the shared forward's, every member's reply says
-    for m, lg in zip(members, logits):
+    argmax = greedy_argmax(members, logits)
+    for m, lg, am in zip(members, logits, argmax):
         try:
-            out = engine.guarded(m.session, lambda m=m, lg=lg: _finish(engine, m, lg))
+            out = engine.guarded(m.session, lambda m=m, lg=lg, am=am: _finish(engine, m, lg, am))
             replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0,
                                                 batch_tokens=tokens, batch_size=len(members))
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
 
 
-def _finish(engine, m: _Member, logits) -> Outcome:
-    """Verify one member's tree from its logits [N, V]; keep the accepted path's K/V."""
+def greedy_argmax(members: list[_Member], logits: list) -> list[list[int] | None]:
+    """Per member its rows' argmax (greedy members; None for sampled ones): one device op and one
+    host copy for all of them."""
+    from specsplit.engine.sampling import argmax_rows
+
+    greedy = [lg for m, lg in zip(members, logits) if m.req.sampling.greedy]
+    if not greedy:
+        return [None] * len(members)
+    flat = iter(argmax_rows(torch.cat(greedy)).tolist())
+    return [[next(flat) for _ in range(lg.shape[0])] if m.req.sampling.greedy else None
+            for m, lg in zip(members, logits)]
+
+
+def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outcome:
+    """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); keep the
+    accepted path's K/V."""
     start = m.req.sync.base_len + len(m.req.sync.append_token_ids)  # the root's position
     t = len(m.req.sync.append_token_ids)
-    verdict = engine.decide(m.req, m.layout, logits, m.segment.visible[t:, start:])
+    verdict = engine.decide(m.req, m.layout, logits, m.segment.visible[t:, start:], argmax)
     m.session.kv.compact([start + i for i in verdict.path], start)
     m.session.last_round = m.req.round
     return Outcome(verdict, forward_tokens=len(m.segment.token_ids))

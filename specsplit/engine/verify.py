@@ -36,25 +36,24 @@ class Outcome:
     forward_tokens: int = 0  # new tokens the round forwarded (buffered, sync and tree; 0: unknown)
 
 
-def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor) -> Verdict:
-    """logits [N, V], visible [N, N] (node sees itself and its ancestors). Accept a child iff it
-    equals the target's argmax at its parent; the deepest accepted node wins (lowest index on
-    ties); bonus = argmax there."""
-    n, dev = layout.num_nodes, logits.device
-    if n == 1:  # a root-only tree (plain decoding): the bonus alone, without the tree's dozen small ops
-        return Verdict([0], int(S.argmax_rows(logits[:1])[0]))  # the one host copy
-    argmax = S.argmax_rows(logits)  # [N]
-    tokens = torch.tensor(tree.token_ids, dtype=torch.long, device=dev)  # [N]
-    parent = torch.tensor([0, *layout.parents[1:]], dtype=torch.long, device=dev)  # [N], root -> itself
-    order = torch.arange(n, dtype=torch.long, device=dev)
-    # [N]: node i's token is the target's choice after its parent (the root always "matches")
-    match = (tokens == argmax[parent]) | (order == 0)
-    accepted = ~(visible & ~match[None, :]).any(dim=-1)  # [N]: every node from the root matches
-    depth = torch.tensor(layout.depths, dtype=torch.long, device=dev)
-    key = torch.where(accepted, depth * n + (n - 1 - order), -1)  # deepest, then lowest index
-    best = key.argmax().view(1)  # [1]
-    best_i, bonus = torch.cat([best, argmax.gather(0, best)]).tolist()  # the one host copy
-    return Verdict(path_to(best_i, layout.parents), bonus)
+def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> Verdict:
+    """logits [N, V]: the target's argmax at every node (the one host copy), then ``greedy_verdict``."""
+    return greedy_verdict(tree, layout, S.argmax_rows(logits).tolist())
+
+
+def greedy_verdict(tree: FlatTree, layout: TreeLayout, argmax: list[int]) -> Verdict:
+    """Accept a child iff it equals the target's argmax at its parent (``argmax``: per node) and
+    its parent was accepted; the deepest accepted node wins (lowest index on ties); bonus = argmax
+    there. On the host: N small ints, where a device rule costs a dozen kernel launches."""
+    tokens, parents, depths = tree.token_ids, layout.parents, layout.depths
+    accepted = [True] * len(tokens)
+    best = 0
+    for i in range(1, len(tokens)):
+        p = parents[i]  # < i: topological order
+        accepted[i] = accepted[p] and tokens[i] == argmax[p]
+        if accepted[i] and depths[i] > depths[best]:
+            best = i
+    return Verdict(path_to(best, parents), argmax[best])
 
 
 def verify_sampling(
