@@ -53,9 +53,27 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  timeout "${TESTS_S:-180}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" tests/test_device.py \
-    tests/test_tree_forward.py tests/test_specpv.py tests/test_greedy_equivalence.py \
+  timeout "${TESTS_S:-180}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" ${TESTS:-tests/test_graphs.py \
+    tests/test_device.py tests/test_tree_forward.py tests/test_specpv.py tests/test_greedy_equivalence.py} \
     2>&1 | tee "$OUT/tests-cuda.log" | tail -8
+  # forward costs: CUDA graphs over the KV pool (the default) against eager forwards, in one call
+  if [ "${COST_S:-0}" -gt 0 ]; then
+    timeout "$((COST_S / 4))" python3 -m specsplit bench gpu --device cuda --target-config .whl/cfg/target \
+      --draft-config .whl/cfg/draft --roles target --tokens 1,4,16 --batch 1,16 --no-cuda-graphs \
+      --max-seconds $((COST_S / 5)) --json "$OUT/gpu-cost-eager.json" 2>&1 | grep -v '^target {' | tail -16
+    timeout "$((COST_S * 3 / 4))" python3 -m specsplit bench gpu --device cuda --target-config .whl/cfg/target \
+      --draft-config .whl/cfg/draft --max-seconds $((COST_S * 3 / 5)) --json "$OUT/gpu-cost.json" 2>&1 \
+      | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -40
+  fi
+  # the real pair's recorded rounds replayed on the device, with graphs (pool) and eager
+  if [ "${REPLAY_S:-0}" -gt 0 ]; then
+    for pool in ${REPLAY_POOLS:-8 0}; do
+      SPECSPLIT_TARGET_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" python3 -m specsplit bench replay --device cuda \
+        --target-config .whl/cfg/target --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz \
+        --max-rounds "${REPLAY_ROUNDS:-400}" --json "$OUT/gpu-replay-pool$pool.json" 2>&1 | tail -14
+    done
+  fi
+  [ -n "${SKIP_LONGCTX:-}" ] && exit 0
   cd ops
   timeout "${ATTN_S:-60}" python3 gpu_attention.py cuda "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/gpu-attention.log" | tail -18
   # SpecPV's sweep with each attention the workers can run (ATTENTION="grouped sdpa grouped:0": an A/B
@@ -68,9 +86,6 @@ run)
       --modes "${MODES:-full,approx}" --max-new-tokens 64 --tree 16,3,4 --json "$OUT/gpu-longctx-${spec/:/-}.json" \
       2>&1 | grep -v "^context" | tee "$OUT/gpu-longctx-${spec/:/-}.log" | tail -18
   done
-  [ "${COST_S:-0}" -gt 0 ] && timeout "${COST_S}" python3 -m specsplit bench gpu --device cuda --target-config ../.whl/cfg/target \
-    --draft-config ../.whl/cfg/draft --max-seconds $((COST_S * 3 / 4)) --json "$OUT/gpu-cost.json" 2>&1 \
-    | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -45
   true
   ;;
 *)

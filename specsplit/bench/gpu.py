@@ -28,7 +28,10 @@ config.json; ``--target-config`` / ``--draft-config DIR``: random weights of DIR
 machine without the models: ``ops/gpu_check.sh prepare`` copies them under .whl/cfg).
 Device and dtype as the workers': the role's backend (CPU: threads, packed weights, int8 from the
 SPECSPLIT_* settings); dtype bf16 on accelerators, the role's setting on CPU.
-Capture: the engines run eagerly (no CUDA graphs), so ``capture_ms`` is null with the reason.
+CUDA graphs: on CUDA the engines keep their sessions in a KV pool (``--kv-pool-gb``) and replay
+a graph per shape bucket (``specsplit.engine.graphs``), as workers with SPECSPLIT_*_KV_POOL_GB do;
+each bucket is captured on its first use (a cell's warm-up), and ``capture_ms`` sums the captures.
+``--no-cuda-graphs`` (or CPU): eager forwards, ``capture_ms`` null with the reason.
 
     specsplit bench gpu --json runs/gpu.json
     specsplit bench gpu --device cpu --tokens 1,4,16 --batch 1,4 --repeats 3
@@ -84,6 +87,10 @@ def parse(argv):
     p.add_argument("--context", type=int, default=512, help="cached tokens per session")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per cell, after one warm-up")
     p.add_argument("--copy-mib", type=int, default=None, help="the bandwidth probe's copy (default: 1024, CPU 256)")
+    p.add_argument("--kv-pool-gb", type=float, default=None,
+                   help="each role's KV pool (default: 64 on CUDA, capped at the grid's sessions; 0 on CPU)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="eager forwards on CUDA (SPECSPLIT_CUDA_GRAPHS=false)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="no cell starts after this many seconds")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
@@ -205,7 +212,9 @@ def worker_settings(args):
     from specsplit.config import WorkerSettings
 
     widest = max(args.tokens)
-    return WorkerSettings(worker_max_sessions=max(args.batch) + 1, session_ttl_s=1e9,
+    pool = args.kv_pool_gb if args.kv_pool_gb is not None else (64.0 if args.device.startswith("cuda") else 0.0)
+    return WorkerSettings(worker_max_sessions=max(args.batch) + 1, session_ttl_s=1e9, cuda_graphs=args.cuda_graphs,
+                          target_kv_pool_gb=pool, draft_kv_pool_gb=pool,
                           max_tree_nodes=max(WorkerSettings.model_fields["max_tree_nodes"].default, widest),
                           max_session_tokens=64 * math.ceil((args.context + 2 * widest + 64) / 64))
 
@@ -237,6 +246,7 @@ def load_engine(role: str, args, ms, settings):
     return engine, {"source": str(src.path), "weights": src.weights, "dtype": dtype,
                     "load_s": round(time.perf_counter() - t0, 1), "param_bytes": total, "floor_bytes": read,
                     "batched_forward": engine.batched_forward_supported(), "backend": backend.describe(),
+                    "kv_pool_slots": engine.kv_pool.slots if engine.kv_pool else None,
                     "capture_ms": None, "capture_note": EAGER}
 
 
@@ -363,6 +373,9 @@ def measure_role(role: str, args, ms, settings, deadline: float, out: dict, save
                 cell.update(measure_cell(engine, role, prompts[:batch], nodes, floor_ms, args.repeats))
             grid.append(cell)
             print(f"{role} {json.dumps(cell)}", file=sys.stderr, flush=True)
+            if engine.graphs is not None:
+                info.update(capture_ms=round(engine.graphs.capture_ms, 1), capture_note=None,
+                            graphs=engine.graphs.describe())
             save()
 
 
@@ -410,7 +423,10 @@ def report(out: dict, args) -> str:
         int8 = ", int8 Linear layers" if m["backend"].get("quantize") == "int8" else ""
         parts.append(f"\n{role}: {m['weights']} weights ({m['source']}), {m['dtype']}{int8}; floor "
                      f"{m['floor_bytes'] / 1e6:.1f} MB / {m['bandwidth']['gb_s']:.1f} GB/s = {m['floor_ms']:.3f} ms; "
-                     f"prefill {m['prefill_ms']:.0f} ms a session; capture_ms null ({m['capture_note']})")
+                     f"prefill {m['prefill_ms']:.0f} ms a session; " + (
+                         f"capture_ms null ({m['capture_note']})" if m["capture_ms"] is None else
+                         f"CUDA graphs: {m['graphs']['captures']} captured in {m['capture_ms']:.0f} ms, "
+                         f"{m['graphs']['failed']} failed"))
         if role == "draft":
             parts.append("several sessions draft in lockstep (draft_batch): one forward per step for all"
                          + ("" if m["batched_forward"] else "; this model's attention cannot: one at a time"))
