@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent a device machine, as one prepared call (device time is scarce:
-# 15 minutes a session, each start ~1 minute).
+# 15 minutes a session, each start ~40-60 s).
 #
 #   ./ops/gpu_check.sh prepare     here: the pure-Python deps and our pinned transformers as wheels
 #                                  for the device's Python 3.12 (the device reaches no network),
 #                                  and the pulled models' config.json (real weights cannot travel:
 #                                  64 MiB), under .whl/ (git-ignored)
-#   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]): installs the
-#                                  wheels, runs the CUDA-parametrized oracles, one layer's attention
-#                                  (ops/gpu_attention.py), SpecPV's verify cost at long contexts
-#                                  (ops/gpu_longctx.py) with each attention in ATTENTION (default
-#                                  "grouped sdpa"; grouped:N sets the values' chunk) and, with
-#                                  COST_S > 0, the forward costs (specsplit bench gpu), on random weights
-#                                  of the real configs; logs and JSON under $OUT. TESTS_S / ATTN_S /
-#                                  LONGCTX_S / COST_S bound each part; CONTEXTS, MODES the sweeps.
+#   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
+#                                  weights of the real configs, logs and JSON under $OUT:
+#     1. the CUDA oracles of TESTS (default: the graphs' and greedy equivalence), TESTS_S;
+#     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs (the issue's three bars);
+#     3. PROBE_S > 0: ops/gpu_probe.py (request / runner / replay / kernels per shape);
+#     4. REPLAY_S > 0: the HumanEval trace replayed with a pool (graphs) and without (eager);
+#     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
+#        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
+#        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
 #
-# A stop-37 run of the same steps (H200): 29 oracles in ~95 s, the four-context SpecPV sweep in
-# ~150 s (ops/results/gpu-longctx-h200-*); it found the cuDNN attention planning cost
-# (specsplit.backends.CudaBackend). Stop 38 (two H200 hosts, one ~25 % slower): 31-34 oracles in
-# 117-130 s, the per-layer probe ~40 s, a full+approx sweep over 4 contexts ~110-150 s per
-# attention; the defaults (oracles, probe, the sweep with grouped and sdpa attention, no forward
-# costs) fit one 600 s call with ~1 minute to spare.
+# Stop 51 (H200): steps 1-4 took ~20 + ~60 + ~25 + ~45 s at their defaults, model loads
+# included; the long-context sweep took ~110-150 s per attention (stops 37-38). The defaults
+# (steps 1-4) fit one 300 s call; add LONGCTX=1 only with a 600 s call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -53,31 +51,29 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  timeout "${TESTS_S:-180}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" ${TESTS:-tests/test_graphs.py \
-    tests/test_device.py tests/test_tree_forward.py tests/test_specpv.py tests/test_greedy_equivalence.py} \
-    2>&1 | tee "$OUT/tests-cuda.log" | tail -8
-  # forward costs: CUDA graphs over the KV pool (the default) against eager forwards, in one call
-  if [ "${COST_S:-0}" -gt 0 ]; then
-    timeout "$((COST_S / 4))" python3 -m specsplit bench gpu --device cuda --target-config .whl/cfg/target \
-      --draft-config .whl/cfg/draft --roles target --tokens 1,4,16 --batch 1,16 --no-cuda-graphs \
-      --max-seconds $((COST_S / 5)) --json "$OUT/gpu-cost-eager.json" 2>&1 | grep -v '^target {' | tail -16
-    timeout "$((COST_S * 3 / 4))" python3 -m specsplit bench gpu --device cuda --target-config .whl/cfg/target \
-      --draft-config .whl/cfg/draft --max-seconds $((COST_S * 3 / 5)) --json "$OUT/gpu-cost.json" 2>&1 \
-      | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -40
+  timeout "${TESTS_S:-90}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" \
+    ${TESTS:-tests/test_graphs.py tests/test_greedy_equivalence.py} 2>&1 | tee "$OUT/tests-cuda.log" | tail -8
+  cfg="--target-config .whl/cfg/target"
+  if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call
+    timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
+      --batch 1,16 --no-cuda-graphs --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-eager.json" 2>&1 \
+      | grep -v '^target {' | tail -14
+    timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
+      --tokens 1,4,16,64 --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
+      | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -34
   fi
-  # the real pair's recorded rounds replayed on the device, with graphs (pool) and eager
-  if [ "${REPLAY_S:-0}" -gt 0 ]; then
+  [ "${PROBE_S:-40}" -gt 0 ] && timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --compile-shapes "${COMPILE:-}" \
+    --json "$OUT/gpu-probe.json" 2>&1 | grep '^|\|top kernels' | tail -8
+  if [ "${REPLAY_S:-60}" -gt 0 ]; then  # the real pair's recorded rounds: graphs (a pool), then eager
     for pool in ${REPLAY_POOLS:-8 0}; do
       SPECSPLIT_TARGET_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" python3 -m specsplit bench replay --device cuda \
-        --target-config .whl/cfg/target --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz \
-        --max-rounds "${REPLAY_ROUNDS:-400}" --json "$OUT/gpu-replay-pool$pool.json" 2>&1 | tail -14
+        $cfg --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
+        --json "$OUT/gpu-replay-pool$pool.json" 2>&1 | grep -v "^replay: session" | head -4
     done
   fi
-  [ -n "${SKIP_LONGCTX:-}" ] && exit 0
+  [ "${LONGCTX:-0}" = 1 ] || exit 0
   cd ops
   timeout "${ATTN_S:-60}" python3 gpu_attention.py cuda "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/gpu-attention.log" | tail -18
-  # SpecPV's sweep with each attention the workers can run (ATTENTION="grouped sdpa grouped:0": an A/B
-  # in one call; grouped:N sets the values' chunk, gpu_longctx.py --value-chunk)
   for spec in ${ATTENTION:-grouped sdpa}; do
     attn=${spec%%:*} chunk=${spec#*:}
     [ "$chunk" = "$spec" ] && chunk=""

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specsplit.backends import CudaBackend  # noqa: E402
 from specsplit.bench.gpu import cell_call, prefill, random_model  # noqa: E402
 from specsplit.engine.base import EngineLimits  # noqa: E402
-from specsplit.engine.graphs import Item  # noqa: E402
+from specsplit.engine.batch import Segment  # noqa: E402
 from specsplit.engine.kvpool import GB, pool_shape  # noqa: E402
 from specsplit.engine.masks import causal  # noqa: E402
 from specsplit.engine.target import TargetEngine  # noqa: E402
@@ -96,7 +96,7 @@ def main() -> int:
     for b, t in SHAPES:
         row = out["shapes"][f"{b}x{t}"] = {}
         row["request_ms"] = wall(cell_call(engine, "target", prompts[:b], t, random.Random(t)), 20)
-        items = [Item(kv, [1] * t, torch.arange(CONTEXT, CONTEXT + t, device="cuda"),
+        items = [Segment(kv, [1] * t, torch.arange(CONTEXT, CONTEXT + t, device="cuda"),
                       causal(t, CONTEXT, torch.device("cuda")), t) for kv in kvs[:b]]
 
         def run_forward(items=items, b=b):
@@ -119,7 +119,7 @@ def main() -> int:
     body = torch.compile(runner._body, dynamic=False) if args.compile_shapes else None
     for spec in [s for s in args.compile_shapes.split(",") if s]:
         b, t = (int(x) for x in spec.split("x"))
-        key = (b, t, 1024)
+        key = (b, t, 1024, False)
         inp = runner._inputs[(b, t)]
         with torch.no_grad():
             runner._body(inp, *key)

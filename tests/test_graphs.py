@@ -17,7 +17,7 @@ from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.graphs import TOKEN_BUCKETS, key_buckets, smallest
 from specsplit.engine.kvpool import GB, pool_shape
-from specsplit.engine.masks import positions
+from specsplit.engine.masks import TreeInputs, positions
 from specsplit.engine.target import TargetEngine
 from specsplit.local import generate
 from specsplit.orchestrator.state import SessionCursor
@@ -52,33 +52,55 @@ def test_buckets():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_logits_through_graphs_equal_eager(models, family, mode):
-    """Trees of 1 to 40 nodes on caches crossing the key buckets: the graph body's logits and
-    caches equal the eager forward's, and a padded bucket wrote nothing a session reads."""
+    """Linear tokens then trees, 1 to 40 new tokens, on caches crossing the key buckets: the
+    graph body's logits and caches equal the eager forward's, whether the forward passes its
+    visibility as a tensor or describes it on the host (``TreeInputs``: the compact inputs), and
+    a padded bucket wrote nothing a session reads."""
     dev = device_of(mode)
     target = on_device(models[family][0], dev)
     eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 2, "off").kv_pool_gb))
     fast = TargetEngine(target, graphed(LIMITS, target, 2, mode))
     assert fast.graphs is not None and eager.graphs is None
     rng = random.Random(3)
-    for nodes, cached in ((1, 5), (3, 200), (9, 250), (16, 300), (33, 500), (40, 540)):
+    for i, (linear, nodes, cached) in enumerate(((0, 1, 5), (2, 3, 200), (0, 9, 250), (5, 11, 300), (1, 32, 500),
+                                                 (0, 40, 540), (3, 1, 7), (0, 16, 260))):
         prompt = [rng.randrange(128) for _ in range(cached)]
         parents = random_parents(nodes, rng)
-        tokens = [rng.randrange(128) for _ in range(nodes)]
-        layout = validate_tree_layout(tokens, parents)
+        tokens = [rng.randrange(128) for _ in range(linear + nodes)]
+        layout = validate_tree_layout(tokens[linear:], parents)
+        tree = TreeInputs(cached, linear, layout.parents, layout.depths)
         out = []
         for engine in (eager, fast):
-            kv = engine.store.get_or_create(f"s{nodes}").kv
+            kv = engine.store.get_or_create(f"s{i}").kv
             engine.forward_linear(kv, prompt)
-            visible, pos = engine.tree_inputs(cached, 0, layout)
-            out.append((engine.forward(kv, tokens, pos, visible, keep=nodes), kv))
+            if engine is fast and i % 2:
+                logits = engine.forward(kv, tokens, None, None, keep=linear + nodes, tree=tree)
+            else:
+                visible, pos = tree.on_device(dev)
+                logits = engine.forward(kv, tokens, pos, visible, keep=linear + nodes)
+            out.append((logits, kv))
         (want, kv_a), (got, kv_b) = out
-        assert got.shape == want.shape == (nodes, 128)
+        assert got.shape == want.shape == (linear + nodes, 128)
         torch.testing.assert_close(got, want, **fp32_tolerance(dev))
-        assert kv_a.length == kv_b.length == cached + nodes
+        assert kv_a.length == kv_b.length == cached + linear + nodes
         for la, lb in zip(kv_a.layers, kv_b.layers):
             torch.testing.assert_close(lb.keys, la.keys, **fp32_tolerance(dev))
             torch.testing.assert_close(lb.values, la.values, **fp32_tolerance(dev))
-    assert fast.graphs.served >= 6
+    assert fast.graphs.served >= 8
+    assert {key[3] for key in fast.graphs._graphs} == ({True, False} if mode == "cuda" else set())
+
+
+def test_tree_inputs_match_the_device_masks():
+    """The host's description of linear tokens + a tree gives the same positions and visibility
+    as the device tensors an eager forward takes."""
+    rng = random.Random(2)
+    for linear, nodes, first in ((0, 1, 0), (3, 1, 5), (0, 12, 9), (4, 20, 31)):
+        parents = random_parents(nodes, rng)
+        layout = validate_tree_layout([1] * nodes, parents)
+        tree = TreeInputs(first, linear, layout.parents, layout.depths)
+        visible, pos = tree.on_device(torch.device("cpu"))
+        assert tree.positions() == pos.tolist() and tree.tokens == linear + nodes
+        assert visible[:, :first].all() and (tree.new_visibility() == visible[:, first:].numpy()).all()
 
 
 def validate_tree_layout(tokens, parents):

@@ -98,9 +98,9 @@ class Recorder:
         self._probs: list | None = None
         decide = engine.decide
 
-        def recording(req, layout, logits, visible):
+        def recording(req, layout, logits, argmax=None):
             self.calls.append((req.tree, layout, logits.detach().clone(), req.sampling, req.round))
-            return decide(req, layout, logits, visible)
+            return decide(req, layout, logits, argmax)
 
         engine.decide = recording
 

@@ -23,10 +23,10 @@ import torch
 
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
-from specsplit.engine.graphs import GraphRunner, Item
+from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import GB, KVPool, pool_shape, pool_slots
-from specsplit.engine.masks import additive_mask, causal
+from specsplit.engine.masks import TreeInputs, additive_mask, causal
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, SpecError
 from specsplit.logs import get_logger
@@ -211,21 +211,25 @@ class Engine:
     # ---- compute ---------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor, keep: int,
-        **model_kwargs,
+        self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor | None, visible: torch.Tensor | None,
+        keep: int, *, tree: TreeInputs | None = None, **model_kwargs,
     ) -> torch.Tensor:
         """One forward of T new tokens on top of the cache. position_ids [T] and visible
-        [T, P+T] bool on the engine's device; returns float32 logits of the last ``keep``
-        tokens [keep, V] (on the device). ``model_kwargs`` reach the attention functions."""
+        [T, P+T] bool on the engine's device, or None for both and ``tree`` (the host's
+        description: a graph replay copies it, an eager forward builds the tensors); returns
+        float32 logits of the last ``keep`` tokens [keep, V] (on the device). ``model_kwargs``
+        reach the attention functions."""
         t = len(token_ids)
-        assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         self.backend.before_forward(t)
         t0 = time.perf_counter()
         if self.graphs is not None:
-            out = self.graphs.forward([Item(kv, token_ids, position_ids, visible, keep)], **model_kwargs)
+            out = self.graphs.forward([Segment(kv, token_ids, position_ids, visible, keep, tree)], **model_kwargs)
             if out is not None:
                 self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
                 return out[0]
+        if visible is None:
+            visible, position_ids = tree.on_device(self.device)
+        assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None],
@@ -255,13 +259,13 @@ class Engine:
         self.backend.before_forward(t)
         t0 = time.perf_counter()
         if self.graphs is not None:
-            out = self.graphs.forward([Item(s.kv, s.token_ids, s.position_ids, s.visible, s.keep) for s in segments])
+            out = self.graphs.forward(segments)
             if out is not None:
                 self.backend.after_forward(t, (time.perf_counter() - t0) * 1e3)
                 return out
         if not self.batched_forward_supported():
             raise RuntimeError(f"attention {self.model.config._attn_implementation!r} takes no per-session masks")
-        batch = flatten(segments, self.dtype, self.device)
+        batch = flatten([s.on_device(self.device) for s in segments], self.dtype, self.device)
         placeholder = torch.zeros(1, 1, t, 0, dtype=self.dtype, device=self.device)  # passed through, unread
         with using_attention(self.model, self._segment_attention):
             out = self.model(
@@ -278,7 +282,7 @@ class Engine:
 
     def forward_one(self, seg: Segment) -> torch.Tensor:
         """``forward`` of one segment alone: its logits [keep, V]."""
-        return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep)
+        return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep, tree=seg.tree)
 
     def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int | None = None,
                        attention: str | None = None) -> torch.Tensor:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.masks import additive_mask
+from specsplit.engine.masks import TreeInputs, additive_mask
 
 _PREFIX = "specsplit_segments_"
 PLAN_KWARG = "specsplit_segments"
@@ -38,13 +38,22 @@ UNSUPPORTED_ATTENTION = ("flash", "flex", "paged")  # kernels that take no custo
 class Segment:
     """One session's part of a batched forward: ``token_ids`` (T_i new tokens) on top of
     ``kv`` (P_i cached), ``position_ids`` [T_i] and ``visible`` [T_i, P_i + T_i] bool on the
-    engine's device; logits are kept for its last ``keep`` tokens."""
+    engine's device; logits are kept for its last ``keep`` tokens. Or, with ``tree``, the host's
+    description of both (``TreeInputs``), the tensors built only for an eager forward."""
 
     kv: SessionKV
     token_ids: list[int]
-    position_ids: torch.Tensor
-    visible: torch.Tensor
+    position_ids: torch.Tensor | None
+    visible: torch.Tensor | None
     keep: int
+    tree: TreeInputs | None = None
+
+    def on_device(self, device: torch.device) -> Segment:
+        """This segment with its position ids and visibility as tensors on ``device``."""
+        if self.visible is not None:
+            return self
+        visible, pos = self.tree.on_device(device)
+        return replace(self, position_ids=pos, visible=visible)
 
     def check(self) -> None:
         t = len(self.token_ids)

@@ -1,19 +1,23 @@
 """Forwards over the KV pool's slots at static shapes, replayed as CUDA graphs.
 
 A forward of B sessions x at most T new tokens each, over caches of at most L entries, runs at a
-bucket's shape (B, T, L: the smallest bucket of each that fits) through one body whose every
-tensor has a fixed address, so on CUDA it is captured once per bucket (``torch.cuda.CUDAGraph``)
+bucket's shape (B, T, L: the smallest bucket of each that fits; and which inputs it copies)
+through one body whose every tensor has a fixed address, so on CUDA it is captured once per
+bucket (``torch.cuda.CUDAGraph``)
 and replayed: one launch instead of a few hundred kernel launches, which is what an eager forward
 of a small model spends its time on (docs/results.md, GPU).
 
-Per (B, T) the static inputs are ``meta`` [B, T+2] (each row: the token ids, padded; the
-session's pool slot; its cache length P), ``pos`` [B, T] position ids and ``vis`` [B, T, Lmax]
-bool visibility; the output ``logits`` [B, T, V]. Inside the body each layer writes the new K/V
+Per (B, T) the static inputs are ``meta`` [B, 2T+2] (each row: the token ids, padded; their
+position ids; the session's pool slot; its cache length P) and the new tokens' visibility: a
+forward whose sessions describe their new tokens on the host (``Segment.tree``: the target's
+trees, every cached entry visible) copies ``meta`` and ``new_vis`` [B, T, T] in two host copies
+and the body builds the mask; any other copies each session's visibility [t, P+t] into ``vis``
+[B, T, Lmax]. The output is ``logits`` [B, T, V]. Inside the body each layer writes the new K/V
 into the session's slot at P.. (``index_copy_`` into the pool's rows), reads its slot's first L
-entries (``index_select``: a copy of B x L entries per layer) and attends under the additive mask
-made from ``vis``. Padding tokens of a session land after its length (nothing reads them, the
-next forward overwrites them); padding sessions run on the pool's scratch slot, which no session
-holds. Nothing of a call is read on the host inside the body.
+entries (one ``index_select`` of (slot, KV head) runs) and attends under the additive mask.
+Padding tokens of a session land after its length (nothing reads them, the next forward
+overwrites them); padding sessions run on the pool's scratch slot, which no session holds.
+Nothing of a call is read on the host inside the body.
 
 Mode ``cuda`` captures and replays; mode ``static`` runs the same body eagerly (how the CPU tests
 check it against the engine's plain forward). A forward that does not fit a bucket (more tokens
@@ -27,10 +31,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from specsplit.engine.batch import using_attention
+from specsplit.engine.batch import Segment, using_attention
 from specsplit.engine.kvpool import KVPool, PooledKV
 from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, grouped_attention
 
@@ -97,24 +102,12 @@ class _SlotCache(Cache):
 
 @dataclass
 class _Inputs:
-    """The static buffers of one (B, T): every bucket (B, T, L) reads and writes these."""
+    """The static buffers of one (B, T): every bucket (B, T, L, compact) reads and writes these."""
 
-    meta: torch.Tensor  # [B, T+2] int64: token ids, slot, cache length
-    pos: torch.Tensor  # [B, T] int64
-    vis: torch.Tensor  # [B, T, Lmax] bool
+    meta: torch.Tensor  # [B, 2T+2] int64: token ids, position ids, slot, cache length
+    vis: torch.Tensor  # [B, T, Lmax] bool: what each new token sees (the general variant)
+    new_vis: torch.Tensor  # [B, T, T] bool: among the new tokens (compact: every cached entry seen)
     logits: torch.Tensor  # [B, T, V] in the model's dtype
-
-
-@dataclass(frozen=True)
-class Item:
-    """One session's part of a forward (as ``Segment``): ``token_ids`` on top of ``kv``,
-    ``position_ids`` [t] and ``visible`` [t, P+t] on the device, logits of the last ``keep``."""
-
-    kv: object
-    token_ids: list
-    position_ids: torch.Tensor
-    visible: torch.Tensor
-    keep: int
 
 
 class GraphRunner:
@@ -135,22 +128,24 @@ class GraphRunner:
         self.max_len = pool.shape.max_len
         self.key_buckets = key_buckets(self.max_len)
         self._inputs: dict[tuple[int, int], _Inputs] = {}  # at most |BATCH| x |TOKEN| entries
-        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}  # None: capture failed
-        self._arange = torch.arange(max(TOKEN_BUCKETS), dtype=torch.long, device=self.device)
+        # (B, T, L, compact) -> graph; None: its capture failed. At most twice |BATCH| x |TOKEN| x |keys|
+        self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph | None] = {}
+        self._arange = torch.arange(max(self.max_len, max(TOKEN_BUCKETS)), dtype=torch.long, device=self.device)
         self._heads = torch.arange(pool.shape.kv_heads, dtype=torch.long, device=self.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._lock = threading.Lock()
         self.captures, self.capture_ms, self.served = 0, 0.0, 0  # served: forwards run through a bucket
 
     # ---- shapes ------------------------------------------------------------------------
-    def bucket(self, items) -> tuple[int, int, int] | None:
-        """(B, T, L) for ``items``, or None when they do not fit one."""
+    def bucket(self, items) -> tuple[int, int, int, bool] | None:
+        """(B, T, L, compact) for ``items``, or None when they do not fit one. Compact: every
+        item describes its new tokens on the host (``Segment.tree``)."""
         b = smallest(len(items), BATCH_BUCKETS)
         t = smallest(max(len(it.token_ids) for it in items), TOKEN_BUCKETS)
         if b is None or t is None:
             return None
         keys = smallest(max(it.kv.length for it in items) + t, self.key_buckets)
-        return None if keys is None else (b, t, keys)
+        return None if keys is None else (b, t, keys, all(it.tree is not None for it in items))
 
     def fits(self, items, model_kwargs) -> bool:
         return (not model_kwargs and self.model.config._attn_implementation == self.attention
@@ -159,7 +154,7 @@ class GraphRunner:
 
     # ---- a forward ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, items: list[Item], **model_kwargs) -> list[torch.Tensor] | None:
+    def forward(self, items: list[Segment], **model_kwargs) -> list[torch.Tensor] | None:
         """Per item float32 logits of its last ``keep`` tokens [keep, V] (on the device), every
         cache grown by its tokens, as the engine's forward would; None (nothing moved) when the
         items fit no bucket or its capture failed."""
@@ -169,16 +164,16 @@ class GraphRunner:
         if shape is None:
             return None
         with self._lock:
-            b, t, keys = shape
+            b, t, keys, compact = shape
             inp = self._buffers(b, t)
             graph = self._graph(shape, inp) if self.mode == "cuda" else None
             if self.mode == "cuda" and graph is None:
                 return None
-            self._fill(inp, items, t, keys)
+            self._fill(inp, items, t, keys, compact)
             if graph is not None:
                 graph.replay()
             else:
-                self._body(inp, b, t, keys)
+                self._body(inp, *shape)
             self.served += 1
             for it in items:
                 it.kv.advance(len(it.token_ids))
@@ -194,41 +189,57 @@ class GraphRunner:
         inp = self._inputs.get((b, t))
         if inp is None:
             dev = self.device
-            meta = torch.zeros(b, t + 2, dtype=torch.long, device=dev)
-            meta[:, t] = self.pool.scratch
+            meta = torch.zeros(b, 2 * t + 2, dtype=torch.long, device=dev)
+            meta[:, 2 * t] = self.pool.scratch
             inp = self._inputs[(b, t)] = _Inputs(
-                meta=meta, pos=torch.zeros(b, t, dtype=torch.long, device=dev),
-                vis=torch.zeros(b, t, self.max_len, dtype=torch.bool, device=dev),
+                meta=meta, vis=torch.zeros(b, t, self.max_len, dtype=torch.bool, device=dev),
+                new_vis=torch.zeros(b, t, t, dtype=torch.bool, device=dev),
                 logits=torch.zeros(b, t, self.vocab_size, dtype=self.dtype, device=dev))
         return inp
 
-    def _fill(self, inp: _Inputs, items, t: int, keys: int) -> None:
-        """The call's values into the static buffers: one host copy for ids, slots and lengths;
-        per session its positions and visibility (device to device)."""
-        meta = torch.zeros(inp.meta.shape, dtype=torch.long)
-        meta[:, t] = self.pool.scratch  # padding sessions: the scratch slot, length 0
+    def _fill(self, inp: _Inputs, items, t: int, keys: int, compact: bool) -> None:
+        """The call's values into the static buffers. One host copy for ids, positions, slots and
+        lengths (padding sessions: the scratch slot, length 0); compact: one more for the new
+        tokens' visibility; else per session its positions and visibility (device to device)."""
+        meta = np.zeros(tuple(inp.meta.shape), dtype=np.int64)
+        meta[:, 2 * t] = self.pool.scratch
+        new_vis = np.zeros(tuple(inp.new_vis.shape), dtype=bool) if compact else None
         for i, it in enumerate(items):
             n = len(it.token_ids)
-            meta[i, :n] = torch.tensor(it.token_ids, dtype=torch.long)
-            meta[i, t], meta[i, t + 1] = it.kv.slot, it.kv.length
-        inp.meta.copy_(meta)
+            meta[i, :n] = it.token_ids
+            meta[i, 2 * t], meta[i, 2 * t + 1] = it.kv.slot, it.kv.length
+            if compact:
+                meta[i, t:t + n] = it.tree.positions()
+                new_vis[i, :n, :n] = it.tree.new_visibility()
+        inp.meta.copy_(torch.from_numpy(meta))
+        if compact:
+            inp.new_vis.copy_(torch.from_numpy(new_vis))
+            return
         inp.vis[:, :, :keys].zero_()
         for i, it in enumerate(items):
             n, p = len(it.token_ids), it.kv.length
             inp.vis[i, :n, : p + n].copy_(it.visible)
-            inp.pos[i, :n].copy_(it.position_ids)
+            inp.meta[i, t:t + n].copy_(it.position_ids)
 
-    def _body(self, inp: _Inputs, b: int, t: int, keys: int) -> None:
+    def _visibility(self, inp: _Inputs, lengths: torch.Tensor, b: int, t: int, keys: int) -> torch.Tensor:
+        """[B, T, keys] bool from the compact inputs: every cached entry (column < length), and
+        among the new tokens (columns length.. length+T) what ``new_vis`` says."""
+        rel = self._arange[:keys][None, :] - lengths[:, None]  # [B, L]: column - length
+        new = inp.new_vis.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, keys))  # [B, T, L]
+        return (rel < 0)[:, None, :] | (new & (rel >= 0)[:, None, :] & (rel < t)[:, None, :])
+
+    def _body(self, inp: _Inputs, b: int, t: int, keys: int, compact: bool) -> None:
         """The forward at shape (b, t, keys) from the static inputs into ``inp.logits``."""
-        ids, slots, lengths = inp.meta[:, :t], inp.meta[:, t], inp.meta[:, t + 1]
+        ids, pos, slots, lengths = inp.meta[:, :t], inp.meta[:, t:2 * t], inp.meta[:, 2 * t], inp.meta[:, 2 * t + 1]
         where = lengths[:, None] + self._arange[:t]  # [B, T] cache positions the new tokens take
         heads, max_len = self._heads, self.max_len
         runs = slots[:, None] * heads.numel() + heads[None, :]  # [B, Hkv]
         rows = runs[:, :, None] * max_len + where[:, None, :]  # [B, Hkv, T]
+        visible = self._visibility(inp, lengths, b, t, keys) if compact else inp.vis[:, :, :keys]
         mask = torch.zeros(b, 1, t, keys, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~inp.vis[:, None, :, :keys], torch.finfo(self.dtype).min)
+        mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
         with using_attention(self.model, self.body_attention):
-            out = self.model(input_ids=ids, position_ids=inp.pos, attention_mask=mask,
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                              past_key_values=_SlotCache(self.pool, rows.reshape(-1), runs.reshape(-1), keys),
                              use_cache=True, logits_to_keep=0)
         inp.logits.copy_(out.logits)
@@ -238,30 +249,30 @@ class GraphRunner:
         None when its capture failed (then its forwards run eagerly)."""
         if shape in self._graphs:
             return self._graphs[shape]
-        b, t, keys = shape
+        b, t, keys, compact = shape
         t0 = time.perf_counter()
         try:
-            inp.meta[:, t] = self.pool.scratch
-            inp.meta[:, t + 1] = 0
+            inp.meta[:, 2 * t] = self.pool.scratch
+            inp.meta[:, 2 * t + 1] = 0
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._body(inp, b, t, keys)
+                self._body(inp, *shape)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                self._body(inp, b, t, keys)
+                self._body(inp, *shape)
         except Exception as exc:  # e.g. a host sync inside the model: this bucket stays eager
             graph = None
             if self.log is not None:
-                self.log.warning("cuda_graph_capture_failed", batch=b, tokens=t, keys=keys,
+                self.log.warning("cuda_graph_capture_failed", batch=b, tokens=t, keys=keys, compact=compact,
                                  error=f"{type(exc).__name__}: {exc}"[:500], action="eager forwards for this shape")
         self._graphs[shape] = graph
         ms = (time.perf_counter() - t0) * 1e3
         self.captures += 1
         self.capture_ms += ms
         if self.log is not None and graph is not None:
-            self.log.info("cuda_graph_captured", batch=b, tokens=t, keys=keys, ms=round(ms, 1))
+            self.log.info("cuda_graph_captured", batch=b, tokens=t, keys=keys, compact=compact, ms=round(ms, 1))
         return graph
 
     def describe(self) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from schemas import ErrorCode
@@ -18,7 +17,7 @@ from specsplit.engine.target_batch import verify_alone, verify_batch
 from specsplit.engine.store import Session
 from specsplit.engine.verify import Outcome, Verdict
 from specsplit.errors import SpecError
-from specsplit.tree import TreeLayout, path_to
+from specsplit.tree import TreeLayout
 
 
 def _leaf_sets(layout: TreeLayout) -> tuple[list[int], list[list[int]]]:
@@ -196,8 +195,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
         """After the decode (the sync's tokens are committed): the verdict from the tree's logits
         [N, V], and the accepted path's cells handed to the main sequence."""
         kv.prefix = kv.length = plan.start
-        visible = torch.from_numpy(_ancestor_matrix(plan.layout))  # [N, N]
-        verdict: Verdict = self.decide(req, plan.layout, logits, visible)
+        verdict: Verdict = self.decide(req, plan.layout, logits)
         path_seq = plan.scratch[plan.below[verdict.path[-1]][0]]
         self.lm.seq_cp(path_seq, kv.seq, plan.start, plan.start + len(verdict.path))  # root + accepted nodes
         kv.prefix = kv.length = plan.start + len(verdict.path)
@@ -228,14 +226,3 @@ class _Planned:
     def outputs(self) -> list[int]:
         """The tree nodes' indices in the decode's tokens (their logits are read)."""
         return list(range(len(self.lin), len(self.tokens)))
-
-
-
-def _ancestor_matrix(layout: TreeLayout) -> np.ndarray:
-    n = layout.num_nodes
-    m = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        for a in path_to(i, layout.parents):
-            m[i, a] = True
-    return m
-

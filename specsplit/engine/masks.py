@@ -6,6 +6,10 @@ on ``device`` in one operation, so nothing on the forward path is built on the h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from specsplit.tree import ancestor_pairs
@@ -50,3 +54,45 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def positions(depths, start: int, device: torch.device) -> torch.Tensor:
     """Position ids of tree nodes: cache length + depth. # [N]"""
     return torch.tensor(depths, dtype=torch.long, device=device) + start
+
+
+@dataclass(frozen=True, slots=True)
+class TreeInputs:
+    """A forward's new tokens as the host describes them: ``linear`` tokens at positions
+    ``first``.. on top of ``first`` cached entries (every new token sees all of those), then a
+    tree (``parents``, ``depths``) rooted after them. ``on_device`` builds the tensors an eager
+    forward takes; a graph replay (``specsplit.engine.graphs``) copies ``positions`` and
+    ``new_visibility`` to the device in one packed copy instead."""
+
+    first: int
+    linear: int
+    parents: Sequence[int]
+    depths: Sequence[int]
+
+    @property
+    def tokens(self) -> int:
+        return self.linear + len(self.parents)
+
+    def positions(self) -> list[int]:
+        start = self.first + self.linear  # the root's position
+        return [*range(self.first, start), *(start + d for d in self.depths)]
+
+    def new_visibility(self) -> np.ndarray:
+        """[T+N, T+N] bool among the new tokens: causal over the linear ones, which every tree
+        node sees, and each node its ancestors and itself."""
+        s, n = self.linear, len(self.parents)
+        vis = np.zeros((s + n, s + n), dtype=bool)
+        vis[:s, :s] = np.tri(s, dtype=bool)
+        vis[s:, :s] = True
+        rows, cols = ancestor_pairs(self.parents)
+        vis[np.asarray(rows, dtype=np.intp) + s, np.asarray(cols, dtype=np.intp) + s] = True
+        return vis
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visibility [T+N, P+T+N] bool and position ids [T+N] on ``device``."""
+        start, n = self.first + self.linear, len(self.parents)
+        visible = torch.ones(self.linear + n, start + n, dtype=torch.bool, device=device)
+        visible[:, self.first:] = linear_then_tree(self.linear, self.parents, device)
+        pos = torch.cat([torch.arange(self.first, start, dtype=torch.long, device=device),
+                         positions(self.depths, start, device)])
+        return visible, pos

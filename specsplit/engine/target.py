@@ -16,7 +16,7 @@ import torch
 
 from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
 from specsplit.engine.base import Engine, is_device_failure
-from specsplit.engine.masks import linear_then_tree, positions, tree_visibility
+from specsplit.engine.masks import TreeInputs, positions, tree_visibility
 from specsplit.engine.sampling import argmax_rows, make_generator
 from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
@@ -182,7 +182,7 @@ class TargetEngine(Engine):
         pos = positions(layout.depths, start, dev)  # [N]
         with view_attention_of(self.model, self._view_attention):
             logits = self.forward(pv.buffer, req.tree.token_ids, pos, visible, keep=n, specpv_view=plan)  # [N, V]
-        verdict = self.decide(req, layout, logits, visible[:, m:])
+        verdict = self.decide(req, layout, logits)
         pv.buffer.compact([m + i for i in verdict.path], m)
         pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
         pv.rounds_since_full += 1
@@ -220,9 +220,9 @@ class TargetEngine(Engine):
             if head > prompt:
                 self.forward_linear(kv, lin[prompt:head])
         t = s - head
-        visible, pos = self.tree_inputs(f + head, t, layout)  # [T+N, P+T+N], [T+N]
+        tree = TreeInputs(f + head, t, layout.parents, layout.depths)  # built on the device only if eager
         checked = s - check_from
-        logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], pos, visible, keep=n + checked)  # [C+N, V]
+        logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], None, None, keep=n + checked, tree=tree)  # [C+N, V]
         if checked:
             wrong = self._first_disagreement(logits[:checked], [*lin, root][check_from + 1:])
             if wrong is not None:
@@ -235,7 +235,7 @@ class TargetEngine(Engine):
                     pv.reset_buffer()
                 return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1,
                                forward_tokens=refreshed + s + n)
-        verdict = self.decide(req, layout, logits[checked:], visible[t:, start:])
+        verdict = self.decide(req, layout, logits[checked:])
         kv.compact([start + i for i in verdict.path], start)
         if pv is not None:
             pv.after_refresh(rolled_back=False)
@@ -263,12 +263,7 @@ class TargetEngine(Engine):
     def tree_inputs(self, first: int, t: int, layout: TreeLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Visibility [T+N, P+T+N] bool and position ids [T+N] of ``t`` linear tokens at positions
         ``first``.. (on top of ``first`` cached ones) followed by the tree, on the device."""
-        dev, n, start = self.device, layout.num_nodes, first + t  # start: the root's position
-        visible = torch.ones(t + n, start + n, dtype=torch.bool, device=dev)  # [T+N, P+T+N]
-        visible[:, first:] = linear_then_tree(t, layout.parents, dev)
-        pos = torch.cat([torch.arange(first, start, dtype=torch.long, device=dev),
-                         positions(layout.depths, start, dev)])  # [T+N]
-        return visible, pos
+        return TreeInputs(first, t, layout.parents, layout.depths).on_device(self.device)
 
     @staticmethod
     def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:
@@ -280,7 +275,7 @@ class TargetEngine(Engine):
         j, token, any_wrong = torch.stack([first, argmax[first], wrong.any().long()]).tolist()
         return (j, token) if any_wrong else None
 
-    def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, visible: torch.Tensor,
+    def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor,
                argmax: list[int] | None = None) -> Verdict:
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
         computed for several sessions at once)."""

@@ -25,6 +25,7 @@ import torch
 from schemas import Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
 from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
+from specsplit.engine.masks import TreeInputs
 from specsplit.engine.store import Session
 from specsplit.engine.verify import Outcome
 from specsplit.errors import DeviceFailure, SpecError
@@ -95,8 +96,8 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
     for m in members:
         sync, kv = m.req.sync, m.session.kv
         kv.crop_to(sync.base_len)
-        visible, pos = engine.tree_inputs(sync.base_len, len(sync.append_token_ids), m.layout)  # [T+N, P+T+N], [T+N]
-        m.segment = Segment(kv, [*sync.append_token_ids, *m.req.tree.token_ids], pos, visible, keep=m.layout.num_nodes)
+        tree = TreeInputs(sync.base_len, len(sync.append_token_ids), m.layout.parents, m.layout.depths)
+        m.segment = Segment(kv, [*sync.append_token_ids, *m.req.tree.token_ids], None, None, m.layout.num_nodes, tree)
     try:
         logits = engine.forward_segments([m.segment for m in members])  # per member [N_i, V]
     except Exception as exc:
@@ -138,8 +139,7 @@ def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outc
     """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); keep the
     accepted path's K/V."""
     start = m.req.sync.base_len + len(m.req.sync.append_token_ids)  # the root's position
-    t = len(m.req.sync.append_token_ids)
-    verdict = engine.decide(m.req, m.layout, logits, m.segment.visible[t:, start:], argmax)
+    verdict = engine.decide(m.req, m.layout, logits, argmax)
     m.session.kv.compact([start + i for i in verdict.path], start)
     m.session.last_round = m.req.round
     return Outcome(verdict, forward_tokens=len(m.segment.token_ids))
