@@ -11,7 +11,7 @@
 #     1. the CUDA oracles of TESTS (default: the graphs' and greedy equivalence), TESTS_S;
 #     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs (the issue's three bars);
 #     3. PROBE_S > 0: ops/gpu_probe.py (request / runner / replay / kernels per shape);
-#     4. REPLAY_S > 0: the HumanEval trace replayed with a pool (graphs) and without (eager);
+#     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, with pools (graphs) and without (eager);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -64,10 +64,11 @@ run)
   fi
   [ "${PROBE_S:-40}" -gt 0 ] && timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --compile-shapes "${COMPILE:-}" \
     --json "$OUT/gpu-probe.json" 2>&1 | grep '^|\|top kernels' | tail -8
-  if [ "${REPLAY_S:-60}" -gt 0 ]; then  # the real pair's recorded rounds: graphs (a pool), then eager
+  if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds: graphs (a pool), then eager
     for pool in ${REPLAY_POOLS:-8 0}; do
-      SPECSPLIT_TARGET_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" python3 -m specsplit bench replay --device cuda \
-        $cfg --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
+      SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" \
+        python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
+        --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
         --json "$OUT/gpu-replay-pool$pool.json" 2>&1 | grep -v "^replay: session" | head -4
     done
   fi

@@ -141,6 +141,34 @@ def test_main_writes_the_json(trace, tmp_path, capsys, monkeypatch):
     assert "verify-only tok/s" in capsys.readouterr().out
 
 
+def test_the_draft_replays_each_clean_round_at_its_context(trace, tmp_path, monkeypatch):
+    """``--draft``: the draft engine serves one timed request per clean round, at the round's
+    context, for a tree of the recorded merged tree's size and depth (the trace header's branch);
+    its ms join the summary as "with replayed draft"."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    sent, real = [], replay.Replayer._draft
+
+    def spy(self, sid, base, append, spec):
+        sent.append((sid, base + append + 1, spec))
+        real(self, sid, base, append, spec)
+
+    monkeypatch.setattr(replay.Replayer, "_draft", spy)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", trace, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--draft",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    timed = [(sid, ctx, spec) for sid, ctx, spec in sent if spec.max_nodes > 1 and sid != "warmup"]
+    clean = [r for r in data["rounds"] if r["clean"]]
+    assert len(timed) == len(clean) == 7 and all(r["draft_ms"] > 0 for r in clean)
+    assert [ctx for _, ctx, _ in timed] == [r["context_len"] for r in clean]  # the draft's cache then holds it
+    assert all((spec.max_nodes, spec.max_depth, spec.branch, spec.min_path_prob) == (7, 3, 2, 0.0)
+               for _, _, spec in timed)
+    s = data["summary"][trace]
+    assert s["replayed_draft_ms"] == pytest.approx(sum(r["draft_ms"] for r in clean), abs=0.01)
+    assert 0 < s["with_replayed_draft_tok_s"] < s["verify_only_tok_s"]
+    assert data["config"]["draft"]["weights"] == "real"
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda lines: lines[1].pop("merged"), "missing field 'merged'"),
     (lambda lines: lines[2].update(context_len=lines[2]["context_len"] + 1), "expected 25"),

@@ -21,11 +21,17 @@ forward a plain round sends) at each context whose token a replayed round commit
 after that round (before it, every other round), so the machine's drift hits both alike. Decode
 figures count the clean rounds (not the prompt's prefill round, nor resends): tokens (accepted
 + 1 each) over the replayed verify ms, and over replayed verify + the draft ms recorded on the
-trace's machine (the draft is not replayed). Prints Markdown tables; ``--json FILE`` writes
-every figure.
+trace's machine. With ``--draft`` (the preset's draft) or ``--draft-config DIR`` (random weights
+of DIR/config.json) the draft is replayed too, on the same device, after each clean round: one
+``DraftRequest`` at the round's context for a tree of the recorded size and depth (the header's
+branch, ``min_path_prob`` 0 so random weights build it whole), timed; "with replayed draft"
+adds those ms to the verify ms, a serial round's bound (the fleet also reuses grown trees and
+overlaps growth with verification, which this does not count). Prints Markdown tables;
+``--json FILE`` writes every figure.
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
-    specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target
+    specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target \
+        --draft-config .whl/cfg/draft
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from schemas import CacheSync, EndSession, ErrorReply, FlatTree, VerifyReply, VerifyRequest
+from schemas import CacheSync, DraftRequest, EndSession, ErrorReply, FlatTree, TreeSpec, VerifyReply, VerifyRequest
 from specsplit.openmp import set_worker_openmp
 from specsplit.orchestrator.costmodel import select_nodes
 from specsplit.orchestrator.replay import Record, TraceError, merged_tree, read_trace, segments
-from specsplit.tree import path_to
+from specsplit.tree import depths_of, path_to
 
 
 class ReplayError(RuntimeError):
@@ -66,6 +72,7 @@ class TracedRound:
     wall_ms: float
     clean: bool  # a first send, not the prompt's prefill
     batch_size: int
+    drafted: tuple[int, ...] = (-1,)  # the merged tree the proposers drafted (its parents)
 
     @property
     def committed(self) -> int:
@@ -99,7 +106,7 @@ def _round(rec: Record) -> TracedRound:
                        sync_tokens=int(rec["sync_tokens"]), parents=tuple(parents), accepted=len(accepted),
                        draft_ms=float(rec["draft_ms"]), verify_ms=float(rec["verify_ms"]),
                        wall_ms=float(rec["wall_ms"]), clean=bool(rec["clean"]),
-                       batch_size=int(rec.get("batch_size") or 1))
+                       batch_size=int(rec.get("batch_size") or 1), drafted=tuple(tree.parents))
 
 
 def _session(trace: str, sid: str, recs: list[Record]) -> TracedSession:
@@ -165,6 +172,7 @@ class ReplayedRound:
     recorded_wall_ms: float
     clean: bool
     batch_size: int
+    draft_ms: float | None = None  # the replayed draft's (None: not replayed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +187,11 @@ class AloneStep:
 class Replayer:
     """Sends a trace's rounds to ``engine`` (a TargetEngine) as the orchestrator would."""
 
-    def __init__(self, engine, seed: int = 0) -> None:
+    def __init__(self, engine, seed: int = 0, draft=None, branch: int = 2) -> None:
         self.engine, self.rng = engine, random.Random(seed)
+        self.draft, self.branch = draft, branch  # a DraftEngine on the same device, or None
         self._round: dict[str, int] = {}
+        self._draft_held: dict[str, int] = {}
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.engine.vocab_size) for _ in range(n)]
@@ -241,6 +251,9 @@ class Replayer:
                     lone_held = self.decode(lone, lone_held, c, s, steps)
         for name in (sid, lone):
             self.engine.handle(EndSession(session_id=name))
+        if self.draft is not None:
+            self.draft.handle(EndSession(session_id=sid))
+            self._draft_held.pop(sid, None)
         return rounds, steps
 
     def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
@@ -253,10 +266,38 @@ class Replayer:
         reply, wall = self.send(sid, CacheSync(base_len=base, append_token_ids=self.tokens(sync),
                                                prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0), r.parents)
         self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
+        draft_ms = self.draft_round(sid, r) if self.draft is not None and r.clean else None
         out.append(ReplayedRound(
             s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
-            catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size))
+            catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size, draft_ms))
         return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
+
+    def draft_round(self, sid: str, r: TracedRound) -> float:
+        """The draft's ms for round ``r``: its cache brought to the round's context (untimed), then
+        one timed request for a tree of the recorded size and depth (0 for a root-only round)."""
+        nodes, depth = len(r.drafted), max(depths_of(r.drafted))
+        if nodes < 2 or depth < 1:
+            return 0.0
+        held = self._draft_held.get(sid, 0)
+        base = min(held, r.context_len - 1)
+        if r.context_len - 1 - base > 1:  # untimed: all but one of the tokens it has not seen
+            self._draft(sid, base, r.context_len - 2 - base, TreeSpec(max_nodes=1, max_depth=0))
+            base = r.context_len - 2
+        spec = TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
+        t0 = time.perf_counter()
+        self._draft(sid, base, r.context_len - 1 - base, spec)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._draft_held[sid] = r.context_len
+        return ms
+
+    def _draft(self, sid: str, base: int, append: int, spec: TreeSpec) -> None:
+        rnd = self._round[f"draft-{sid}"] = self._round.get(f"draft-{sid}", -1) + 1
+        req = DraftRequest(session_id=sid, round=rnd, sync=CacheSync(base_len=base, append_token_ids=self.tokens(append)),
+                           root=self.tokens(1)[0], tree=spec)
+        reply = self.draft.handle(req)
+        if isinstance(reply, ErrorReply):
+            raise ReplayError(f"draft session {sid} request {rnd}: the engine answered {reply.code}: {reply.message}")
+        self._draft_held[sid] = base + append + 1
 
     def decode(self, sid: str, held: int, c: int, s: TracedSession, out: list[AloneStep]) -> int:
         """The target alone's step at context ``c`` (a plain round: root-only), timed into ``out``."""
@@ -309,7 +350,13 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
         "catchup_rounds": sum(1 for r in rounds if r.catchup_tokens),
         "batched_rounds": sum(1 for r in clean if r.batch_size > 1),
     }
+    replayed = [r.draft_ms for r in clean if r.draft_ms is not None]
+    if clean and len(replayed) == len(clean):
+        out["replayed_draft_ms"] = round(sum(replayed), 3)
+        out["with_replayed_draft_tok_s"] = _per_s(tokens, verify + sum(replayed))
     a = out["alone_tok_s"]
+    if "replayed_draft_ms" in out:
+        out["with_replayed_draft_vs_alone"] = round(out["with_replayed_draft_tok_s"] / a, 3) if a else 0.0
     out["verify_only_vs_alone"] = round(out["verify_only_tok_s"] / a, 3) if a else 0.0
     out["with_draft_vs_alone"] = round(out["with_draft_tok_s"] / a, 3) if a else 0.0
     out["paired_median_vs_alone"] = paired_median(clean, alone)
@@ -349,11 +396,16 @@ SUMMARY_COLUMNS = (("rounds", "rounds"), ("tokens", "tokens"), ("tokens/round", 
                    ("recorded tok/s", "recorded_tok_s"))
 
 
+DRAFT_COLUMNS = (("with replayed draft tok/s", "with_replayed_draft_tok_s"),
+                 ("with replayed draft / alone", "with_replayed_draft_vs_alone"))
+
+
 def markdown(summaries: dict[str, dict[str, Any]], sizes: list[dict[str, Any]], device: str) -> str:
-    lines = ["| trace | device | " + " | ".join(h for h, _ in SUMMARY_COLUMNS) + " |",
-             "|---|---|" + "---:|" * len(SUMMARY_COLUMNS)]
+    columns = SUMMARY_COLUMNS + (DRAFT_COLUMNS if all("replayed_draft_ms" in s for s in summaries.values()) else ())
+    lines = ["| trace | device | " + " | ".join(h for h, _ in columns) + " |",
+             "|---|---|" + "---:|" * len(columns)]
     for name, s in summaries.items():
-        cells = (f"{s[k]:.2f}" if isinstance(s[k], float) else str(s[k]) for _, k in SUMMARY_COLUMNS)
+        cells = (f"{s[k]:.2f}" if isinstance(s[k], float) else str(s[k]) for _, k in columns)
         lines.append(f"| {name} | {device} | " + " | ".join(cells) + " |")
     lines += ["", "| verified nodes | rounds | forward ms (median) | recorded ms (median) | tokens/round |",
               "|---:|---:|---:|---:|---:|"]
@@ -378,6 +430,26 @@ def build_target(args) -> tuple[Any, dict[str, Any]]:
     return engine, {"preset": ms.preset, **described}
 
 
+def build_draft(args) -> tuple[Any, dict[str, Any]] | tuple[None, None]:
+    """The draft engine replayed beside the target (``--draft`` / ``--draft-config``), or None."""
+    if not (args.draft or args.draft_config):
+        return None, None
+    from specsplit.bench.gpu import load_engine
+    from specsplit.config import WorkerSettings
+    from specsplit.models import ModelSettings
+
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}), draft_device=args.device)
+    engine, described = load_engine("draft", args, ms, WorkerSettings())
+    return engine, described
+
+
+def trace_branch(paths: Sequence[str]) -> int:
+    """The draft trees' branch the first trace's header names (the fleet's default: 2)."""
+    for header, _ in segments(read_trace(paths[0])):
+        return int((header.get("tree") or {}).get("branch") or 2)
+    return 2
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specsplit bench replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -387,7 +459,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-config", default=None, metavar="DIR",
                    help="random weights of DIR/config.json instead of the preset's target")
     p.add_argument("--random-weights", action="store_true",
-                   help="random weights of the preset's target config even where its weights are pulled")
+                   help="random weights of the preset's configs even where their weights are pulled")
+    p.add_argument("--draft", action="store_true", help="replay the draft too: the preset's draft model")
+    p.add_argument("--draft-config", default=None, metavar="DIR",
+                   help="replay the draft too, on random weights of DIR/config.json")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype (default: bfloat16 on accelerators, SPECSPLIT_TARGET_DTYPE on CPU)")
@@ -423,7 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging("WARNING")
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         engine, described = build_target(args)
-        rounds, alone = run(Replayer(engine, args.seed), sessions, progress=_log)
+        draft, draft_described = build_draft(args)
+        if draft is not None:
+            described |= {"draft": draft_described | {"backend": draft.backend.describe()}}
+        rounds, alone = run(Replayer(engine, args.seed, draft, trace_branch(args.trace)), sessions, progress=_log)
     except (OSError, TraceError, ReplayError) as exc:
         print(f"specsplit bench replay: {exc}", file=sys.stderr)
         return 1
@@ -442,12 +520,13 @@ def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], r
         summaries["total"] = summarize(rounds, alone)
     sizes = by_nodes(rounds, alone)
     print(markdown(summaries, sizes, args.device))
-    print("with draft: replayed verify ms + the draft ms recorded on the trace's machine (the draft is not "
-          "replayed); figures over the clean rounds")
+    print("with draft: replayed verify ms + the draft ms recorded on the trace's machine; with replayed draft: "
+          "+ the draft replayed here, serially (no tree reuse, no growth overlapped); figures over the clean rounds")
     if args.json_path:
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         config = {k: v for k, v in vars(args).items() if k != "json_path"} | described | {
-            "torch": torch.__version__, "device_name": name, "draft_ms": "recorded"}
+            "torch": torch.__version__, "device_name": name,
+            "draft_ms": "recorded" + (" and replayed" if args.draft or args.draft_config else "")}
         out = {"config": config, "summary": summaries, "by_nodes": sizes, "rounds": [asdict(r) for r in rounds],
                "alone": [asdict(a) for a in alone]}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
