@@ -12,23 +12,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from schemas import DraftRequest, SamplingSpec, TreeSpec, VerifyReply, VerifyRequest
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.graphs import TOKEN_BUCKETS, key_buckets, smallest
 from specsplit.engine.kvpool import GB, pool_shape
 from specsplit.engine.masks import TreeInputs, positions
 from specsplit.engine.target import TargetEngine
-from specsplit.local import generate
 from specsplit.orchestrator.state import SessionCursor
 from specsplit.tree import validate_tree
-from tests.conftest import FAMILIES, fp32_tolerance, greedy_reference, on_device
+from tests.conftest import FAMILIES, fp32_tolerance, on_device
+from tests.test_kvpool import batched_rounds_equal_alone, generate_equals_greedy
 from tests.test_tree_forward import random_parents
 
 LIMITS = EngineLimits(max_sessions=8, max_session_tokens=600, max_tree_nodes=40, max_tree_depth=8)
-GREEDY = SamplingSpec()
-SAMPLED = SamplingSpec(temperature=0.9, top_p=0.95, seed=7)
-MARGIN = 1e-3
 MODES = [pytest.param("static", id="static"),
          pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
              not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)"))]
@@ -114,39 +110,14 @@ def validate_tree_layout(tokens, parents):
 def test_generate_through_graphs_equals_plain_greedy(models, family, mode):
     """Draft and target engines on pools with graphs give the target's greedy decoding; a sampled
     run equals the same run on eager forwards."""
-    dev = device_of(mode)
-    target, often, rarely = (on_device(m, dev) for m in models[family])
     engines = []
 
-    def engine_of(cls):
-        def make(model, limits):
-            engines.append(cls(model, graphed(replace(limits, max_session_tokens=600), model, 1, mode)))
-            return engines[-1]
-        return make
+    def on_pool(cls, model, limits):
+        engines.append(cls(model, graphed(replace(limits, max_session_tokens=600), model, 1, mode)))
+        return engines[-1]
 
-    rng = random.Random(11)
-    compared = 0
-    for i in range(5):
-        prompt = [rng.randrange(128) for _ in range(rng.randrange(1, 30))]
-        ref, gap = greedy_reference(models[family][0], prompt, 20)
-        if gap < MARGIN:
-            continue
-        for tree in (TreeSpec(max_nodes=5, max_depth=4, branch=1), TreeSpec(max_nodes=16, max_depth=5, branch=3)):
-            out = generate(often if i % 2 else rarely, target, prompt, max_new_tokens=20, tree=tree,
-                           sampling=GREEDY, make_target_engine=engine_of(TargetEngine),
-                           make_draft_engine=engine_of(DraftEngine))
-            assert out == ref, (family, prompt, tree)
-        compared += 1
-    assert compared >= 3
+    generate_equals_greedy(models, family, on_pool, device_of(mode), prompts=5)
     assert all(e.graphs.served > 0 for e in engines)
-    kw = {"max_new_tokens": 16, "tree": TreeSpec(max_nodes=8, max_depth=4, branch=2), "sampling": SAMPLED}
-    assert generate(often, target, [3, 1, 4], **kw, make_target_engine=engine_of(TargetEngine),
-                    make_draft_engine=engine_of(DraftEngine)) == generate(often, target, [3, 1, 4], **kw)
-
-
-def same(a, b) -> bool:
-    measured = {"verify_ms", "batch_tokens", "batch_size"}
-    return type(a) is type(b) and a.model_dump(exclude=measured) == b.model_dump(exclude=measured)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -169,19 +140,8 @@ def test_batched_verify_through_graphs_equals_each_session_alone(models, family,
     assert batched.kv_pool.free_slots == 3
     draft = DraftEngine(draft_model, LIMITS)
     cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(rng.randrange(1, 40))]) for i in range(3)}
-    accepted, served = 0, batched.graphs.served
-    for rnd in range(5):
-        reqs = []
-        for j, (sid, cur) in enumerate(cursors.items()):
-            d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
-                                          tree=TreeSpec(max_nodes=8, max_depth=4, branch=1 + j % 3), sampling=GREEDY))
-            cur.after_draft()
-            reqs.append(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(), tree=d.tree, sampling=GREEDY))
-        want = [alone.handle(r) for r in reqs]
-        got = batched.verify_batch(reqs)
-        for r, w, g in zip(reqs, want, got):
-            assert isinstance(w, VerifyReply) and same(w, g), (w, g)
-            accepted += len(cursors[r.session_id].apply_verify(w)) - 1
+    served = batched.graphs.served
+    accepted = batched_rounds_equal_alone(draft, alone, batched, cursors)
     assert accepted > 0 and batched.graphs.served >= served + 4  # round 0 prefills alone, then batches
 
 

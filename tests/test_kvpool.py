@@ -25,7 +25,7 @@ from specsplit.errors import SpecError
 from specsplit.local import generate
 from specsplit.orchestrator.state import SessionCursor
 from specsplit.tree import root_to_leaf_paths
-from tests.conftest import FAMILIES, fp32_tolerance, greedy_reference, tiny_model
+from tests.conftest import FAMILIES, fp32_tolerance, greedy_reference, on_device, tiny_model
 from tests.test_batch_draft import drafts_match, kv_close
 from tests.test_tree_forward import prefill, random_parents, sequential_logits, tree_logits
 
@@ -110,39 +110,53 @@ def test_tree_forward_in_a_slot_matches_each_path(family):
             assert_in_pool(engine)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_generate_with_pools_equals_plain_greedy(models, family):
-    """Draft and target engines both on pools give the target's greedy decoding, their caches
-    stay in their slots, and a sampled run equals the same run on growing caches."""
-    target, often, rarely = models[family]
-    engines = []
+def generate_equals_greedy(models, family: str, on_pool, device=None, prompts: int = 6, after_each=None) -> None:
+    """Greedy generation with draft and target engines made by ``on_pool(cls, model, limits)``
+    equals the target's plain greedy decoding (prompts whose top-2 margin holds, at least
+    ``prompts`` - 2 of them; ``after_each()`` after every run), and a sampled run equals the same
+    run on growing caches. ``device``: the models' copies there (the references stay on CPU)."""
+    target, often, rarely = (on_device(m, device) if device else m for m in models[family])
 
-    def pooled_engine(cls):
-        def make(model, limits):
-            engines.append(cls(model, pooled(limits, model, 1)))
-            return engines[-1]
-        return make
+    def engine_of(cls):
+        return lambda model, limits: on_pool(cls, model, limits)
 
     rng = random.Random(11)
     compared = 0
-    for i in range(6):
+    for i in range(prompts):
         prompt = [rng.randrange(128) for _ in range(rng.randrange(1, 30))]
-        ref, gap = greedy_reference(target, prompt, 20)
+        ref, gap = greedy_reference(models[family][0], prompt, 20)
         if gap < MARGIN:
             continue
         for tree in (TreeSpec(max_nodes=5, max_depth=4, branch=1), TreeSpec(max_nodes=16, max_depth=5, branch=3)):
             out = generate(often if i % 2 else rarely, target, prompt, max_new_tokens=20, tree=tree,
-                           sampling=GREEDY, make_target_engine=pooled_engine(TargetEngine),
-                           make_draft_engine=pooled_engine(DraftEngine), grow_budget_ms=5.0 * (i % 2))
+                           sampling=GREEDY, make_target_engine=engine_of(TargetEngine),
+                           make_draft_engine=engine_of(DraftEngine), grow_budget_ms=5.0 * (i % 2))
             assert out == ref, (family, prompt, tree)
-            for e in engines[-2:]:
-                assert e.kv_pool is not None and len(e.store) == 1
-                assert_in_pool(e)
+            if after_each:
+                after_each()
         compared += 1
-    assert compared >= 4
+    assert compared >= prompts - 2
     kw = {"max_new_tokens": 16, "tree": TreeSpec(max_nodes=8, max_depth=4, branch=2), "sampling": SAMPLED}
-    assert generate(often, target, [3, 1, 4], **kw, make_target_engine=pooled_engine(TargetEngine),
-                    make_draft_engine=pooled_engine(DraftEngine)) == generate(often, target, [3, 1, 4], **kw)
+    assert generate(often, target, [3, 1, 4], **kw, make_target_engine=engine_of(TargetEngine),
+                    make_draft_engine=engine_of(DraftEngine)) == generate(often, target, [3, 1, 4], **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_pools_equals_plain_greedy(models, family):
+    """Draft and target engines both on pools give the target's greedy decoding, their caches
+    stay in their slots, and a sampled run equals the same run on growing caches."""
+    engines = []
+
+    def on_pool(cls, model, limits):
+        engines.append(cls(model, pooled(limits, model, 1)))
+        return engines[-1]
+
+    def in_their_slots():
+        for e in engines[-2:]:
+            assert e.kv_pool is not None and len(e.store) == 1
+            assert_in_pool(e)
+
+    generate_equals_greedy(models, family, on_pool, after_each=in_their_slots)
 
 
 def same(a, b) -> bool:
@@ -178,8 +192,18 @@ def test_batched_verify_on_a_pool_equals_each_session_alone(models, family):
     assert batched.kv_pool.free_slots == 4
     draft = DraftEngine(draft_model, LIMITS)
     sizes, cursors = lockstep(batched, rng)
+    accepted = batched_rounds_equal_alone(draft, alone, batched, cursors)
+    assert sizes == [4] * 5 and accepted > 0
+    assert_in_pool(batched)
+
+
+def batched_rounds_equal_alone(draft: DraftEngine, alone: TargetEngine, batched: TargetEngine,
+                               cursors: dict[str, SessionCursor], rounds: int = 5) -> int:
+    """``rounds`` greedy rounds of every cursor's session: ``draft`` drafts (tree_spec), ``alone``
+    verifies one at a time, ``batched`` all at once (``verify_batch``); the replies must be the
+    same. Returns the tokens accepted."""
     accepted = 0
-    for rnd in range(5):
+    for rnd in range(rounds):
         reqs = []
         for j, (sid, cur) in enumerate(cursors.items()):
             d = draft.handle(DraftRequest(session_id=sid, round=rnd, sync=cur.draft_sync(), root=cur.committed[-1],
@@ -191,8 +215,7 @@ def test_batched_verify_on_a_pool_equals_each_session_alone(models, family):
         for r, w, g in zip(reqs, want, got):
             assert isinstance(w, VerifyReply) and same(w, g), (w, g)
             accepted += len(cursors[r.session_id].apply_verify(w)) - 1
-    assert sizes == [4] * 5 and accepted > 0
-    assert_in_pool(batched)
+    return accepted
 
 
 @pytest.mark.parametrize("family", FAMILIES)
