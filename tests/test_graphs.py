@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specsplit.engine.base import EngineLimits
+from specsplit.engine.batch import Segment
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.graphs import TOKEN_BUCKETS, key_buckets, smallest
 from specsplit.engine.kvpool import GB, pool_shape
@@ -143,6 +144,33 @@ def test_batched_verify_through_graphs_equals_each_session_alone(models, family,
     served = batched.graphs.served
     accepted = batched_rounds_equal_alone(draft, alone, batched, cursors)
     assert accepted > 0 and batched.graphs.served >= served + 4  # round 0 prefills alone, then batches
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_outlive_the_next_forward_through_the_same_bucket(models, mode):
+    """A forward's logits are the caller's: another forward through the same bucket (the same
+    static buffers) leaves them as they were, in float32 too, for one session and for several."""
+    dev = device_of(mode)
+    target = on_device(models["llama"][0], dev)
+    fast = TargetEngine(target, graphed(LIMITS, target, 4, mode))
+    kvs = [fast.store.get_or_create(f"s{i}").kv for i in range(4)]
+    for i, kv in enumerate(kvs):
+        fast.forward_linear(kv, [(7 * i + j) % 128 for j in range(10)])
+
+    def step(kv, token):
+        tree = TreeInputs(kv.length, 1, [-1], [0])
+        return Segment(kv, [token, token + 1], None, None, 2, tree)
+
+    first = fast.forward_one(step(kvs[0], 3))
+    kept = first.clone()
+    fast.forward_one(step(kvs[1], 90))
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    pair = fast.forward_segments([step(kvs[2], 5), step(kvs[3], 60)])
+    kept = [x.clone() for x in pair]
+    fast.forward_segments([step(kvs[0], 17), step(kvs[1], 33)])
+    for got, want in zip(pair, kept):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert fast.graphs.served >= 4
 
 
 @pytest.mark.parametrize("mode", MODES)

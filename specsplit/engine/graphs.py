@@ -179,7 +179,8 @@ class GraphRunner:
                 it.kv.advance(len(it.token_ids))
             if len(items) == 1:
                 n = len(items[0].token_ids)
-                return [inp.logits[0, n - items[0].keep: n].float()]
+                # a copy even in float32: the next replay overwrites the static buffer
+                return [inp.logits[0, n - items[0].keep: n].to(torch.float32, copy=True)]
             rows = [i * t + r for i, it in enumerate(items)
                     for r in range(len(it.token_ids) - it.keep, len(it.token_ids))]
             kept = inp.logits.view(b * t, -1).index_select(0, torch.tensor(rows, device=self.device)).float()
