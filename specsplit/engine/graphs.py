@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 
 from specsplit.engine.batch import Segment, using_attention
 from specsplit.engine.kvpool import KVPool, PooledKV
-from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, grouped_attention
+from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, weighted_values
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
@@ -48,12 +48,22 @@ GROUPED = ("sdpa", GQA_ATTENTION)  # attention a graph's body replaces with grou
 
 
 def graph_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """A bucket's attention: grouped matmuls for every forward (``grouped_attention``; its keys
-    are the bucket's, at most a few thousand in a graph of up to 64 queries). sdpa's masked
-    kernel spent ~40 us a layer on one query over 1K keys and copied every KV head per query
-    head for more (repeat_kv); its extra launches cost nothing in a replay (docs/results.md, GPU)."""
+    """A bucket's attention, grouped matmuls for every forward: query [B, Hq, M, D] against the
+    bucket's key/value [B, Hkv, L, D] under the additive mask [B, 1, M, L]; returns ([B, M, Hq, D],
+    None). The query heads of one KV head share one matmul; scores and softmax in float32 (as
+    sdpa keeps them), probabilities x values in the values' dtype (``weighted_values``: chunks
+    summed in float32). sdpa's masked kernel spent ~40 us a layer on one query over 1K keys and
+    copied every KV head per query head for more (repeat_kv); the extra launches here cost
+    nothing in a replay (docs/results.md, GPU)."""
+    b, hq, m, d = query.shape
+    hkv, length = key.shape[1], key.shape[2]
+    q = query.float().reshape(b, hkv, (hq // hkv) * m, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).view(b, hkv, hq // hkv, m, length)
+    scores.mul_(d ** -0.5 if scaling is None else scaling).add_(attention_mask[..., :length][:, :, None].float())
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, hkv, (hq // hkv) * m, length)
     chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
-    return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk), None
+    out = weighted_values(probs, value, chunk).view(b, hq, m, d)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register_graph_attention() -> str:
