@@ -115,7 +115,7 @@ class _Inputs:
     """The static buffers of one (B, T): every bucket (B, T, L, compact) reads and writes these."""
 
     meta: torch.Tensor  # [B, 2T+2] int64: token ids, position ids, slot, cache length
-    vis: torch.Tensor  # [B, T, Lmax] bool: what each new token sees (the general variant)
+    vis: torch.Tensor | None  # [B, T, Lmax] bool: what each new token sees (the general variant; made on first use)
     new_vis: torch.Tensor  # [B, T, T] bool: among the new tokens (compact: every cached entry seen)
     logits: torch.Tensor  # [B, T, V] in the model's dtype
 
@@ -175,7 +175,7 @@ class GraphRunner:
             return None
         with self._lock:
             b, t, keys, compact = shape
-            inp = self._buffers(b, t)
+            inp = self._buffers(b, t, compact)
             graph = self._graph(shape, inp) if self.mode == "cuda" else None
             if self.mode == "cuda" and graph is None:
                 return None
@@ -196,16 +196,17 @@ class GraphRunner:
             kept = inp.logits.view(b * t, -1).index_select(0, torch.tensor(rows, device=self.device)).float()
             return list(kept.split([it.keep for it in items]))
 
-    def _buffers(self, b: int, t: int) -> _Inputs:
+    def _buffers(self, b: int, t: int, compact: bool) -> _Inputs:
         inp = self._inputs.get((b, t))
         if inp is None:
             dev = self.device
             meta = torch.zeros(b, 2 * t + 2, dtype=torch.long, device=dev)
             meta[:, 2 * t] = self.pool.scratch
             inp = self._inputs[(b, t)] = _Inputs(
-                meta=meta, vis=torch.zeros(b, t, self.max_len, dtype=torch.bool, device=dev),
-                new_vis=torch.zeros(b, t, t, dtype=torch.bool, device=dev),
+                meta=meta, vis=None, new_vis=torch.zeros(b, t, t, dtype=torch.bool, device=dev),
                 logits=torch.zeros(b, t, self.vocab_size, dtype=self.dtype, device=dev))
+        if not compact and inp.vis is None:  # B x T x the slot's length: only where a forward needs it
+            inp.vis = torch.zeros(b, t, self.max_len, dtype=torch.bool, device=self.device)
         return inp
 
     def _fill(self, inp: _Inputs, items, t: int, keys: int, compact: bool) -> None:
