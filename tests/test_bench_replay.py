@@ -10,7 +10,7 @@ import json
 import pytest
 
 from schemas import VerifyRequest
-from specsplit.bench import replay
+from specsplit.bench import replay, replay_report
 from specsplit.orchestrator.replay import TraceError
 
 BRANCHY = [-1, 0, 0, 1, 1, 2, 3]  # merged: root -> {1, 2}, 1 -> {3, 4}, 2 -> 5, 3 -> 6
@@ -109,7 +109,7 @@ def test_replay_follows_the_recorded_progression(trace, engine, monkeypatch, agr
         assert any(r.engine_accepted > r.accepted for r in rounds) and not any(r.catchup_tokens for r in rounds)
     else:
         assert any(r.catchup_tokens for r in rounds)
-    summary = replay.summarize(rounds, alone)
+    summary = replay_report.summarize(rounds, alone)
     assert summary["tokens"] == summary["alone_tokens"] == sum(len(a) + 1 for plan in (PLAN_A, PLAN_B)
                                                                 for a, _ in plan)
     assert summary["other_rounds"] == 2 and summary["verify_only_tok_s"] > summary["with_draft_tok_s"] > 0
