@@ -260,11 +260,6 @@ class TargetEngine(Engine):
             return 0
         return min(n, head)
 
-    def tree_inputs(self, first: int, t: int, layout: TreeLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Visibility [T+N, P+T+N] bool and position ids [T+N] of ``t`` linear tokens at positions
-        ``first``.. (on top of ``first`` cached ones) followed by the tree, on the device."""
-        return TreeInputs(first, t, layout.parents, layout.depths).on_device(self.device)
-
     @staticmethod
     def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:
         """logits [C, V] of the rows before C provisional tokens ``expected``: (row, the target's
