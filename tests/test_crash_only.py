@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from specsplit.launch import Fleet, port_is_free
-from tests.conftest import KillAfterTokens, greedy_reference, wait_until
+from tests.conftest import KillAfterTokens, greedy_cached, wait_until
 from tests.honcho_fleet import honcho_fleet as _honcho_fleet, honcho_log as _log, stop_honcho as _stop_honcho
 from tests.honcho_fleet import descendants, worker_pid as _worker_pid
 
@@ -92,7 +92,7 @@ def test_honcho_fleet_survives_kill9_of_every_role(tmp_path, target_model):
         rows = sorted((json.loads(line) for line in stdout.splitlines()), key=lambda r: r["index"])
         assert len(rows) == len(PROMPTS)
         for r in rows:
-            ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
+            ref, _ = greedy_cached(target_model, r["prompt_token_ids"], len(r["token_ids"]))
             assert r["token_ids"] == ref, r["index"]
             assert r["finish_reason"] in ("stop", "length")
             assert r["finish_reason"] == "stop" or r["new_tokens"] == 200
@@ -186,7 +186,7 @@ def test_router_away_10s_then_back_run_finishes_exact_waiting_out_no_timeout(tmp
 
         results, after_back = asyncio.run(run())
         for p, r in zip(ps, results):
-            assert r.token_ids == greedy_reference(target_model, p, 160)[0]
+            assert r.token_ids == greedy_cached(target_model, p, 160)[0]
         orch = fleet.log("orchestrator")
         assert "router_lost" in orch and "router_back" in orch
         restarted = _stamp(fleet.log("router_target"), "router_started", nth=2)
@@ -240,7 +240,7 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
     try:
         rows = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=16, max_new_tokens=LOOKUP_NEW_TOKENS)
         for r in rows:
-            ref, _ = greedy_reference(target_model, r["prompt_token_ids"], len(r["token_ids"]))
+            ref, _ = greedy_cached(target_model, r["prompt_token_ids"], len(r["token_ids"]))
             assert r["token_ids"] == ref, r["index"]
             assert r["finish_reason"] == "stop" or r["new_tokens"] == LOOKUP_NEW_TOKENS
         assert sum(r["drafted_tokens"] for r in rows) > 0  # lookup candidates were verified

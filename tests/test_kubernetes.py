@@ -36,7 +36,8 @@ import podman_play
 K8S_VERSION = "1.33.0"
 WORKERS = ("specsplit-draft", "specsplit-target")
 # the tiny target's greedy answer to this prompt runs 2,915 tokens before its end token (test_api)
-LONG_PROMPT, LONG_TOKENS = [5, 17, 99, 3, 250], 1200
+# the kills wait on streamed chunks (8, then 4 more: a round each), far fewer than 600 tokens
+LONG_PROMPT, LONG_TOKENS = [5, 17, 99, 3, 250], 600
 PROBE_ARG = re.compile(r"^[A-Za-z0-9_./:=@%+-]+$")  # podman joins exec probes with spaces for sh -c
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="kubectl is not installed (renders the kustomize overlays)")
@@ -334,7 +335,7 @@ def test_fleet_from_the_manifests_answers_like_the_target(image, tmp_path):
             assert got["choices"][0]["text"] == tok.decode(_expected(model, tok, prompt, 32)), got
 
         # a target worker and the orchestrator killed while three answers stream
-        prompts = _long_prompts(model, tok, 3, 600)
+        prompts = _long_prompts(model, tok, 3, LONG_TOKENS)
         streams = [Stream(url, key, p, LONG_TOKENS) for p in prompts]
         for s in streams:
             s.start()
