@@ -55,3 +55,10 @@ if [ -n "$wheels" ]; then
   .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$wheels"/llama_cpp_python-*.whl
 fi
 .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"
+# .pyc for what the fleet's processes import (--no-compile above; PYTHONDONTWRITEBYTECODE would
+# leave every process compiling torch and transformers again): ~18 s, again only when what is
+# installed changed (the stamp: site-packages' listing, the project's own entries left out)
+stamp=$(ls -l --time-style=+%s .venv/lib/python3*/site-packages | grep -iv specsplit | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.specsplit-precompiled 2>/dev/null)" != "$stamp" ]; then
+  .venv/bin/python ops/precompile.py && echo "$stamp" > .venv/.specsplit-precompiled
+fi
