@@ -13,7 +13,9 @@ modules the fleet imports (~2.5k files) are compiled once, into the venv and the
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import py_compile
 import sys
 import tempfile
 import time
@@ -53,6 +55,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="specsplit-precompile-") as tmp:
         paths = build_tiny_pair(tmp)
         load_model(paths.target)
+    # what the interpreter imported before this file ran (site's .pth hooks): compiled explicitly
+    for mod in list(sys.modules.values()):
+        src = getattr(mod, "__file__", None) or ""
+        if src.endswith(".py") and not os.path.isfile(importlib.util.cache_from_source(src)):
+            try:
+                py_compile.compile(src, doraise=True)
+            except (OSError, py_compile.PyCompileError):
+                pass  # a read-only or odd file: it compiles at import, as before
     note = f" (not installed: {', '.join(missing)})" if missing else ""
     print(f"precompile: {len(sys.modules)} modules compiled or current in {time.monotonic() - t0:.0f}s{note}",
           file=sys.stderr)
