@@ -41,7 +41,7 @@ if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2
   fi
 fi
 # One pip run installs everything (each run costs its own start and resolve: four runs took 77 s
-# of a fresh setup where one takes 48). --no-compile: ops/precompile.py below compiles what the
+# of a fresh setup where one takes 48). --no-compile: specsplit.precompile below compiles what the
 # fleet imports instead of every file of torch, transformers, openai...
 PIP=(.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check)
 if [ -n "$build_pid" ]; then
@@ -63,5 +63,5 @@ fi
 # installed changed (the stamp: site-packages' listing but the project's entries and .pyc)
 stamp=$(ls -l --time-style=+%s .venv/lib/python3*/site-packages | grep -Eiv "specsplit|__pycache__" | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.specsplit-precompiled 2>/dev/null)" != "$stamp" ]; then
-  .venv/bin/python ops/precompile.py && echo "$stamp" > .venv/.specsplit-precompiled
+  .venv/bin/python -m specsplit.precompile && echo "$stamp" > .venv/.specsplit-precompiled
 fi

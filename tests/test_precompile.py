@@ -1,4 +1,4 @@
-"""ops/precompile.py, run by ops/setup.sh: in the venv setup leaves, a process that loads a model
+"""specsplit.precompile, run by ops/setup.sh: in the venv setup leaves, a process that loads a model
 as a worker does, with PYTHONDONTWRITEBYTECODE=1 (set on this project's machines), finds a
 current .pyc for every module it imports from the venv, so no process compiles torch or
 transformers again. (The project's own modules are left out: editing one makes its .pyc stale.)"""
@@ -45,4 +45,4 @@ def test_a_worker_in_the_venv_setup_made_compiles_nothing():
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     assert got["modules"] > 1000  # torch and transformers were imported: the check covered them
     assert got["stale"] == [], (f"{len(got['stale'])} modules without a current .pyc (./ops/setup.sh runs "
-                                f"ops/precompile.py): {got['stale'][:20]}")
+                                f"python -m specsplit.precompile): {got['stale'][:20]}")

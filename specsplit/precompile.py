@@ -1,13 +1,13 @@
-#!/usr/bin/env python3
-"""Byte-compile what SpecSplit's processes import, once, at setup (ops/setup.sh runs this).
+"""Byte-compile what SpecSplit's processes import, once, at install: ``python -m specsplit.precompile``
+(ops/setup.sh and the Containerfile run it after a pip install with --no-compile).
 
-ops/setup.sh installs with pip's --no-compile: compiling every file of torch, transformers,
-openai and the rest (13.7k files) would cost ~70 CPU-s. Python compiles a module when a process
-first imports it and keeps the .pyc, unless PYTHONDONTWRITEBYTECODE is set; it is on this
-project's machines, and then every process compiled torch, sympy and transformers again (a tiny
-worker's start cost ~3x the CPU: docs/results.md, "The test suite"). This process imports each
-role's stack with bytecode writing on, and loads a tiny model the way a worker does, so the
-modules the fleet imports (~2.5k files) are compiled once, into the venv and the source tree.
+Compiling every file of torch, transformers, openai and the rest (13.7k files in the test venv)
+costs ~70 CPU-s. Python compiles a module when a process first imports it and keeps the .pyc,
+unless PYTHONDONTWRITEBYTECODE is set (it is on this project's machines and in the image); then
+every process compiled torch, sympy and transformers again, and a tiny worker's start cost ~3x
+the CPU (docs/results.md, "The test suite"). This process imports each role's stack with bytecode
+writing on and loads a tiny model the way a worker does, so what the fleet imports (~3.7k
+modules) is compiled once.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MODULES = (
     "specsplit.models.cli", "specsplit.models.int8", "specsplit.configdoc", "specsplit.metrics",
     "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen2.tokenization_qwen2",
+    "specsplit.models.pull", "pip._internal.cli.main",
     "specsplit.bench.load", "specsplit.bench.soak", "specsplit.bench.api", "honcho.command",
     "llama_cpp", "openai", "pytest", "xdist", "hypothesis",
 )
