@@ -11,8 +11,10 @@ project's wheel is built from the working tree every time.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -124,28 +126,60 @@ def third_party_wheels() -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check",
                         "--wheel-dir", str(tmp), *deps], check=True, capture_output=True, timeout=900)
+        sha256sums(tmp)
         tmp.rename(out)
     return out
 
 
-def build_context(dest: Path) -> Path:
-    """The build context deploy/container/build.sh would send: build/wheels (the dependencies
-    and the project's wheel from the working tree) and deploy/container."""
-    wheels = dest / "build" / "wheels"
-    wheels.mkdir(parents=True)
-    for whl in third_party_wheels().iterdir():
-        os.link(whl, wheels / whl.name)
-    source = dest / "source"  # what setuptools reads, copied: no build/ left over from earlier builds
+def sha256sums(folder: Path) -> None:
+    """``folder``/SHA256SUMS of its wheels, as deploy/container/build.sh writes it (`sha256sum`)."""
+    lines = []
+    for whl in sorted(folder.glob("*.whl")):
+        digest = hashlib.sha256()
+        with open(whl, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        lines.append(f"{digest.hexdigest()}  {whl.name}\n")
+    tmp = folder / f".SHA256SUMS.{os.getpid()}"  # whole or absent: another run may read the kept folder
+    tmp.write_text("".join(lines))
+    os.replace(tmp, folder / "SHA256SUMS")
+
+
+def project_wheel(dest: Path, marker: str | None = None) -> None:
+    """The project's wheel from the working tree into ``dest`` (emptied first), with its
+    SHA256SUMS; ``marker``: a line appended to specsplit/__init__.py first (a code change)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    source = dest.parent / "source"  # what setuptools reads, copied: no build/ left over from earlier builds
+    shutil.rmtree(source, ignore_errors=True)
     source.mkdir()
     for name in SOURCE:
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(REPO / name, source / name)
+    if marker:
+        with open(source / "specsplit" / "__init__.py", "a") as f:
+            f.write(f"\n{marker}\n")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
-                    "--no-build-isolation", "--wheel-dir", str(wheels), str(source)],
+                    "--no-build-isolation", "--wheel-dir", str(dest), str(source)],
                    check=True, capture_output=True, timeout=600)
     shutil.rmtree(source)
+    sha256sums(dest)
+
+
+def build_context(dest: Path, marker: str | None = None) -> Path:
+    """The build context deploy/container/build.sh would send: build/wheels (the dependencies,
+    with their SHA256SUMS: computed once, kept with them), build/project (the project's wheel from
+    the working tree; ``marker``: see project_wheel) and deploy/container."""
+    kept = third_party_wheels()
+    if not (kept / "SHA256SUMS").is_file():  # kept by an earlier version of this file
+        sha256sums(kept)
+    wheels = dest / "build" / "wheels"
+    wheels.mkdir(parents=True)
+    for f in [*kept.glob("*.whl"), kept / "SHA256SUMS"]:
+        os.link(f, wheels / f.name)
+    project_wheel(dest / "build" / "project", marker)
     shutil.copytree(REPO / "deploy" / "container", dest / "deploy" / "container")
     return dest
 
@@ -168,8 +202,30 @@ def build_image(podman: Podman, context: Path, tag: str) -> Built:
 
 
 def layer_files(podman: Podman, tag: str):
-    """(layer index, path, size, first 64 KiB of a small regular file or b"") of every file in
-    every layer of ``tag``, streamed from `podman save` (docker-archive: one tar per layer)."""
+    """(layer index, path, size, first 64 KiB of a small regular file or b"") of every entry in
+    every layer of ``tag``, base layer first. With overlay storage (this podman's) each layer is a
+    directory of the files it adds (a deletion: a whiteout device), read in place; otherwise the
+    layers are streamed from `podman save` (docker-archive: one tar per layer), which tars every
+    byte of the image (~1.2 GB) for this."""
+    driver = json.loads(podman("image", "inspect", "--format", "{{json .GraphDriver}}", tag).stdout)
+    data = driver.get("Data") or {}
+    if driver.get("Name") != "overlay" or not data.get("UpperDir"):
+        yield from _saved_layer_files(podman, tag)
+        return
+    lower = [d for d in (data.get("LowerDir") or "").split(":") if d]  # the topmost lower layer first
+    for index, diff in enumerate([*reversed(lower), data["UpperDir"]]):
+        for folder, dirs, files in os.walk(diff):
+            for name in dirs + files:
+                path = os.path.join(folder, name)
+                st = os.lstat(path)
+                head = b""
+                if stat.S_ISREG(st.st_mode) and st.st_size <= 1 << 20:
+                    with open(path, "rb") as f:
+                        head = f.read(1 << 16)
+                yield index, os.path.relpath(path, diff), st.st_size if stat.S_ISREG(st.st_mode) else 0, head
+
+
+def _saved_layer_files(podman: Podman, tag: str):
     proc = subprocess.Popen([*podman.cmd, "save", "--format", "docker-archive", tag], stdout=subprocess.PIPE)
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as outer:

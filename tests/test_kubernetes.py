@@ -8,6 +8,7 @@ kubectl or podman is missing; everything podman made is removed, also on failure
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -35,9 +36,12 @@ import podman_play
 
 K8S_VERSION = "1.33.0"
 WORKERS = ("specsplit-draft", "specsplit-target")
-# the tiny target's greedy answer to this prompt runs 2,915 tokens before its end token (test_api)
-# the kills wait on streamed chunks (8, then 4 more: a round each), far fewer than 600 tokens
-LONG_PROMPT, LONG_TOKENS = [5, 17, 99, 3, 250], 600
+# prompts whose tiny-target greedy answers run past 600 tokens before an end token (the first runs
+# 2,915: test_api; the others came first from _long_prompts' seed search, tried first to spare the
+# ~9 greedy decodes of that search); the kills wait on streamed chunks (8, then 4 more: a round
+# each), far fewer than 600 tokens
+LONG_PROMPTS = ([5, 17, 99, 3, 250], [276, 183, 239, 24, 339, 257, 109], [317, 297, 392, 372, 336, 217, 247])
+LONG_TOKENS = 600
 PROBE_ARG = re.compile(r"^[A-Za-z0-9_./:=@%+-]+$")  # podman joins exec probes with spaces for sh -c
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="kubectl is not installed (renders the kustomize overlays)")
@@ -184,17 +188,45 @@ KEY_TEXT = re.compile(rb'secret-key\s*=\s*"[\x21-\x7e]{40}"|-----BEGIN [A-Z ]*PR
 @pytest.mark.timeout(1800)
 def test_image_layers_hold_no_weights_keys_or_secrets(image):
     podman, built = image
-    found, files = [], 0
+    found, files, layers = [], 0, set()
     for layer, path, size, head in podman_image.layer_files(podman, built.tag):
         files += 1
+        layers.add(layer)
         weights = path.endswith(WEIGHTS) or (path.endswith(TENSORS) and size > 1 << 20)
         if weights or KEY_NAMES.search(path) or KEY_TEXT.search(head):
             found.append(f"layer {layer}: {path} ({size} bytes)")
-    assert files > 10_000  # the layers were read
+    assert files > 10_000 and len(layers) >= 3, (files, layers)  # the base's, the install's and the scripts' were read
     assert not found, "\n".join(found)
     config = json.loads(podman("image", "inspect", built.tag).stdout)[0]["Config"]
     assert config["User"].split(":")[0] == "10001"
     assert not [e for e in config.get("Env", []) if re.search(r"SECRET|KEY", e.split("=")[0])], config["Env"]
+
+
+@pytest.mark.timeout(1800)
+def test_a_rebuild_after_a_code_change_ships_it_and_reuses_the_dependency_layers(image, tmp_path):
+    """The image built again after a code change, as deploy/container/build.sh does: the layers up
+    to the dependencies' are the first build's (a rebuild builds only the project's), and the new
+    image runs the changed code. podman 4's buildah does not hash a bind mount's content: before
+    the Containerfile COPYed each wheel folder's SHA256SUMS, this rebuild reused the whole first
+    image, the older project's code in it."""
+    podman, built = image
+    marker = f"REBUILT_{uuid.uuid4().hex[:8]}"
+    context = podman_image.build_context(tmp_path / "context", marker=f"{marker} = 1")
+    again = podman_image.build_image(podman, context, f"{built.tag}-rebuilt")
+    print(f"\nimage rebuilt after a code change in {again.build_s:.1f}s (first build {built.build_s:.1f}s)")
+    try:
+        first, second = (json.loads(podman("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout)
+                         for tag in (built.tag, again.tag))
+        # the base, the dependencies' digest and the dependencies; then the project's digest, the
+        # project and the scripts
+        assert len(first) == len(second) == 6, (first, second)
+        assert first[:3] == second[:3] and first[3] != second[3], (first, second)
+        grep = "grep -c {m} /opt/specsplit/lib/python3*/site-packages/specsplit/__init__.py"
+        for tag, want in ((again.tag, "1"), (built.tag, "0")):
+            res = podman("run", "--rm", "--entrypoint", "/bin/sh", tag, "-c", grep.format(m=marker), check=False)
+            assert res.stdout.strip() == want, (tag, res.stdout, res.stderr)
+    finally:
+        podman("rmi", "--force", again.tag, check=False, timeout=300)
 
 
 # ---------------------------------------------------------------------------- the fleet
@@ -335,7 +367,7 @@ def test_fleet_from_the_manifests_answers_like_the_target(image, tmp_path):
             assert got["choices"][0]["text"] == tok.decode(_expected(model, tok, prompt, 32)), got
 
         # a target worker and the orchestrator killed while three answers stream
-        prompts = _long_prompts(model, tok, 3, LONG_TOKENS)
+        prompts, answers = _long_prompts(model, tok, 3, LONG_TOKENS)
         streams = [Stream(url, key, p, LONG_TOKENS) for p in prompts]
         for s in streams:
             s.start()
@@ -351,9 +383,9 @@ def test_fleet_from_the_manifests_answers_like_the_target(image, tmp_path):
         _crash(podman, "specsplit-orchestrator-pod-0-orchestrator")
         for s in streams:
             s.join(300)
-        for s, prompt in zip(streams, prompts):
+        for s, answer in zip(streams, answers):
             assert s.error is None and s.final is not None, (s.error, s.text[-200:])
-            assert s.text == tok.decode(_expected(model, tok, prompt, LONG_TOKENS))
+            assert s.text == tok.decode(answer)
             assert s.final["speculative"]["resumes"] >= 1  # it outlived its orchestrator
         for ctr in ("specsplit-target-pod-0-target", "specsplit-orchestrator-pod-0-orchestrator"):
             assert int(podman("inspect", "--format", "{{.RestartCount}}", ctr).stdout) >= 1, ctr
@@ -399,16 +431,22 @@ def _expected(model, tok, prompt: list[int], n: int) -> list[int]:
     return ids
 
 
-def _long_prompts(model, tok, count: int, n: int) -> list[list[int]]:
-    """``count`` prompts whose greedy answers run at least ``n`` tokens: still streaming when
-    the test kills a container a few chunks in, however fast this machine."""
-    out, seed = [], 100
-    if len(_expected(model, tok, LONG_PROMPT, n)) == n:
-        out.append(LONG_PROMPT)
-    while len(out) < count:
-        rng = random.Random(seed)
-        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(4, 12))]
-        if len(_expected(model, tok, prompt, n)) == n:
-            out.append(prompt)
-        seed += 1
-    return out
+def _long_prompts(model, tok, count: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``count`` prompts whose greedy answers run at least ``n`` tokens (still streaming when
+    the test kills a container a few chunks in, however fast this machine), and those answers:
+    LONG_PROMPTS first, then prompts drawn by seed (a target other than today's tiny one)."""
+    def candidates():
+        yield from LONG_PROMPTS
+        for seed in itertools.count(100):
+            rng = random.Random(seed)
+            yield [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(4, 12))]
+
+    prompts, answers = [], []
+    for prompt in candidates():
+        if len(prompts) == count:
+            break
+        answer = _expected(model, tok, prompt, n)
+        if len(answer) == n:
+            prompts.append(prompt)
+            answers.append(answer)
+    return prompts, answers
