@@ -136,6 +136,30 @@ def test_the_exact_kernel_is_the_default_where_there_is_one():
         RowInt8Linear(torch.nn.Linear(8, 4), "cublas")
 
 
+def test_onednn_weights_are_symmetric_per_channel_codes_of_max_abs_over_127():
+    """The packed weights hold round(w / s) clamped to [-127, 127] with s = max|w| / 127 per
+    output channel (round half to even, as torch.round), and the dequantization scale is s / 127:
+    read back through the GEMM with one-hot activations (row i of the output: column i's codes)."""
+    from specsplit.models.int8 import _CODE_ZERO, _onednn_gemm, _onednn_weights
+
+    kernel_or_skip("onednn")
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 96
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero channel: the scale's floor
+    w[1] = 0.0  # a scale of exactly 1 (max |w| = 127) and codes exactly halfway: 64, 62, 0, -2
+    w[1, :5] = torch.tensor([-127.0, 63.5, 62.5, -0.5, -1.5])
+    want_s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    want = torch.round(w / want_s[:, None]).clamp(-127, 127)
+    dequant, packed = _onednn_weights(w)
+    assert torch.equal(dequant, (want_s / 127.0).float())
+    onehot = torch.full((k, k), _CODE_ZERO, dtype=torch.uint8)
+    onehot.fill_diagonal_(_CODE_ZERO + 1)
+    with torch.no_grad():
+        got = _onednn_gemm(onehot, packed, torch.ones(n), torch.zeros(n, dtype=torch.int32))  # [K, N]
+    assert torch.equal(got.t(), want)
+
+
 def test_per_forward_scale_is_what_breaks_exactness():
     """The control: torch.ao's dynamic int8 (one activation scale per forward) gives a row a
     different result when another row shares its forward, which is why targets do not use it."""
