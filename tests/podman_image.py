@@ -206,7 +206,7 @@ def layer_files(podman: Podman, tag: str):
     every layer of ``tag``, base layer first. With overlay storage (this podman's) each layer is a
     directory of the files it adds (a deletion: a whiteout device), read in place; otherwise the
     layers are streamed from `podman save` (docker-archive: one tar per layer), which tars every
-    byte of the image (~1.2 GB) for this."""
+    byte of the image for this."""
     driver = json.loads(podman("image", "inspect", "--format", "{{json .GraphDriver}}", tag).stdout)
     data = driver.get("Data") or {}
     if driver.get("Name") != "overlay" or not data.get("UpperDir"):
