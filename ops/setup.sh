@@ -40,28 +40,44 @@ if [[ ",$EXTRAS," == *",gguf,"* ]] && ! .venv/bin/python -c "import llama_cpp" 2
     trap 'kill "$build_pid" 2>/dev/null || true' EXIT  # a failed setup leaves no compile running
   fi
 fi
-# One pip run installs everything (each run costs its own start and resolve: four runs took 77 s
-# of a fresh setup where one takes 48). --no-compile: specsplit.precompile below compiles what the
-# fleet imports instead of every file of torch, transformers, openai...
-PIP=(.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check)
+# One run installs everything (each run costs its own start and resolve). uv installs what pip
+# would, from the sources and constraints pip is configured with (ops/pip_sources.py) and with
+# pip's choice among indexes (the best match over all), in a fraction of pip's time
+# (docs/results.md, "The test suite"); pip installs where uv cannot be had or fails. Neither
+# compiles: specsplit.precompile below compiles what the fleet imports instead of every file of
+# torch, transformers, openai...
+UV=uv==0.13.9
+install() {
+  local found sources=()
+  if { [ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q --disable-pip-version-check "$UV" >/dev/null 2>&1; } &&
+     found=$(.venv/bin/python ops/pip_sources.py); then
+    [ -z "$found" ] || mapfile -t sources <<< "$found"
+    if .venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${sources[@]}" "$@"; then
+      return 0
+    fi
+    echo "setup: uv could not install; pip installs instead" >&2
+  fi
+  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "$@"
+}
 if [ -n "$build_pid" ]; then
   # everything but the gguf extra while the wheel builds (the extra now would build the sdist
   # again), then the wheel
   rest=$(echo ",$EXTRAS," | sed 's/,gguf,/,/g; s/^,*//; s/,*$//')
-  "${PIP[@]}" -e ".${rest:+[$rest]}"
+  install -e ".${rest:+[$rest]}"
   wait "$build_pid"
   trap - EXIT
   rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
-  "${PIP[@]}" "$wheels"/llama_cpp_python-*.whl
+  install "$wheels"/llama_cpp_python-*.whl
 else
   llama=()  # the kept llama.cpp wheel, where the gguf extra is asked for and not installed yet
   [ -n "$wheels" ] && llama=("$wheels"/llama_cpp_python-*.whl)
-  "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}" "${llama[@]}"
+  install -e ".${EXTRAS:+[$EXTRAS]}" "${llama[@]}"
 fi
 # .pyc for what the fleet's processes import (--no-compile above; PYTHONDONTWRITEBYTECODE would
 # leave every process compiling torch and transformers again): ~18 s, again only when what is
-# installed changed (the stamp: site-packages' listing but the project's entries and .pyc)
-stamp=$(ls -l --time-style=+%s .venv/lib/python3*/site-packages | grep -Eiv "specsplit|__pycache__" | sha256sum | cut -c1-16)
-if [ "$(cat .venv/.specsplit-precompiled 2>/dev/null)" != "$stamp" ]; then
-  .venv/bin/python -m specsplit.precompile && echo "$stamp" > .venv/.specsplit-precompiled
+# installed changed (the stamp: site-packages' listing but the project's entries and .pyc, taken
+# after compiling, which changes a package folder's time when it adds its __pycache__)
+stamp() { ls -l --time-style=+%s .venv/lib/python3*/site-packages | grep -Eiv "specsplit|__pycache__" | sha256sum | cut -c1-16; }
+if [ "$(cat .venv/.specsplit-precompiled 2>/dev/null)" != "$(stamp)" ]; then
+  .venv/bin/python -m specsplit.precompile && stamp > .venv/.specsplit-precompiled
 fi
