@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import podman_image
+from tests import podman_image, test_precompile
 from tests.conftest import greedy_cached, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,6 +225,15 @@ def test_a_rebuild_after_a_code_change_ships_it_and_reuses_the_dependency_layers
         for tag, want in ((again.tag, "1"), (built.tag, "0")):
             res = podman("run", "--rm", "--entrypoint", "/bin/sh", tag, "-c", grep.format(m=marker), check=False)
             assert res.stdout.strip() == want, (tag, res.stdout, res.stderr)
+        # the rebuilt project's layer is small (its bytecode only: the dependencies' is in theirs),
+        # and a process that loads a model as a worker does finds a current .pyc for everything
+        sizes = [step["size"] for step in json.loads(podman("history", "--format", "json", again.tag).stdout)]
+        assert sizes[5] < 20e6 < sizes[7], sizes  # newest first: the project's step, the dependencies'
+        res = podman("run", "--rm", "--entrypoint", "python", again.tag, "-c", test_precompile.PROBE,
+                     check=False, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got["modules"] > 1000 and got["stale"] == [], got["stale"][:20]
     finally:
         podman("rmi", "--force", again.tag, check=False, timeout=300)
 
