@@ -100,6 +100,7 @@ _ROUTER_COUNTERS = {
     "workers_expired": ("workers_expired", "Workers expired after liveness x heartbeat_s of silence"),
     "workers_lost": ("workers_lost", "Workers dropped because a send to them failed"),
     "inflight_failed": ("inflight_failed", "In-flight requests answered NO_WORKER because their worker was lost"),
+    "ends_copied": ("end_session_copies", "END_SESSION copies sent to workers other than the session's own"),
 }
 
 

@@ -32,11 +32,18 @@ Liveness: the router heartbeats its workers every ``heartbeat_s``; any message f
 proves it alive; ``liveness`` beats of silence expire it. A backend disconnect (socket monitor)
 probes the workers at once, so a killed worker is dropped in milliseconds. Either way the lost
 worker's in-flight requests are answered NO_WORKER (retryable) at once, and only its sessions move.
+
+A session that moved (its worker expired, then came back) may have a cache on more than one
+worker. An END_SESSION therefore goes to the session's worker, which answers it, and a copy under
+a router-owned request id to every other live worker, whose acks the router drops: a session's
+end frees its caches wherever they are, not only where it lives now.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -56,6 +63,7 @@ from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_soc
 CONTROL_SID = "-"
 PLACEHOLDER_RID = b"-"
 _DRAIN_BATCH = 512
+_FANOUT_TTL_S = 60.0  # an END_SESSION copy's ack later than this is dropped as unsolicited
 _MAX_POLL_MS = 100
 _LRU_SIZE = 1024
 _CHALLENGE_TTL_S = 10.0
@@ -79,6 +87,7 @@ class RouterStats:
     auth_failed: int = 0  # bad or missing proofs, clients and workers
     unauthenticated: int = 0  # requests from clients that have not authenticated
     unsolicited_replies: int = 0  # replies for a request id the worker was not sent (dropped)
+    ends_copied: int = 0  # END_SESSION copies sent to workers other than the session's (see above)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -161,6 +170,10 @@ class Router(RouterAuth):
         self._probe_at = float("inf")
         self._asked_hello: OrderedDict[bytes, float] = OrderedDict()
         self._unreachable_logged: OrderedDict[bytes, None] = OrderedDict()
+        # END_SESSION copies awaiting their ack: router-owned request id -> the worker sent it
+        self._copies = auth.BoundedTable(max_inflight, _FANOUT_TTL_S)
+        self._copy_ids = itertools.count()
+        self._copy_prefix = b"\xfe" + os.urandom(7)  # 16-byte ids: never one of our clients' 8-byte ids
         self.log = get_logger("brokers.router", service=service)
         self._warn = LogLimiter(self.log)
 
@@ -310,6 +323,22 @@ class Router(RouterAuth):
             self._send_error(client_id, sid, rid, ErrorCode.UNAUTHENTICATED, "not authenticated: send CLIENT_HELLO")
             return
         self._dispatch(client_id, token, env, sid, rid)
+        if kind is MsgKind.END_SESSION:
+            self._copy_end(token, env, sid)
+
+    def _copy_end(self, token: bytes, env: list[bytes], sid: str) -> None:
+        """An END_SESSION to every live worker but the session's own (which has the original)."""
+        owner = self.registry.pick(sid)
+        for worker_id in self.registry.live:
+            if worker_id == owner:
+                continue
+            rid = self._copy_prefix + next(self._copy_ids).to_bytes(8, "big")
+            try:
+                send_frames(self._be, [worker_id, token, *env[:3], rid, env[4]])
+            except zmq.ZMQError:
+                continue  # best effort: its TTL and LRU still bound whatever it holds
+            self._copies.put(rid, worker_id)
+            self.stats.ends_copied += 1
 
     def _dispatch(self, client_id: bytes, token: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
         """Forward to the session's worker; an unreachable worker is dropped and the next tried."""
@@ -351,7 +380,11 @@ class Router(RouterAuth):
             return
         if not known:
             self._ask_hello(worker_id)
-        entry = self.inflight.get(token, _readable_rid(env)) if known else None
+        rid = _readable_rid(env)
+        if rid.startswith(self._copy_prefix) and self._copies.get(rid, touch=False) == worker_id:
+            self._copies.pop(rid)  # an END_SESSION copy's ack: nobody waits for it
+            return
+        entry = self.inflight.get(token, rid) if known else None
         if entry is None or entry.worker_id != worker_id:  # never sent to this worker: forged or stale
             self.stats.unsolicited_replies += 1
             self._warn.warning("unsolicited_reply_dropped", worker=worker_id.hex(), admitted=known)

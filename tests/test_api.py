@@ -277,11 +277,13 @@ def _scrape_api(fleet) -> dict:
     return scrape(f"{fleet['url']}/metrics")
 
 
-def _worker_sessions(fleet) -> float:
-    base = fleet["metrics"]
+_WORKER_METRICS = (300, 400, 401)  # the workers' metrics ports, as offsets from the fleet's base
+
+
+def _worker_sessions(fleet, offsets=_WORKER_METRICS) -> float:
     total = 0.0
-    for port in (base + 300, base + 400, base + 401):
-        total += sum(v for k, v in scrape(f"http://127.0.0.1:{port}/metrics").items()
+    for off in offsets:
+        total += sum(v for k, v in scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics").items()
                      if k.startswith("specsplit:worker_sessions"))
     return total
 
@@ -305,7 +307,13 @@ def test_client_disconnect_cancels_the_session_everywhere(fleet):
     # would be "length": LONG is thousands of tokens from done), then the workers dropped it
     wait_until(lambda: _orchestrator_cancelled(fleet) > cancelled_before, 60, "the orchestrator cancelled it")
     wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 60, "running back to 0")
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on the workers")
+    try:
+        wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on the workers")
+    except TimeoutError:  # name where, and whether a worker left and came back meanwhile
+        held = {port: _worker_sessions(fleet, (port,)) for port in _WORKER_METRICS}
+        moves = [line for line in honcho_log(fleet["tmp"]).splitlines()
+                 if "worker_expired" in line or "inflight_failed" in line or "worker_admitted" in line]
+        raise AssertionError(f"sessions left by metrics port offset: {held}; worker moves: {moves[-20:]}") from None
     assert _scrape_api(fleet)['specsplit:request_success_total{finished_reason="abort"}'] >= 1
 
 

@@ -18,7 +18,7 @@ from brokers.registry import Inflight, InflightTable, WorkerRegistry
 from brokers.router import Router
 from brokers.settings import RouterSettings, default_addresses
 from schemas.codec import PROTO, MsgKind, decode, pack_frames
-from schemas.messages import CacheSync, ErrorCode, ErrorReply, FlatTree, Heartbeat, VerifyReply, VerifyRequest
+from schemas.messages import Ack, EndSession, ErrorCode, ErrorReply, Heartbeat, VerifyReply
 from specsplit.transport.rpc import AsyncRpcClient
 from specsplit.transport.sockets import make_socket
 from specsplit.transport.testing import TEST_SECRET, authed_dealer, make_verify, EchoHandler, RouterThread, SilentWorker, WorkerThread, make_hello
@@ -256,6 +256,45 @@ async def test_expired_worker_fails_its_inflight_and_only_its_sessions_move(rout
         assert stats.workers_expired == 1 and stats.workers_lost == 0 and stats.inflight_failed == 1
     finally:
         stuck.close()
+        for w in workers:
+            w.stop()
+
+
+class _Ends(EchoHandler):
+    """EchoHandler that records the sessions it was told to end."""
+
+    def __init__(self, tag: int) -> None:
+        super().__init__(tag=tag)
+        self.ended: list[str] = []
+
+    def __call__(self, msg):
+        if isinstance(msg, EndSession):
+            self.ended.append(msg.session_id.split("/")[-1])  # the worker scopes ids to the client
+        return super().__call__(msg)
+
+
+async def test_end_session_reaches_every_worker_and_is_answered_once(router):
+    """A session that moved (its worker expired and came back) may have caches on two workers:
+    its END_SESSION goes to its worker, which answers it, and a copy to every other, whose acks
+    the router drops without counting them as unsolicited."""
+    handlers = {b"ea": _Ends(1), b"eb": _Ends(2), b"ec": _Ends(3)}
+    workers = [WorkerThread(router.backend, i, h, **HB).start() for i, h in handlers.items()]
+    try:
+        router.wait_live(3)
+        async with AsyncRpcClient(router.frontend, secret=TEST_SECRET) as client:
+            for sid in ("gone-1", "gone-2"):
+                reply = await client.call(EndSession(session_id=sid), session_id=sid, timeout_s=5)
+                assert isinstance(reply, Ack) and reply.session_id == sid
+            await async_wait_until(lambda: all(h.ended == ["gone-1", "gone-2"] for h in handlers.values()), 10,
+                                   "every worker ended both sessions")
+            # the copies' acks are consumed, not delivered: the next call gets its own reply
+            reply = await client.call(verify("after"), session_id="after", timeout_s=5)
+            assert isinstance(reply, VerifyReply) and reply.cache_len == handlers[rendezvous.pick("after", list(handlers))].tag
+        stats = router.router.stats
+        await async_wait_until(lambda: len(router.router._copies) == 0, 10, "every copy acked")
+        assert stats.ends_copied == 4 and stats.unsolicited_replies == 0 and len(router.router.inflight) == 0
+        assert stats.replies == 3
+    finally:
         for w in workers:
             w.stop()
 

@@ -106,7 +106,11 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     for r, workers in (("router_draft", ("draft0",)), ("router_target", TARGETS)):
         routed = total(m[r], "specsplit:router_routed_total")
         served = sum(total(m[w], "specsplit:worker_requests_total") for w in workers)
-        assert routed == served == total(m[r], "specsplit:router_replies_total") > 0
+        ends = sum(m[w].get(f'specsplit:worker_requests_total{{kind="EndSession",service="{w[:-1]}"}}', 0) for w in workers)
+        copies = total(m[r], "specsplit:router_end_session_copies_total")
+        # each EndSession reached every worker: the session's own one answered it (routed), the rest a copy
+        assert copies == ends * (len(workers) - 1) / len(workers)
+        assert routed + copies == served and routed == total(m[r], "specsplit:router_replies_total") > 0
         assert total(m[r], "specsplit:router_workers_live") == len(workers)
         assert total(m[r], "specsplit:router_no_worker_total") == 0
 
