@@ -34,7 +34,7 @@ def _metrics_base() -> int:
     """A base port whose target and draft metrics ports (base + 300 / 400, instances 1-2) are free."""
     for _ in range(100):
         base = random.randrange(20000, 40000)
-        if all(port_is_free(base + off) for off in (200, 300, 301, 400, 401)):
+        if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):
             return base
     raise RuntimeError("no free metrics ports")
 
@@ -315,6 +315,48 @@ def test_client_disconnect_cancels_the_session_everywhere(fleet):
                  if "worker_expired" in line or "inflight_failed" in line or "worker_admitted" in line]
         raise AssertionError(f"sessions left by metrics port offset: {held}; worker moves: {moves[-20:]}") from None
     assert _scrape_api(fleet)['specsplit:request_success_total{finished_reason="abort"}'] >= 1
+
+
+def _target_sessions(fleet, slot: int) -> float:
+    return _worker_sessions(fleet, (400 + slot - 1,))
+
+
+def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
+    """A target worker that stalls past the routers' liveness window (a long pause, a starved
+    CPU) has its session served by the other meanwhile, then comes back: the session then has a
+    cache on both. Its end frees both (the router copies END_SESSION to every live worker).
+    Driven by events: the orchestrator is paused until the stalled worker is admitted again, so
+    the session cannot end before then, however fast this machine is."""
+    from tests.honcho_fleet import worker_pid
+
+    router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
+    expired = scrape(router)['specsplit:router_workers_expired_total{service="target"}']
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
+    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG}, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(6))
+        home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
+                          "a target worker holds the session")
+        other = 3 - home
+        stalled, orch = worker_pid(fleet["proc"].pid, f"target.{home}"), worker_pid(fleet["proc"].pid, "orchestrator.1")
+        os.kill(stalled, signal.SIGSTOP)
+        try:
+            wait_until(lambda: _target_sessions(fleet, other) == 1, 60, "the other worker serves the session")
+            assert scrape(router)['specsplit:router_workers_expired_total{service="target"}'] == expired + 1
+            os.kill(orch, signal.SIGSTOP)  # the session waits here until the stalled worker is back
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        try:
+            wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
+                       "the stalled worker admitted again")
+            assert _target_sessions(fleet, home) == _target_sessions(fleet, other) == 1  # a cache on each
+        finally:
+            os.kill(orch, signal.SIGCONT)
+        next(lines)  # the session goes on
+    # the client left: the session ends as cancelled, and its caches go from both workers
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on either worker")
+    assert scrape(router)['specsplit:router_end_session_copies_total{service="target"}'] >= 1
 
 
 # ---------------------------------------------------------------------------- more API processes
