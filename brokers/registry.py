@@ -6,9 +6,12 @@ Plain state transitions, driven by the router's poll loop with explicit ``now`` 
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from brokers.auth import BoundedTable
 from brokers.rendezvous import pick
 from schemas.messages import WorkerHello
 
@@ -196,3 +199,30 @@ class InflightTable:
             self.pop(entry.client_id, entry.request_id)
             out.append(entry)
         return out
+
+
+class EndCopies:
+    """The END_SESSION copies a router sent to workers other than the session's, by the request
+    id it gave each (its own: 16 bytes, never one of its clients' 8-byte ids), until their acks,
+    which nobody waits for, come back. Bounded, and an ack later than ``ttl_s`` is not one."""
+
+    def __init__(self, max_entries: int, ttl_s: float = 60.0) -> None:
+        self._sent = BoundedTable(max_entries, ttl_s)
+        self._ids = itertools.count()
+        self._prefix = b"\xfe" + os.urandom(7)
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def next_id(self) -> bytes:
+        return self._prefix + next(self._ids).to_bytes(8, "big")
+
+    def sent(self, request_id: bytes, worker_id: bytes) -> None:
+        self._sent.put(request_id, worker_id)
+
+    def acked(self, request_id: bytes, worker_id: bytes) -> bool:
+        """Whether this reply is the ack of a copy sent to ``worker_id`` (then forgotten)."""
+        if not request_id.startswith(self._prefix) or self._sent.get(request_id, touch=False) != worker_id:
+            return False
+        self._sent.pop(request_id)
+        return True

@@ -42,8 +42,6 @@ end frees its caches wherever they are, not only where it lives now.
 from __future__ import annotations
 
 import errno
-import itertools
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -51,19 +49,18 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
-from brokers.curve import CurveKeys, CurveRequired, release_zap
 from brokers import auth
-from brokers.registry import Inflight, InflightTable, WorkerRegistry
-from brokers.router_auth import REFUSED, RouterAuth  # noqa: F401  (REFUSED: part of this module's API)
-from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames
-from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message, WorkerHello
+from brokers.curve import CurveKeys, CurveRequired, release_zap
 from brokers.logs import LogLimiter, get_logger
+from brokers.registry import EndCopies, Inflight, InflightTable, WorkerRegistry
+from brokers.router_auth import REFUSED, RouterAuth  # noqa: F401  (REFUSED: part of this module's API)
 from brokers.sockets import DEFAULT_HWM, endpoint, is_loopback_address, make_socket, recv_frames, send_frames
+from schemas.codec import CodecError, MsgKind, check_envelope, pack_frames
+from schemas.messages import ErrorCode, ErrorReply, Heartbeat, Message
 
 CONTROL_SID = "-"
 PLACEHOLDER_RID = b"-"
 _DRAIN_BATCH = 512
-_FANOUT_TTL_S = 60.0  # an END_SESSION copy's ack later than this is dropped as unsolicited
 _MAX_POLL_MS = 100
 _LRU_SIZE = 1024
 _CHALLENGE_TTL_S = 10.0
@@ -170,10 +167,7 @@ class Router(RouterAuth):
         self._probe_at = float("inf")
         self._asked_hello: OrderedDict[bytes, float] = OrderedDict()
         self._unreachable_logged: OrderedDict[bytes, None] = OrderedDict()
-        # END_SESSION copies awaiting their ack: router-owned request id -> the worker sent it
-        self._copies = auth.BoundedTable(max_inflight, _FANOUT_TTL_S)
-        self._copy_ids = itertools.count()
-        self._copy_prefix = b"\xfe" + os.urandom(7)  # 16-byte ids: never one of our clients' 8-byte ids
+        self._copies = EndCopies(max_inflight)
         self.log = get_logger("brokers.router", service=service)
         self._warn = LogLimiter(self.log)
 
@@ -332,12 +326,12 @@ class Router(RouterAuth):
         for worker_id in self.registry.live:
             if worker_id == owner:
                 continue
-            rid = self._copy_prefix + next(self._copy_ids).to_bytes(8, "big")
+            rid = self._copies.next_id()
             try:
                 send_frames(self._be, [worker_id, token, *env[:3], rid, env[4]])
             except zmq.ZMQError:
                 continue  # best effort: its TTL and LRU still bound whatever it holds
-            self._copies.put(rid, worker_id)
+            self._copies.sent(rid, worker_id)
             self.stats.ends_copied += 1
 
     def _dispatch(self, client_id: bytes, token: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
@@ -381,8 +375,7 @@ class Router(RouterAuth):
         if not known:
             self._ask_hello(worker_id)
         rid = _readable_rid(env)
-        if rid.startswith(self._copy_prefix) and self._copies.get(rid, touch=False) == worker_id:
-            self._copies.pop(rid)  # an END_SESSION copy's ack: nobody waits for it
+        if self._copies.acked(rid, worker_id):  # an END_SESSION copy's ack: nobody waits for it
             return
         entry = self.inflight.get(token, rid) if known else None
         if entry is None or entry.worker_id != worker_id:  # never sent to this worker: forged or stale
@@ -424,28 +417,6 @@ class Router(RouterAuth):
         else:
             self._warn.warning("unexpected_control", worker=worker_id.hex(), kind=kind.name)
 
-    def _on_hello(self, worker_id: bytes, hello: WorkerHello, rid: bytes) -> None:
-        """An authenticated hello: admit unless it disagrees with the admitted workers (an
-        authenticated worker may be told why)."""
-        adm = self.registry.admit(worker_id, hello, time.monotonic())
-        wid = worker_id.hex()
-        if adm.replaced:
-            self._fail_inflight(worker_id, "re-registered")
-        if not adm.ok:
-            self.stats.workers_refused += 1
-            self.log.error("worker_refused", worker=wid, reason=adm.reason, model_id=hello.model_id)
-            self._send_control(worker_id, ErrorReply.of(ErrorCode.BAD_REQUEST, adm.reason), rid)
-            return
-        self.stats.workers_admitted += 1
-        self._asked_hello.pop(worker_id, None)
-        if len(self.registry.model_ids()) > 1:
-            self.log.warning("worker_model_ids_differ", model_ids=sorted(self.registry.model_ids()))
-        self.log.info(
-            "worker_admitted", worker=wid, model_id=hello.model_id, pid=hello.pid,
-            replaced=adm.replaced, live=len(self.registry),
-        )
-        self._send_control(worker_id, Heartbeat(sent_at=time.time()), rid)
-
     def _pong(self, authenticated: bool) -> Heartbeat:
         """A client's ping answered; to an authenticated client, the tokenizer the live workers
         serve (they all agree: ``WorkerRegistry.admit``), none while no worker is live."""
@@ -455,21 +426,6 @@ class Router(RouterAuth):
             return Heartbeat(sent_at=time.time())
         return Heartbeat(sent_at=time.time(), tokenizer_hash=info.hello.tokenizer_hash,
                          vocab_size=info.hello.vocab_size)
-
-    def _ask_hello(self, worker_id: bytes) -> None:
-        """Tell an unknown worker (router restarted, or it was expired) to register again;
-        at most once a heartbeat per worker."""
-        now = time.monotonic()
-        last = self._asked_hello.get(worker_id)
-        if last is not None and now - last < self.heartbeat_s:
-            return
-        self._asked_hello[worker_id] = now
-        self._asked_hello.move_to_end(worker_id)
-        while len(self._asked_hello) > _LRU_SIZE:
-            self._asked_hello.popitem(last=False)
-        self.log.info("worker_asked_hello", worker=worker_id.hex())
-        msg = ErrorReply.of(ErrorCode.NO_WORKER, "unknown worker: send WORKER_HELLO", retryable=True)
-        self._send_control(worker_id, msg, b"hello?")
 
     # ------------------------------------------------------- worker loss/io
     def _lose_worker(self, worker_id: bytes, reason: str) -> None:

@@ -1,6 +1,7 @@
-"""The router's side of the fleet's authentication (PROTOCOL.md, "Security model"): the
-handlers of CLIENT_HELLO / AUTH_RESPONSE on the frontend and WORKER_HELLO / AUTH_RESPONSE on the
-backend, mixed into ``brokers.router.Router`` (which owns the sockets, tables and stats they use).
+"""The router's side of the fleet's authentication (PROTOCOL.md, "Security model") and of its
+workers' admission: the handlers of CLIENT_HELLO / AUTH_RESPONSE on the frontend and WORKER_HELLO /
+AUTH_RESPONSE on the backend, mixed into ``brokers.router.Router`` (which owns the sockets, tables
+and stats they use).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import time
 
 from brokers import auth
 from schemas.codec import CodecError, MsgKind, decode, pack_frames
-from schemas.messages import AuthChallenge, ErrorCode, ErrorReply, Heartbeat
+from schemas.messages import AuthChallenge, ErrorCode, ErrorReply, Heartbeat, WorkerHello
 
 CONTROL_SID = "-"
 REFUSED = "authentication refused"  # the one text an unauthenticated peer is told
+ASKED_HELLO_MAX = 1024  # workers told to register again, remembered to ask each once a heartbeat
 
 
 class RouterAuth:
@@ -91,3 +93,40 @@ class RouterAuth:
         self.stats.auth_failed += 1
         self._warn.warning("worker_auth_failed", worker=worker_id.hex(), reason=why)
         self._send_control(worker_id, ErrorReply.of(ErrorCode.UNAUTHENTICATED, REFUSED, retryable=False), rid)
+
+    def _on_hello(self, worker_id: bytes, hello: WorkerHello, rid: bytes) -> None:
+        """An authenticated hello: admit unless it disagrees with the admitted workers (an
+        authenticated worker may be told why)."""
+        adm = self.registry.admit(worker_id, hello, time.monotonic())
+        wid = worker_id.hex()
+        if adm.replaced:
+            self._fail_inflight(worker_id, "re-registered")
+        if not adm.ok:
+            self.stats.workers_refused += 1
+            self.log.error("worker_refused", worker=wid, reason=adm.reason, model_id=hello.model_id)
+            self._send_control(worker_id, ErrorReply.of(ErrorCode.BAD_REQUEST, adm.reason), rid)
+            return
+        self.stats.workers_admitted += 1
+        self._asked_hello.pop(worker_id, None)
+        if len(self.registry.model_ids()) > 1:
+            self.log.warning("worker_model_ids_differ", model_ids=sorted(self.registry.model_ids()))
+        self.log.info(
+            "worker_admitted", worker=wid, model_id=hello.model_id, pid=hello.pid,
+            replaced=adm.replaced, live=len(self.registry),
+        )
+        self._send_control(worker_id, Heartbeat(sent_at=time.time()), rid)
+
+    def _ask_hello(self, worker_id: bytes) -> None:
+        """Tell an unknown worker (router restarted, or it was expired) to register again;
+        at most once a heartbeat per worker."""
+        now = time.monotonic()
+        last = self._asked_hello.get(worker_id)
+        if last is not None and now - last < self.heartbeat_s:
+            return
+        self._asked_hello[worker_id] = now
+        self._asked_hello.move_to_end(worker_id)
+        while len(self._asked_hello) > ASKED_HELLO_MAX:
+            self._asked_hello.popitem(last=False)
+        self.log.info("worker_asked_hello", worker=worker_id.hex())
+        msg = ErrorReply.of(ErrorCode.NO_WORKER, "unknown worker: send WORKER_HELLO", retryable=True)
+        self._send_control(worker_id, msg, b"hello?")

@@ -291,7 +291,7 @@ async def test_end_session_reaches_every_worker_and_is_answered_once(router):
             reply = await client.call(verify("after"), session_id="after", timeout_s=5)
             assert isinstance(reply, VerifyReply) and reply.cache_len == handlers[rendezvous.pick("after", list(handlers))].tag
         stats = router.router.stats
-        await async_wait_until(lambda: len(router.router._copies) == 0, 10, "every copy acked")
+        await async_wait_until(lambda: not router.router._copies, 10, "every copy acked")
         assert stats.ends_copied == 4 and stats.unsolicited_replies == 0 and len(router.router.inflight) == 0
         assert stats.replies == 3
     finally:
