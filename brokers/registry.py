@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from brokers.auth import BoundedTable
@@ -202,14 +202,22 @@ class InflightTable:
 
 
 class EndCopies:
-    """The END_SESSION copies a router sent to workers other than the session's, by the request
-    id it gave each (its own: 16 bytes, never one of its clients' 8-byte ids), until their acks,
-    which nobody waits for, come back. Bounded, and an ack later than ``ttl_s`` is not one."""
+    """The END_SESSION copies a router sends to workers other than the session's.
 
-    def __init__(self, max_entries: int, ttl_s: float = 60.0) -> None:
+    Sent ones wait for their acks (which nobody waits for) under a request id of the router's
+    own (16 bytes, never one of its clients' 8-byte ids); an ack later than ``ttl_s`` is not one.
+    A worker the router expired (silent, maybe only stalled) may come back holding caches of
+    sessions that ended meanwhile: the ends are kept for it (``away`` / ``owe``) and sent when it
+    is admitted again (``back``), for ``away_ttl_s`` (a worker's session TTL, 900 s by default)
+    and at most ``max_owed`` a worker and ``max_away`` workers, the oldest dropped first."""
+
+    def __init__(self, max_entries: int, ttl_s: float = 60.0, *, away_ttl_s: float = 900.0,
+                 max_owed: int = 4096, max_away: int = 64) -> None:
         self._sent = BoundedTable(max_entries, ttl_s)
         self._ids = itertools.count()
         self._prefix = b"\xfe" + os.urandom(7)
+        self.away_ttl_s, self.max_owed, self.max_away = away_ttl_s, max_owed, max_away
+        self._owed: OrderedDict[bytes, tuple[float, deque]] = OrderedDict()  # worker -> (since, ends)
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -226,3 +234,22 @@ class EndCopies:
             return False
         self._sent.pop(request_id)
         return True
+
+    def away(self, worker_id: bytes, now: float) -> None:
+        """``worker_id`` was expired: keep the ends it misses from now on."""
+        self._owed.pop(worker_id, None)
+        self._owed[worker_id] = (now, deque(maxlen=self.max_owed))
+        while len(self._owed) > self.max_away:
+            self._owed.popitem(last=False)
+
+    def owe(self, end: object, now: float) -> None:
+        """An END_SESSION (``end``: what the router needs to send it) every absent worker misses."""
+        while self._owed and now - next(iter(self._owed.values()))[0] > self.away_ttl_s:
+            self._owed.popitem(last=False)
+        for _, ends in self._owed.values():
+            ends.append(end)
+
+    def back(self, worker_id: bytes, now: float) -> list:
+        """The ends ``worker_id`` missed while away (none: it was not, or too long ago)."""
+        since, ends = self._owed.pop(worker_id, (now, ()))
+        return list(ends) if now - since <= self.away_ttl_s else []

@@ -35,7 +35,8 @@ worker's in-flight requests are answered NO_WORKER (retryable) at once, and only
 
 A session that moved (its worker expired, then came back) may have a cache on more than one
 worker. An END_SESSION therefore goes to the session's worker, which answers it, and a copy under
-a router-owned request id to every other live worker, whose acks the router drops: a session's
+a router-owned request id to every other live worker, whose acks the router drops; an expired
+worker gets the copies it missed when it is admitted again (``registry.EndCopies``). A session's
 end frees its caches wherever they are, not only where it lives now.
 """
 
@@ -283,6 +284,7 @@ class Router(RouterAuth):
                 self.stats.workers_expired += 1
                 self.log.warning("worker_expired", worker=worker_id.hex(), live=len(self.registry))
                 self._fail_inflight(worker_id, "expired")
+                self._copies.away(worker_id, now)
             stale = self.inflight.sweep(now)
             if stale:
                 self.log.info("inflight_swept", count=len(stale))
@@ -321,18 +323,27 @@ class Router(RouterAuth):
             self._copy_end(token, env, sid)
 
     def _copy_end(self, token: bytes, env: list[bytes], sid: str) -> None:
-        """An END_SESSION to every live worker but the session's own (which has the original)."""
+        """An END_SESSION to every live worker but the session's own (which has the original),
+        and kept for the expired ones (sent if they come back: ``_send_owed_ends``)."""
         owner = self.registry.pick(sid)
         for worker_id in self.registry.live:
-            if worker_id == owner:
-                continue
-            rid = self._copies.next_id()
-            try:
-                send_frames(self._be, [worker_id, token, *env[:3], rid, env[4]])
-            except zmq.ZMQError:
-                continue  # best effort: its TTL and LRU still bound whatever it holds
-            self._copies.sent(rid, worker_id)
-            self.stats.ends_copied += 1
+            if worker_id != owner:
+                self._send_copy(worker_id, token, env)
+        self._copies.owe((token, env), time.monotonic())
+
+    def _send_copy(self, worker_id: bytes, token: bytes, env: list[bytes]) -> None:
+        rid = self._copies.next_id()
+        try:
+            send_frames(self._be, [worker_id, token, *env[:3], rid, env[4]])
+        except zmq.ZMQError:
+            return  # best effort: the worker's session TTL and LRU still bound what it holds
+        self._copies.sent(rid, worker_id)
+        self.stats.ends_copied += 1
+
+    def _send_owed_ends(self, worker_id: bytes) -> None:
+        """The ends of sessions a worker admitted again missed while it was expired."""
+        for token, env in self._copies.back(worker_id, time.monotonic()):
+            self._send_copy(worker_id, token, env)
 
     def _dispatch(self, client_id: bytes, token: bytes, env: list[bytes], sid: str, rid: bytes) -> None:
         """Forward to the session's worker; an unreachable worker is dropped and the next tried."""

@@ -115,6 +115,7 @@ class RouterAuth:
             replaced=adm.replaced, live=len(self.registry),
         )
         self._send_control(worker_id, Heartbeat(sent_at=time.time()), rid)
+        self._send_owed_ends(worker_id)
 
     def _ask_hello(self, worker_id: bytes) -> None:
         """Tell an unknown worker (router restarted, or it was expired) to register again;

@@ -358,6 +358,36 @@ def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
     assert scrape(router)['specsplit:router_end_session_copies_total{service="target"}'] >= 1
 
 
+def test_a_session_that_ends_while_its_worker_is_away_is_ended_there_when_it_is_back(fleet):
+    """As above, but the session ends while the stalled worker is still away: the router keeps
+    the END_SESSION for the expired worker and sends it when the worker is admitted again."""
+    from tests.honcho_fleet import worker_pid
+
+    router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
+    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG}, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(6))
+        home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
+                          "a target worker holds the session")
+        other = 3 - home
+        stalled = worker_pid(fleet["proc"].pid, f"target.{home}")
+        os.kill(stalled, signal.SIGSTOP)
+        try:
+            wait_until(lambda: _target_sessions(fleet, other) == 1, 60, "the other worker serves the session")
+        except BaseException:
+            os.kill(stalled, signal.SIGCONT)
+            raise
+    try:  # the client left: the session ends while its first worker is still stopped
+        wait_until(lambda: _target_sessions(fleet, other) == 0, 60, "the session ended on the other worker")
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
+               "the stalled worker admitted again")
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on either worker")
+
+
 # ---------------------------------------------------------------------------- more API processes
 def _api_process(fleet, tmp: Path, name: str, **settings) -> tuple[subprocess.Popen, str]:
     port = free_ports(1)[0]

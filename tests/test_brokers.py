@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from brokers import rendezvous
-from brokers.registry import Inflight, InflightTable, WorkerRegistry
+from brokers.registry import EndCopies, Inflight, InflightTable, WorkerRegistry
 from brokers.router import Router
 from brokers.settings import RouterSettings, default_addresses
 from schemas.codec import PROTO, MsgKind, decode, pack_frames
@@ -96,6 +96,28 @@ def test_inflight_table_is_bounded_and_tracks_workers():
     t.add(Inflight(b"c", b"old", "s", b"w1", 0.0))
     t.add(Inflight(b"c", b"new", "s", b"w1", 20.0))
     assert [e.request_id for e in t.sweep(now=15.0)] == [b"old"] and len(t) == 1
+
+
+def test_end_copies_keep_the_ends_an_expired_worker_missed_bounded():
+    c = EndCopies(max_entries=4, away_ttl_s=100.0, max_owed=3, max_away=2)
+    rid = c.next_id()
+    assert len(rid) == 16 and rid != c.next_id()
+    c.sent(rid, b"w1")
+    assert not c.acked(rid, b"w2") and not c.acked(b"client-8", b"w1") and c.acked(rid, b"w1")
+    assert not c.acked(rid, b"w1") and len(c) == 0  # acked once
+    c.owe("before", now=0.0)  # nobody away: nothing kept
+    c.away(b"w1", now=1.0)
+    for i in range(5):
+        c.owe(f"end{i}", now=2.0)
+    assert c.back(b"w1", now=3.0) == ["end2", "end3", "end4"]  # the newest max_owed
+    assert c.back(b"w1", now=3.0) == [] and c.back(b"never", now=3.0) == []
+    c.away(b"a", now=10.0)
+    c.away(b"b", now=20.0)
+    c.away(b"c", now=30.0)  # max_away: a is forgotten
+    c.owe("x", now=40.0)
+    assert c.back(b"a", now=41.0) == [] and c.back(b"b", now=41.0) == ["x"]
+    c.owe("y", now=135.0)  # c away 105 s > away_ttl_s: dropped, nothing kept
+    assert c.back(b"c", now=136.0) == []
 
 
 # -------------------------------------------------------------------------------- settings
