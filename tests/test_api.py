@@ -6,6 +6,7 @@ decoding of the target; every error against OpenAI's status and body."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -321,6 +322,37 @@ def _target_sessions(fleet, slot: int) -> float:
     return _worker_sessions(fleet, (400 + slot - 1,))
 
 
+@contextlib.contextmanager
+def _moved_off_a_stalled_worker(fleet):
+    """A LONG stream whose target worker is SIGSTOPped until the router expires it and the other
+    worker serves the session (events, not times). Yields (stalled slot, other slot, resume,
+    leave): ``resume()`` SIGCONTs the stalled worker (also done on the way out), ``leave()``
+    closes the stream as a client that goes away (also done on the way out)."""
+    from tests.honcho_fleet import worker_pid
+
+    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
+    stalled: list[int] = []
+
+    def resume() -> None:
+        while stalled:
+            os.kill(stalled.pop(), signal.SIGCONT)
+
+    try:
+        with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG},
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert any(next(lines).startswith("data: {") for _ in range(6))
+            home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
+                              "a target worker holds the session")
+            stalled.append(worker_pid(fleet["proc"].pid, f"target.{home}"))
+            os.kill(stalled[0], signal.SIGSTOP)
+            wait_until(lambda: _target_sessions(fleet, 3 - home) == 1, 60, "the other worker serves the session")
+            yield home, 3 - home, resume, resp.close
+    finally:
+        resume()
+
+
 def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
     """A target worker that stalls past the routers' liveness window (a long pause, a starved
     CPU) has its session served by the other meanwhile, then comes back: the session then has a
@@ -331,23 +363,12 @@ def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
 
     router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
     expired = scrape(router)['specsplit:router_workers_expired_total{service="target"}']
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
-    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG}, timeout=120) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        assert any(next(lines).startswith("data: {") for _ in range(6))
-        home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
-                          "a target worker holds the session")
-        other = 3 - home
-        stalled, orch = worker_pid(fleet["proc"].pid, f"target.{home}"), worker_pid(fleet["proc"].pid, "orchestrator.1")
-        os.kill(stalled, signal.SIGSTOP)
+    with _moved_off_a_stalled_worker(fleet) as (home, other, resume, _):
+        assert scrape(router)['specsplit:router_workers_expired_total{service="target"}'] == expired + 1
+        orch = worker_pid(fleet["proc"].pid, "orchestrator.1")
+        os.kill(orch, signal.SIGSTOP)  # the session waits here until the stalled worker is back
         try:
-            wait_until(lambda: _target_sessions(fleet, other) == 1, 60, "the other worker serves the session")
-            assert scrape(router)['specsplit:router_workers_expired_total{service="target"}'] == expired + 1
-            os.kill(orch, signal.SIGSTOP)  # the session waits here until the stalled worker is back
-        finally:
-            os.kill(stalled, signal.SIGCONT)
-        try:
+            resume()
             wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
                        "the stalled worker admitted again")
             assert _target_sessions(fleet, home) == _target_sessions(fleet, other) == 1  # a cache on each
@@ -361,28 +382,11 @@ def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
 def test_a_session_that_ends_while_its_worker_is_away_is_ended_there_when_it_is_back(fleet):
     """As above, but the session ends while the stalled worker is still away: the router keeps
     the END_SESSION for the expired worker and sends it when the worker is admitted again."""
-    from tests.honcho_fleet import worker_pid
-
     router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
-    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG}, timeout=120) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        assert any(next(lines).startswith("data: {") for _ in range(6))
-        home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
-                          "a target worker holds the session")
-        other = 3 - home
-        stalled = worker_pid(fleet["proc"].pid, f"target.{home}")
-        os.kill(stalled, signal.SIGSTOP)
-        try:
-            wait_until(lambda: _target_sessions(fleet, other) == 1, 60, "the other worker serves the session")
-        except BaseException:
-            os.kill(stalled, signal.SIGCONT)
-            raise
-    try:  # the client left: the session ends while its first worker is still stopped
+    with _moved_off_a_stalled_worker(fleet) as (_, other, resume, leave):
+        leave()  # the session ends while its first worker is still stopped
         wait_until(lambda: _target_sessions(fleet, other) == 0, 60, "the session ended on the other worker")
-    finally:
-        os.kill(stalled, signal.SIGCONT)
+        resume()
     wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
                "the stalled worker admitted again")
     wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on either worker")
