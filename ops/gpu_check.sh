@@ -8,17 +8,20 @@
 #                                  64 MiB), under .whl/ (git-ignored)
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
 #                                  weights of the real configs, logs and JSON under $OUT:
-#     1. the CUDA oracles of TESTS (default: the graphs' and greedy equivalence), TESTS_S;
-#     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs (the issue's three bars);
-#     3. PROBE_S > 0: ops/gpu_probe.py (request / runner / replay / kernels per shape);
+#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's and greedy equivalence), TESTS_S;
+#     2. COST_S > 0: `specsplit bench gpu` eager, on CUDA graphs of the model's modules (the target),
+#        and on graphs of the fused body (both roles: the issue's three bars), in one call;
+#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "fused transformers"):
+#        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, with pools (graphs) and without (eager);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
 #
 # Stop 51 (H200): steps 1-4 took ~20 + ~60 + ~25 + ~45 s at their defaults, model loads
-# included; the long-context sweep took ~110-150 s per attention (stops 37-38). The defaults
-# (steps 1-4) fit one 300 s call; add LONGCTX=1 only with a 600 s call.
+# included; the long-context sweep took ~110-150 s per attention (stops 37-38). Since the fused
+# body's A/B (a third cost run, a second probe) expect ~20 + ~90 + ~50 + ~45 s: give the
+# defaults (steps 1-4) one 360 s call; add LONGCTX=1 only with a 600 s call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -52,18 +55,25 @@ run)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   timeout "${TESTS_S:-90}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" \
-    ${TESTS:-tests/test_graphs.py tests/test_greedy_equivalence.py} 2>&1 | tee "$OUT/tests-cuda.log" | tail -8
+    ${TESTS:-tests/test_graphs.py tests/test_fused.py tests/test_greedy_equivalence.py} 2>&1 | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
   if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call
     timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
       --batch 1,16 --no-cuda-graphs --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-eager.json" 2>&1 \
       | grep -v '^target {' | tail -14
+    timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
+      --batch 1,16 --graph-body transformers --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-modules.json" 2>&1 \
+      | grep -v '^target {' | tail -14
     timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
       --tokens 1,4,16,64 --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
       | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -34
   fi
-  [ "${PROBE_S:-40}" -gt 0 ] && timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --compile-shapes "${COMPILE:-}" \
-    --json "$OUT/gpu-probe.json" 2>&1 | grep '^|\|top kernels' | tail -8
+  if [ "${PROBE_S:-40}" -gt 0 ]; then
+    for body in ${BODIES:-fused transformers}; do
+      timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
+        --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels' | tail -8
+    done
+  fi
   if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds: graphs (a pool), then eager
     for pool in ${REPLAY_POOLS:-8 0}; do
       SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" \

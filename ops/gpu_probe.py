@@ -78,8 +78,10 @@ def main() -> int:
     p.add_argument("--target-config", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--compile-shapes", default="1x1,16x4")
+    p.add_argument("--body", default="fused", choices=["fused", "transformers"], help="what the graphs replay")
     args = p.parse_args()
-    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": CONTEXT}
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": CONTEXT,
+                 "body": args.body}
 
     def save():
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
@@ -87,7 +89,8 @@ def main() -> int:
     model = CudaBackend(torch.device("cuda")).prepare(random_model(args.target_config, "cuda", "bfloat16"))
     shape = pool_shape(model, 1024, torch.bfloat16)
     engine = TargetEngine(model, EngineLimits(max_sessions=17, max_session_tokens=1024, max_tree_nodes=64,
-                                              kv_pool_gb=18 * shape.slot_bytes / GB, graphs="cuda"))
+                                              kv_pool_gb=18 * shape.slot_bytes / GB, graphs="cuda",
+                                              graph_body=args.body))
     runner = engine.graphs
     rng = random.Random(0)
     prompts, _ = prefill(engine, "target", 16, CONTEXT, rng)

@@ -91,6 +91,8 @@ def parse(argv):
                    help="each role's KV pool (default: 64 on CUDA, capped at the grid's sessions; 0 on CPU)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="eager forwards on CUDA (SPECSPLIT_CUDA_GRAPHS=false)")
+    p.add_argument("--graph-body", choices=["fused", "transformers"], default="fused",
+                   help="what the CUDA graphs replay (SPECSPLIT_CUDA_GRAPH_BODY)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="no cell starts after this many seconds")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
@@ -214,6 +216,7 @@ def worker_settings(args):
     widest = max(args.tokens)
     pool = args.kv_pool_gb if args.kv_pool_gb is not None else (64.0 if args.device.startswith("cuda") else 0.0)
     return WorkerSettings(worker_max_sessions=max(args.batch) + 1, session_ttl_s=1e9, cuda_graphs=args.cuda_graphs,
+                          cuda_graph_body=args.graph_body,
                           target_kv_pool_gb=pool, draft_kv_pool_gb=pool,
                           max_tree_nodes=max(WorkerSettings.model_fields["max_tree_nodes"].default, widest),
                           max_session_tokens=64 * math.ceil((args.context + 2 * widest + 64) / 64))

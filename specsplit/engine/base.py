@@ -43,6 +43,7 @@ class EngineLimits:
     max_tree_depth: int = 16
     kv_pool_gb: float = 0.0  # > 0: every session's KV in a pool preallocated at start (specsplit.engine.kvpool)
     graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
+    graph_body: str = "fused"  # what the graphs run: "fused" (engine.fused) or "transformers" (the model's modules)
 
 
 def model_vocab_size(model) -> int:
@@ -145,7 +146,8 @@ class Engine:
             self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
                           tokens_per_slot=limits.max_session_tokens)
             if scratch:
-                self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log)
+                self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
+                                          body=limits.graph_body)
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specsplit.engine.batch import Segment, using_attention
+from specsplit.engine.fused import build as build_fused
 from specsplit.engine.kvpool import KVPool, PooledKV
 from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, weighted_values
 
@@ -43,6 +44,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
 MIN_KEYS = 256  # the smallest cache bucket; then doubling up to the pool's slot length
 MODES = ("cuda", "static")
+BODIES = ("fused", "transformers")  # the decoder in fewer kernels (engine.fused), or the model's own modules
 GRAPH_ATTENTION = "specsplit_graph_gqa"
 GROUPED = ("sdpa", GQA_ATTENTION)  # attention a graph's body replaces with grouped matmuls
 
@@ -124,9 +126,11 @@ class GraphRunner:
     """Forwards of an engine's ``model`` over ``pool`` at bucketed static shapes (``mode``:
     "cuda" replays captured graphs, "static" runs the bodies eagerly)."""
 
-    def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None):
+    def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None, body: str = "fused"):
         if mode not in MODES:
             raise ValueError(f"graph mode {mode!r}: one of {MODES}")
+        if body not in BODIES:
+            raise ValueError(f"graph body {body!r}: one of {BODIES}")
         if pool.scratch is None:
             raise ValueError("CUDA graphs need a KV pool with a scratch slot")
         if mode == "cuda" and pool.device.type != "cuda":
@@ -135,6 +139,11 @@ class GraphRunner:
         self.device, self.dtype = pool.device, pool.shape.dtype
         self.attention = model.config._attn_implementation  # the model's: a forward on another runs eagerly
         self.body_attention = register_graph_attention() if self.attention in GROUPED else self.attention
+        # the decoder in fewer kernels (specsplit.engine.fused) where it runs this model, else its modules
+        self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body != "fused" else \
+            build_fused(model, pool)
+        if log is not None:
+            log.info("graph_body", body="fused" if self.fused is not None else "transformers", why=self.fused_not)
         self.max_len = pool.shape.max_len
         self.key_buckets = key_buckets(self.max_len)
         self._inputs: dict[tuple[int, int], _Inputs] = {}  # at most |BATCH| x |TOKEN| entries
@@ -244,10 +253,13 @@ class GraphRunner:
         """The forward at shape (b, t, keys) from the static inputs into ``inp.logits``."""
         ids, pos, slots, lengths = inp.meta[:, :t], inp.meta[:, t:2 * t], inp.meta[:, 2 * t], inp.meta[:, 2 * t + 1]
         where = lengths[:, None] + self._arange[:t]  # [B, T] cache positions the new tokens take
+        visible = self._visibility(inp, lengths, b, t, keys) if compact else inp.vis[:, :, :keys]
+        if self.fused is not None:
+            self.fused.forward(ids, pos, slots, where, visible, keys, inp.logits)
+            return
         heads, max_len = self._heads, self.max_len
         runs = slots[:, None] * heads.numel() + heads[None, :]  # [B, Hkv]
         rows = runs[:, :, None] * max_len + where[:, None, :]  # [B, Hkv, T]
-        visible = self._visibility(inp, lengths, b, t, keys) if compact else inp.vis[:, :, :keys]
         mask = torch.zeros(b, 1, t, keys, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
         with using_attention(self.model, self.body_attention):
@@ -288,5 +300,6 @@ class GraphRunner:
         return graph
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "captures": self.captures, "capture_ms": round(self.capture_ms, 1),
+        return {"mode": self.mode, "body": "fused" if self.fused is not None else "transformers",
+                "captures": self.captures, "capture_ms": round(self.capture_ms, 1),
                 "failed": sum(g is None for g in self._graphs.values()), "served": self.served}
