@@ -46,18 +46,21 @@ def test_buckets():
     assert key_buckets(600) == (256, 512, 600) and key_buckets(160) == (160,) and key_buckets(512) == (256, 512)
 
 
+@pytest.mark.parametrize("body", ["fused", "transformers"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tree_logits_through_graphs_equal_eager(models, family, mode):
+def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
     """Linear tokens then trees, 1 to 40 new tokens, on caches crossing the key buckets: the
     graph body's logits and caches equal the eager forward's, whether the forward passes its
     visibility as a tensor or describes it on the host (``TreeInputs``: the compact inputs), and
-    a padded bucket wrote nothing a session reads."""
+    a padded bucket wrote nothing a session reads; for the fused body (the default) and for the
+    model's own modules."""
     dev = device_of(mode)
     target = on_device(models[family][0], dev)
     eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 2, "off").kv_pool_gb))
-    fast = TargetEngine(target, graphed(LIMITS, target, 2, mode))
+    fast = TargetEngine(target, replace(graphed(LIMITS, target, 2, mode), graph_body=body))
     assert fast.graphs is not None and eager.graphs is None
+    assert (fast.graphs.fused is not None) == (body == "fused")
     rng = random.Random(3)
     for i, (linear, nodes, cached) in enumerate(((0, 1, 5), (2, 3, 200), (0, 9, 250), (5, 11, 300), (1, 32, 500),
                                                  (0, 40, 540), (3, 1, 7), (0, 16, 260))):
