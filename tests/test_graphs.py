@@ -86,7 +86,7 @@ def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
         for la, lb in zip(kv_a.layers, kv_b.layers):
             torch.testing.assert_close(lb.keys, la.keys, **fp32_tolerance(dev))
             torch.testing.assert_close(lb.values, la.values, **fp32_tolerance(dev))
-    assert fast.graphs.served >= 8
+    assert fast.graphs.served >= 8 and fast.graphs.describe()["failed"] == 0
     assert {key[3] for key in fast.graphs._graphs} == ({True, False} if mode == "cuda" else set())
 
 
@@ -179,7 +179,8 @@ def test_logits_outlive_the_next_forward_through_the_same_bucket(models, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_forwards_that_fit_no_bucket_run_eagerly(models, mode):
     """More new tokens than the largest bucket, attention kwargs, a cache past the last key
-    bucket's room: eager forwards, the same logits as an engine without graphs."""
+    bucket's room, scores past the runner's bound: eager forwards, the same logits as an engine
+    without graphs."""
     dev = device_of(mode)
     target = on_device(models["qwen2"][0], dev)
     fast = TargetEngine(target, graphed(LIMITS, target, 1, mode))
@@ -199,3 +200,12 @@ def test_forwards_that_fit_no_bucket_run_eagerly(models, mode):
     for a, b in zip(out[0][:2], out[1][:2]):
         torch.testing.assert_close(b, a, **fp32_tolerance(dev))
     assert fast.graphs.served > 0  # the 64-token chunks that fit went through the buckets
+    served, fast.graphs.max_scores = fast.graphs.served, 4 * 2 * 256 - 1  # heads x 2 tokens x 256 keys, less one
+    got = []
+    for engine in (eager, fast):  # scores past the bound: eagerly
+        engine.store.end_session("s")
+        kv = engine.store.get_or_create("s2").kv
+        got.append(engine.forward(kv, [5, 6], positions([0, 1], 0, dev),
+                                  torch.ones(2, 2, dtype=torch.bool, device=dev).tril(), keep=2))
+    torch.testing.assert_close(got[1], got[0], **fp32_tolerance(dev))
+    assert fast.graphs.served == served

@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache
 from specsplit.engine.batch import Segment, using_attention
 from specsplit.engine.fused import build as build_fused
 from specsplit.engine.kvpool import KVPool, PooledKV
-from specsplit.models.attention import ACCEL_VALUE_CHUNK, GQA_ATTENTION, weighted_values
+from specsplit.models.attention import ACCEL_MAX_SCORES, ACCEL_VALUE_CHUNK, GQA_ATTENTION, weighted_values
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
@@ -153,6 +153,10 @@ class GraphRunner:
         self._heads = torch.arange(pool.shape.kv_heads, dtype=torch.long, device=self.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._lock = threading.Lock()
+        # a body holds float32 scores [B, Hq, T, L] (the fused body its mask too): larger shapes run
+        # eagerly, where attention over many keys takes sdpa's memory-efficient kernel
+        self.query_heads = int(model.config.get_text_config(decoder=True).num_attention_heads)
+        self.max_scores = ACCEL_MAX_SCORES
         self.captures, self.capture_ms, self.served = 0, 0.0, 0  # served: forwards run through a bucket
 
     # ---- shapes ------------------------------------------------------------------------
@@ -164,7 +168,9 @@ class GraphRunner:
         if b is None or t is None:
             return None
         keys = smallest(max(it.kv.length for it in items) + t, self.key_buckets)
-        return None if keys is None else (b, t, keys, all(it.tree is not None for it in items))
+        if keys is None or b * self.query_heads * t * keys > self.max_scores:
+            return None
+        return b, t, keys, all(it.tree is not None for it in items)
 
     def fits(self, items, model_kwargs) -> bool:
         return (not model_kwargs and self.model.config._attn_implementation == self.attention
