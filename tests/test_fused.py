@@ -6,49 +6,22 @@ reference as the modules are, and models it does not run keep the modules' body.
 
 from __future__ import annotations
 
-import collections
 import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from specsplit.bench.opcount import ops_per_layer
 from specsplit.engine.fused import FusedDecoder, build
 from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvpool import KVPool, pool_shape
 from tests.conftest import DEVICE_PARAMS, FAMILIES, on_device, tiny_model
-
-# aten operations that launch no kernel (a new view of the same memory)
-VIEWS = {"view", "_unsafe_view", "expand", "permute", "transpose", "slice", "select", "t", "alias", "as_strided",
-         "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unflatten", "detach", "_reshape_alias"}
-
-
-class CountOps(TorchDispatchMode):
-    """The aten operations run inside, views left out."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in VIEWS:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def runner(model, body: str, device, slots: int = 2, max_len: int = 600) -> GraphRunner:
     dtype = next(model.parameters()).dtype
     pool = KVPool(pool_shape(model, max_len, dtype), slots, torch.device(device), scratch=True)
     return GraphRunner(model, pool, model.config.vocab_size, "static", body=body)
-
-
-def ops_of_one_body(model, body: str, b: int, t: int, keys: int = 256) -> int:
-    run = runner(model, body, "cpu")
-    assert (run.fused is not None) == (body == "fused")
-    inp = run._buffers(b, t, True)
-    with torch.no_grad(), CountOps() as count:
-        run._body(inp, b, t, keys, True)
-    return sum(count.ops.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -58,10 +31,8 @@ def test_the_fused_body_runs_far_fewer_operations_a_layer(family, dtype):
     one's, halved), for one session's token and for 4 sessions x 16: the fused body needs at most
     two thirds of the modules' (on CUDA, where RMSNorm is one kernel, under half: ~17 vs ~48)."""
     for b, t in ((1, 1), (4, 16)):
-        per_layer = {}
-        for body in ("fused", "transformers"):
-            two, four = (ops_of_one_body(tiny_model(family, layers=n).to(dtype), body, b, t) for n in (2, 4))
-            per_layer[body] = (four - two) / 2
+        per_layer = {body: ops_per_layer(lambda n: tiny_model(family, layers=n).to(dtype), body, b, t)[0]
+                     for body in ("fused", "transformers")}
         assert per_layer["fused"] <= 2 / 3 * per_layer["transformers"], (b, t, per_layer)
         assert per_layer["fused"] <= (43 if family == "qwen3" else 35), (b, t, per_layer)
 
