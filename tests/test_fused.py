@@ -6,7 +6,9 @@ reference as the modules are, and models it does not run keep the modules' body.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -46,7 +48,11 @@ def test_fused_weights_are_the_modules_memory():
     with torch.no_grad():
         before = model(ids).logits
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = model.model.layers
+    replaced = [weakref.ref(layers[1].mlp.up_proj.weight), weakref.ref(layers[0].self_attn.k_proj.bias)]
     first = runner(model, "fused", "cpu").fused
+    gc.collect()
+    assert [r() for r in replaced] == [None, None]  # the modules' old tensors are gone, not kept beside
     second = runner(model, "fused", "cpu").fused
     attn = model.model.layers[0].self_attn
     for fused in (first, second):
