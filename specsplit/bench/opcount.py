@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # aten operations that launch no kernel (a new view of the same memory)
 VIEWS = frozenset({"view", "_unsafe_view", "expand", "permute", "transpose", "slice", "select", "t", "alias",
                    "as_strided", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unflatten",
-                   "detach", "_reshape_alias"})
+                   "detach", "_reshape_alias", "unbind"})
 
 
 class CountOps(TorchDispatchMode):

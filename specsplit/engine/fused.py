@@ -4,15 +4,15 @@ A CUDA graph removes launch overhead but not the kernels: on the H200 a replayed
 of the 1.5B target ran 1,345 kernels, ~3.7 ms of device time against a 0.74 ms weight-bytes floor,
 most of them elementwise work of a few microseconds each (docs/results.md, GPU). This body runs
 the same decoder (llama, qwen2, qwen3: RMSNorm, rotary positions, grouped-query attention, a
-SiLU-gated MLP) over the same weights, per layer in ~20 kernels instead of ~48:
+SiLU-gated MLP) over the same weights, per layer in ~17 kernels instead of ~48:
 
 - q/k/v in one GEMM and gate/up in one (the modules' weights become views of the fused tensors,
   so the eager path reads the same memory and nothing is stored twice);
 - the residual added inside the output GEMMs (``addmm``), RMSNorm as torch's one fused kernel;
 - rotary positions as one batched matmul per layer with each token's [D, D] rotation, built
   once per forward from the model's own rotary module (the same cos/sin as transformers');
-- new K/V written into the pool with one ``index_put_`` each, read back as the sessions'
-  (slot, KV head) runs; the query heads of one KV head share one score matmul, scores and
+- new K/V written into the pool with one ``index_put_`` each, keys and values read back in one
+  gather of the sessions' (slot, KV head) runs; the query heads of one KV head share one score matmul, scores and
   softmax in float32 (as sdpa keeps them) under a mask expanded once per forward.
 
 Numerics differ from transformers' modules only in rounding (one rounding where they round
@@ -153,6 +153,7 @@ class FusedDecoder:
         slot_idx, head_idx = slots.view(b, 1, 1), torch.arange(hkv, device=x.device).view(1, 1, hkv)
         at = where.view(b, t, 1)
         runs = (slots[:, None] * hkv + head_idx.view(1, hkv)).reshape(-1)  # [B x Hkv] (slot, head) rows
+        runs = torch.cat([runs, runs + self.pool.kv[0].shape[1] * hkv])  # ... of the keys, then of the values
         chunk = 0 if x.device.type == "cpu" else ACCEL_VALUE_CHUNK
         for i, lay in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1)
@@ -164,8 +165,8 @@ class FusedDecoder:
             for buf, new in ((self.pool.keys[i], qk[:, :, hq:]),
                              (self.pool.values[i], qkv.view(b, t, hq + 2 * hkv, d)[:, :, hq + hkv:])):
                 buf.index_put_((slot_idx, head_idx, at), new)
-            k, v = (buf.view(-1, buf.shape[2] * d)[:, : keys * d].index_select(0, runs).view(b * hkv, keys, d)
-                    for buf in (self.pool.keys[i], self.pool.values[i]))
+            kv = self.pool.kv[i]  # [2, slots, Hkv, max_len, D]: both read in one gather
+            k, v = kv.view(-1, kv.shape[3] * d)[:, : keys * d].index_select(0, runs).view(2, b * hkv, keys, d)
             q = qk[:, :, :hq].view(b, t, hkv, g, d).transpose(1, 2).reshape(b * hkv, t * g, d)
             if self._out_dtype:
                 scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=lay.scaling, out_dtype=torch.float32)

@@ -143,8 +143,11 @@ class KVPool:
         size = (slots + scratch, shape.kv_heads, shape.max_len, shape.head_dim)
         # zeros, not empty: a later reader of the whole buffer (a captured graph under a mask) must
         # never meet NaN garbage
-        self.keys = [torch.zeros(size, dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
-        self.values = [torch.zeros(size, dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
+        # per layer K and V as the two halves of one tensor [2, slots, Hkv, max_len, D]: a graph's
+        # body reads a session's keys and values in one gather (specsplit.engine.fused)
+        self.kv = [torch.zeros((2, *size), dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
+        self.keys = [kv[0] for kv in self.kv]
+        self.values = [kv[1] for kv in self.kv]
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._retired: list = []  # sessions that left the store while a request held them
         self._lock = threading.Lock()
