@@ -166,7 +166,24 @@ def test_the_draft_replays_each_clean_round_at_its_context(trace, tmp_path, monk
     s = data["summary"][trace]
     assert s["replayed_draft_ms"] == pytest.approx(sum(r["draft_ms"] for r in clean), abs=0.01)
     assert 0 < s["with_replayed_draft_tok_s"] < s["verify_only_tok_s"]
+    assert s["grown_draft_ms"] == s["replayed_draft_ms"]  # no round of this trace reused a grown tree
     assert data["config"]["draft"]["weights"] == "real"
+
+
+def test_a_grown_tree_s_draft_overlaps_the_verify_before_it():
+    """"Grown during verify": a round whose tree was grown during the previous round's verify
+    adds only the draft ms that outlast that verify; other rounds, and a reused round whose
+    previous round is not the one replayed before it, add their whole draft."""
+    def made(rnd, verify, draft, reused, clean=True, session="a"):
+        return replay.ReplayedRound("t", session, rnd, 10, 3, 0, 1, 1, 0, verify, verify, 0.0, 0.0, 0.0, clean, 1,
+                                    draft, reused)
+
+    rounds = [made(0, 50.0, None, 0, clean=False), made(1, 20.0, 30.0, 0), made(2, 20.0, 30.0, 2),
+              made(3, 25.0, 10.0, 1), made(1, 20.0, 5.0, 3, session="b"), made(3, 20.0, 7.0, 1, session="b")]
+    assert replay_report.grown_draft_ms(rounds) == 30 + 10 + 0 + 5 + 7
+    s = replay_report.summarize(rounds, [])
+    assert s["replayed_draft_ms"] == 82 and s["grown_draft_ms"] == 52
+    assert s["grown_during_verify_tok_s"] == pytest.approx(1e3 * 10 / (105 + 52), abs=1e-3)
 
 
 @pytest.mark.parametrize("corrupt, message", [

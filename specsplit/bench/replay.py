@@ -25,8 +25,10 @@ trace's machine. With ``--draft`` (the preset's draft) or ``--draft-config DIR``
 of DIR/config.json) the draft is replayed too, on the same device, after each clean round: one
 ``DraftRequest`` at the round's context for a tree of the recorded size and depth (the header's
 branch, ``min_path_prob`` 0 so random weights build it whole), timed; "with replayed draft"
-adds those ms to the verify ms, a serial round's bound (the fleet also reuses grown trees and
-overlaps growth with verification, which this does not count). Prints Markdown tables;
+adds those ms to the verify ms, a serial round's bound; "grown during verify" counts a round
+whose tree the trace says was grown during the previous round's verify (``reused``) as the
+fleet runs it with the draft on its own device: its draft overlaps that verify, only what
+outlasts it adds. Prints Markdown tables;
 ``--json FILE`` writes every figure (``specsplit.bench.replay_report``).
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
@@ -71,6 +73,7 @@ class TracedRound:
     clean: bool  # a first send, not the prompt's prefill
     batch_size: int
     drafted: tuple[int, ...] = (-1,)  # the merged tree the proposers drafted (its parents)
+    reused: int = 0  # nodes of a tree the draft grew during the previous round's verify (0: drafted after it)
 
     @property
     def committed(self) -> int:
@@ -104,7 +107,8 @@ def _round(rec: Record) -> TracedRound:
                        sync_tokens=int(rec["sync_tokens"]), parents=tuple(parents), accepted=len(accepted),
                        draft_ms=float(rec["draft_ms"]), verify_ms=float(rec["verify_ms"]),
                        wall_ms=float(rec["wall_ms"]), clean=bool(rec["clean"]),
-                       batch_size=int(rec.get("batch_size") or 1), drafted=tuple(tree.parents))
+                       batch_size=int(rec.get("batch_size") or 1), drafted=tuple(tree.parents),
+                       reused=int(rec.get("reused") or 0))
 
 
 def _session(trace: str, sid: str, recs: list[Record]) -> TracedSession:
@@ -171,6 +175,7 @@ class ReplayedRound:
     clean: bool
     batch_size: int
     draft_ms: float | None = None  # the replayed draft's (None: not replayed)
+    reused: int = 0  # recorded: its tree was grown during the previous round's verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +272,8 @@ class Replayer:
         draft_ms = self.draft_round(sid, r) if self.draft is not None and r.clean else None
         out.append(ReplayedRound(
             s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
-            catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size, draft_ms))
+            catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size, draft_ms,
+            r.reused))
         return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
 
     def draft_round(self, sid: str, r: TracedRound) -> float:
