@@ -13,7 +13,8 @@
 #        and on graphs of the fused body (both roles: the issue's three bars), in one call;
 #     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "fused transformers"):
 #        request / runner / replay / kernels per shape;
-#     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, with pools (graphs) and without (eager);
+#     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
+#        (default "8:fused 8:transformers": graphs of each body; a pool of 0 runs eagerly);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -74,12 +75,15 @@ run)
         --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels' | tail -8
     done
   fi
-  if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds: graphs (a pool), then eager
-    for pool in ${REPLAY_POOLS:-8 0}; do
-      SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool timeout "$((REPLAY_S / 2))" \
+  if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
+    runs=(${REPLAY_RUNS:-8:fused 8:transformers})
+    for run in "${runs[@]}"; do
+      pool=${run%%:*} body=${run#*:}
+      SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool SPECSPLIT_CUDA_GRAPH_BODY=$body \
+        timeout "$((REPLAY_S / ${#runs[@]}))" \
         python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
         --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
-        --json "$OUT/gpu-replay-pool$pool.json" 2>&1 | grep -v "^replay: session" | head -4
+        --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
   fi
   [ "${LONGCTX:-0}" = 1 ] || exit 0
