@@ -14,15 +14,17 @@
 #     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "fused transformers"):
 #        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
-#        (default "8:fused 8:transformers": graphs of each body; a pool of 0 runs eagerly);
+#        (default "8:fused 8:transformers": graphs of each body; a pool of 0 runs eagerly), then
+#        the prompt-lookup trace (no draft: its verify-only figure is the fleet's), LOOKUP_S;
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
 #
 # Stop 51 (H200): steps 1-4 took ~20 + ~60 + ~25 + ~45 s at their defaults, model loads
 # included; the long-context sweep took ~110-150 s per attention (stops 37-38). Since the fused
-# body's A/B (a third cost run, a second probe) expect ~20 + ~90 + ~50 + ~45 s: give the
-# defaults (steps 1-4) one 360 s call; add LONGCTX=1 only with a 600 s call.
+# body's A/B (a third cost run, a second probe, a replay per body) and the lookup trace's replay,
+# expect ~20 + ~90 + ~50 + ~130 s: give the defaults (steps 1-4) one 420 s call; add LONGCTX=1
+# only with a 600 s call (and LONGCTX_S, COST_S or REPLAY_S trimmed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -85,6 +87,10 @@ run)
         --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
         --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
+    # prompt lookup alone (no draft worker): the verify-only figure is the fleet's
+    SPECSPLIT_TARGET_KV_POOL_GB=8 timeout "${LOOKUP_S:-40}" python3 -m specsplit bench replay --device cuda $cfg \
+      --trace tests/data/traces/humaneval0-9-qwen-coder-lookup-cpu2-amx.jsonl.gz --max-rounds "${LOOKUP_ROUNDS:-1000}" \
+      --json "$OUT/gpu-replay-lookup.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   [ "${LONGCTX:-0}" = 1 ] || exit 0
   cd ops
