@@ -74,7 +74,7 @@ run)
   if [ "${PROBE_S:-40}" -gt 0 ]; then
     for body in ${BODIES:-fused transformers}; do
       timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
-        --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels' | tail -8
+        --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels\|host top' | tail -9
     done
   fi
   if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)

@@ -59,6 +59,27 @@ def events(fn, n: int) -> float:
     return round(start.elapsed_time(end) / n, 4)
 
 
+def host_profile(fn, n: int, top: int = 15) -> list:
+    """Where the host spends ``n`` calls of ``fn`` (cProfile, by own time): the request path of a
+    batched verify took ~6 ms more than its replay on the H200 (docs/results.md, GPU), where the
+    same Python on a CPU box takes ~0.5 ms."""
+    import cProfile
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{Path(f).name}:{line}({name})", calls, round(own * 1e3 / n, 3), round(cum * 1e3 / n, 3))
+            for (f, line, name), (_, calls, own, cum, _) in rows]
+
+
 def kernels(fn, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,7 +119,10 @@ def main() -> int:
     out["shapes"] = {}
     for b, t in SHAPES:
         row = out["shapes"][f"{b}x{t}"] = {}
-        row["request_ms"] = wall(cell_call(engine, "target", prompts[:b], t, random.Random(t)), 20)
+        call = cell_call(engine, "target", prompts[:b], t, random.Random(t))
+        row["request_ms"] = wall(call, 20)
+        if (b, t) == (16, 4):  # (function, calls, own ms a request, cumulative ms a request)
+            row["host_profile"] = host_profile(call, 20)
         items = [Segment(kv, [1] * t, torch.arange(CONTEXT, CONTEXT + t, device="cuda"),
                       causal(t, CONTEXT, torch.device("cuda")), t) for kv in kvs[:b]]
 
@@ -158,6 +182,8 @@ def main() -> int:
               f"| {row['replay_kernels']['kernels']} | {c.get('replay_ms', '-')} |")
     for name in ("1x1",):
         print(name, "replay top kernels:", json.dumps(out["shapes"][name]["replay_kernels"]["top"][:8]))
+    print("16x4 request, host top (own ms a request):",
+          json.dumps([(f, own) for f, _, own, _ in out["shapes"]["16x4"].get("host_profile", [])[:6]]))
     return 0
 
 
