@@ -12,9 +12,11 @@ position ids; the session's pool slot; its cache length P) and the new tokens' v
 forward whose sessions describe their new tokens on the host (``Segment.tree``: the target's
 trees, every cached entry visible) copies ``meta`` and ``new_vis`` [B, T, T] in two host copies
 and the body builds the mask; any other copies each session's visibility [t, P+t] into ``vis``
-[B, T, Lmax]. The output is ``logits`` [B, T, V]. Inside the body each layer writes the new K/V
-into the session's slot at P.. (``index_copy_`` into the pool's rows), reads its slot's first L
-entries (one ``index_select`` of (slot, KV head) runs) and attends under the additive mask.
+[B, T, Lmax]. The output is ``logits`` [B, T, V]. The body is ``specsplit.engine.fused``'s decoder
+where it runs the model (llama, qwen2, qwen3: ~16-18 kernels a layer on CUDA), else the model's own
+modules (``SPECSPLIT_CUDA_GRAPH_BODY=transformers``: ~48). Either way each layer writes the new K/V
+into the session's slot at P.., reads its slot's first L entries (a gather of (slot, KV head) runs)
+and attends under the additive mask.
 Padding tokens of a session land after its length (nothing reads them, the next forward
 overwrites them); padding sessions run on the pool's scratch slot, which no session holds.
 Nothing of a call is read on the host inside the body.
