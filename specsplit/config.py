@@ -169,7 +169,8 @@ class WorkerSettings(SessionLimitSettings):
     draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576, description=(
         "Long contexts: past sink + window cached tokens, draft forwards attend only to the first "
         "SPECSPLIT_DRAFT_SINK_TOKENS and the last this many (0: the whole context). Never changes the output: "
-        "the draft only proposes."))
+        "the draft only proposes. Not applied where the draft replays CUDA graphs (a KV pool on CUDA): there a "
+        "replay over the whole cache costs less than a windowed forward, which runs eagerly."))
     draft_sink_tokens: int = Field(default=64, ge=0, le=65_536, description=(
         "The first context tokens a windowed draft forward still attends to (SPECSPLIT_DRAFT_WINDOW_TOKENS)."))
     draft_engine: Literal["torch", "llamacpp"] = Field(default="torch", description=(

@@ -47,6 +47,38 @@ def test_windowed_forward_equals_masking_the_middle(attn):
     assert not torch.allclose(logits[0], logits[2], atol=1e-3)  # the window did leave something out
 
 
+def test_a_draft_on_graphs_attends_to_the_whole_cache():
+    """Where the draft replays graphs (a KV pool; "static" runs the same bodies on CPU) the window
+    is not applied: a long context's forwards go through the graphs, as the whole-cache draft's
+    do, with its logits; without graphs the window applies."""
+    from dataclasses import replace
+
+    from specsplit.engine.kvpool import GB, pool_shape
+
+    model = tiny_model("qwen2", seed=5)
+    limits = EngineLimits(max_session_tokens=256, max_sessions=2)
+    pooled = replace(limits, kv_pool_gb=3 * pool_shape(model, 256, torch.float32).slot_bytes / GB)
+    window = DraftWindow(sink_tokens=8, window_tokens=32)
+    graphed = DraftEngine(model, replace(pooled, graphs="static"), window=window)
+    windowed = DraftEngine(model, pooled, window=window)
+    whole = DraftEngine(model, limits, window=None)
+    prompt = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens, parents = [3, 5, 7, 9], [-1, 0, 0, 1]
+    pos = torch.tensor([100 + d for d in (0, 1, 1, 2)])
+    visible = torch.cat([torch.ones(len(tokens), 100, dtype=torch.bool),
+                         linear_then_tree(0, parents, torch.device("cpu"))], dim=1)
+    logits = []
+    for eng in (graphed, windowed, whole):
+        kv = eng.store.get_or_create("s").kv
+        eng.forward_linear(kv, prompt, chunk=200)
+        served = eng.graphs.served if eng.graphs else 0
+        logits.append(eng.forward(kv, tokens, pos, visible, keep=len(tokens)))
+        if eng is graphed:
+            assert eng.graphs.served == served + 1  # through a bucket, not an eager windowed forward
+    torch.testing.assert_close(logits[0], logits[2], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(logits[1], logits[2], atol=1e-3)  # without graphs the window applies
+
+
 def test_generation_through_a_windowed_draft_equals_greedy():
     target = tiny_model("llama", seed=21)
     draft = perturbed(target, seed=22, noise=0.004)

@@ -133,8 +133,11 @@ class DraftEngine(Engine):
     def forward(self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor,
                 keep: int, **model_kwargs) -> torch.Tensor:
         """``Engine.forward``; past the window's reach, attending to sinks + the recent window
-        only (a batched forward, ``forward_segments``, always attends to the whole cache)."""
-        bounds = self.window.bounds(kv.length) if self._window_attention else None
+        only (a batched forward, ``forward_segments``, always attends to the whole cache). On
+        CUDA graphs the window is not applied: it bounds what attention costs where that grows
+        with the context (a CPU), while a windowed forward fits no graph and would run eagerly,
+        several times a replay over the whole cache on the H200 (docs/results.md, GPU)."""
+        bounds = self.window.bounds(kv.length) if self._window_attention and self.graphs is None else None
         if bounds is None:
             return super().forward(kv, token_ids, position_ids, visible, keep, **model_kwargs)
         with using_attention(self.model, self._window_attention):
