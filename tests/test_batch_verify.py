@@ -277,3 +277,20 @@ def test_select_fused_takes_each_sessions_first_batchable_request_only():
             NS(session_id="c", ok=True), NS(session_id="b", ok=True), NS(ok=True)]
     assert select_fused(reqs, lambda r: r.ok) == [0, 3, 5]
     assert select_fused([], lambda r: True) == []
+
+
+def test_a_batched_forward_waits_for_the_device_once_for_all_its_replies():
+    """The members of one batched forward share one wait for the device (``elapsed_ms``): one
+    device synchronization for their replies, which report the same ms, where a wait per reply
+    cost each member a synchronization; a request verified alone still waits once for itself."""
+    model = tiny_model("llama", seed=6)
+    (_, batched), held = _engines_with_sessions(model)
+    reqs = _mixed_batch(held)
+    waits = []
+    batched.backend.synchronize = lambda: waits.append(1)  # an accelerator's wait for its queue
+    got = batched.verify_batch(reqs)
+    shared = [got[i] for i in (0, 4, 8)]
+    alone = [g for i, g in enumerate(got) if isinstance(g, VerifyReply) and i not in (0, 4, 8)]
+    assert all(isinstance(g, VerifyReply) for g in shared) and alone
+    assert len({g.verify_ms for g in shared}) == 1
+    assert len(waits) == 1 + len(alone), (len(waits), len(alone))

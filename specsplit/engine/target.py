@@ -82,9 +82,11 @@ class TargetEngine(Engine):
         return self.guarded(session, run)
 
     def reply_for(self, req: VerifyRequest, out: Outcome, cache_len: int, t0: float, *,
-                  batch_tokens: int | None = None, batch_size: int = 1) -> VerifyReply:
+                  batch_tokens: int | None = None, batch_size: int = 1,
+                  verify_ms: float | None = None) -> VerifyReply:
         """The reply; ``batch_tokens`` / ``batch_size`` describe the forward that served it (by
-        default this round's own: its forwarded tokens, one session)."""
+        default this round's own: its forwarded tokens, one session); ``verify_ms`` measured
+        already (a batch's), else since ``t0`` once the device is done."""
         accepted = out.verdict.path[1:]
         if batch_tokens is None:
             batch_tokens = out.forward_tokens or len(req.sync.append_token_ids) + req.tree.num_nodes
@@ -95,7 +97,7 @@ class TargetEngine(Engine):
             accepted_nodes=accepted,
             bonus_token_id=out.verdict.bonus,
             cache_len=cache_len,
-            verify_ms=self.elapsed_ms(t0),
+            verify_ms=self.elapsed_ms(t0) if verify_ms is None else verify_ms,
             partial=out.partial,
             rollback_len=out.rollback_len,
             confirmed_len=out.confirmed_len,

@@ -113,13 +113,18 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
         return
     tokens = sum(len(m.segment.token_ids) for m in members)  # the shared forward's, every member's reply says
     argmax = greedy_argmax(members, logits)
+    done = []
     for m, lg, am in zip(members, logits, argmax):
         try:
-            out = engine.guarded(m.session, lambda m=m, lg=lg, am=am: _finish(engine, m, lg, am))
-            replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0,
-                                                batch_tokens=tokens, batch_size=len(members))
+            done.append((m, engine.guarded(m.session, lambda m=m, lg=lg, am=am: _finish(engine, m, lg, am))))
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+    # one wait for the device for every reply: one forward served them all (a wait per reply
+    # cost each member a device synchronization)
+    ms = engine.elapsed_ms(t0)
+    for m, out in done:
+        replies[m.index] = engine.reply_for(m.req, out, engine.committed_len(m.session), t0,
+                                            batch_tokens=tokens, batch_size=len(members), verify_ms=ms)
 
 
 def greedy_argmax(members: list[_Member], logits: list) -> list[list[int] | None]:
