@@ -133,3 +133,22 @@ def test_draft_errors_stay_per_request(models, fail_forward):
     for sid in ("a", "d", "new"):
         kv_close(alone, batched, sid)
 
+
+
+def test_a_lockstep_waits_for_the_device_once_for_all_its_replies(models):
+    """The members of a lockstep batch leave together and share one wait for the device: one
+    synchronization for all their replies, which report the same ms (a wait per member cost each
+    a synchronization); a request drafted alone still waits once for itself."""
+    draft = DraftEngine(models["qwen2"][1], LIMITS)
+    held = {sid: _started(draft, sid, n) for sid, n in (("a", 9), ("b", 14), ("c", 5))}
+    reqs = [DraftRequest(session_id=sid, round=1, sync=CacheSync(base_len=n), root=7,
+                         tree=TreeSpec(max_nodes=8, max_depth=4, branch=2)) for sid, n in held.items()]
+    reqs.append(DraftRequest(session_id="d", round=0, sync=CacheSync(base_len=0, append_token_ids=list(range(1, 9))),
+                             root=3, tree=TreeSpec(max_nodes=4, max_depth=2, branch=2), sampling=SAMPLED))  # alone
+    waits = []
+    draft.backend.synchronize = lambda: waits.append(1)  # an accelerator's wait for its queue
+    sizes = spy_batches(draft)
+    got = draft.draft_batch(reqs)
+    assert all(isinstance(g, DraftReply) for g in got) and max(sizes) == 3
+    assert len({g.draft_ms for g in got[:3]}) == 1 and got[0].draft_ms > 0
+    assert len(waits) == 2, waits  # the lockstep's three replies, then d's

@@ -88,9 +88,12 @@ class DraftEngine(Engine):
         )
         return self.open_session(req.session_id, req.round, req.sync, 1 + spec.branch * spec.max_depth), spec
 
-    def reply_for(self, req: DraftRequest, tree: FlatTree, reused: int, t0: float) -> DraftReply:
-        return DraftReply(session_id=req.session_id, round=req.round, tree=tree, draft_ms=self.elapsed_ms(t0),
-                          reused_nodes=reused)
+    def reply_for(self, req: DraftRequest, tree: FlatTree, reused: int, t0: float,
+                  draft_ms: float | None = None) -> DraftReply:
+        """The reply; ``draft_ms`` measured already (a lockstep batch's), else since ``t0`` once
+        the device is done."""
+        return DraftReply(session_id=req.session_id, round=req.round, tree=tree, reused_nodes=reused,
+                          draft_ms=self.elapsed_ms(t0) if draft_ms is None else draft_ms)
 
     def drive(self, steps: Forwards[T]) -> T:
         """Run a generator of forwards alone: each Segment it yields is forwarded on its own."""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
-from schemas import DraftRequest, Message
+from schemas import DraftReply, DraftRequest, Message
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
 from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
 from specsplit.engine.store import Session
@@ -60,6 +60,12 @@ def draft_batch(engine, requests: Sequence[Message]) -> list[Message]:
         for m in members:
             m.steps.close()  # a no-op once finished
             m.session.lock.release()
+    # one wait for the device for every member's reply (they leave together): a wait per member
+    # cost each a device synchronization
+    ms = engine.elapsed_ms(t0)
+    for m in members:
+        if isinstance(replies[m.index], DraftReply):
+            replies[m.index] = replies[m.index].model_copy(update={"draft_ms": ms})
     for i in sorted(set(range(len(requests))) - set(fused)):
         replies[i] = engine.handle(requests[i])
     return replies
@@ -103,7 +109,7 @@ def _advance(engine, m: _Member, logits, replies: list, t0: float, alone: bool =
                 m.pending = m.steps.send(lg)
             except StopIteration as done:
                 tree, reused = done.value
-                replies[m.index] = engine.reply_for(m.req, tree, reused, t0)
+                replies[m.index] = engine.reply_for(m.req, tree, reused, t0, draft_ms=0.0)  # ms: draft_batch
                 return False
             if not alone:
                 return True
