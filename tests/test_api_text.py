@@ -91,3 +91,19 @@ def test_real_tokenizer_streamed_equals_whole(tiny_tokenizer):
         dec = IncrementalDecoder(tok.decode, context=tok.encode("Q: "))
         got = "".join(dec.push(ids[i:i + step]) for i in range(0, len(ids), step)) + dec.finish()
         assert got == whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=30)
+       | st.text(alphabet=st.sampled_from(["a", "\n", "\r", "\x0b", "\x1c", "\x85", "\u2028", "\u2029", "é"]),
+                 max_size=12))
+def test_a_streamed_event_is_one_line_whatever_its_text(text):
+    """A server-sent event's JSON keeps every line break of its text escaped, including the ones
+    JSON leaves raw (U+0085, U+2028, U+2029) that str.splitlines() (httpx's iter_lines) ends a line
+    at: a reader that splits lines gets the event whole, and the same text back."""
+    from specsplit.api.server import sse
+
+    event = sse({"choices": [{"text": text}]}).decode()
+    lines = event.splitlines()
+    assert event.endswith("\n\n") and len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):]) == {"choices": [{"text": text}]}

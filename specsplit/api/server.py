@@ -185,8 +185,15 @@ class EventStream(StreamingResponse):
             self._release()
 
 
+# characters JSON leaves raw that str.splitlines() ends a line at (httpx's iter_lines, many SSE
+# readers): in an event's data they are written as JSON escapes, so an event stays one line
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event: ``data: <JSON>`` on one line whatever the text holds."""
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + data.encode() + b"\n\n"
 
 
 async def watch_disconnect(request: Request) -> None:
