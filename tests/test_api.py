@@ -6,7 +6,6 @@ decoding of the target; every error against OpenAI's status and body."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -15,99 +14,57 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from specsplit.launch import free_ports, port_is_free, scrape
-from tests.conftest import greedy_reference, wait_until
-from tests.honcho_fleet import honcho_fleet, honcho_log, stop_honcho
+from specsplit.launch import free_ports, scrape
+from tests.api_fleet import (
+    LONG,
+    MAX_BODY,
+    WORKER_METRICS,
+    api_error,
+    api_fleet,
+    api_health,
+    api_process,
+    expected,
+    moved_off_a_stalled_worker,
+    openai_client,
+    orchestrator_cancelled,
+    post_json,
+    rss_kb,
+    scrape_api,
+    stop_process,
+    target_sessions,
+    tiny_pair,
+    worker_sessions,
+)
+from tests.conftest import wait_until
+from tests.honcho_fleet import honcho_log
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
-MAX_BODY = 65536
-# the tiny target's greedy answer to this prompt runs 2,915 tokens before its end token: a
-# generation that is still streaming when a test acts on it
-LONG = {"prompt": [5, 17, 99, 3, 250], "max_tokens": 2900, "temperature": 0, "stream": True}
-
-
-def _metrics_base() -> int:
-    """A base port whose target and draft metrics ports (base + 300 / 400, instances 1-2) are free."""
-    for _ in range(100):
-        base = random.randrange(20000, 40000)
-        if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):
-            return base
-    raise RuntimeError("no free metrics ports")
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from specsplit.api.tokenizer import ServedTokenizer
-    from specsplit.models import ModelSettings, load_model, resolve_model_paths
-
-    paths = resolve_model_paths(ModelSettings(preset="tiny"))
-    model, _ = load_model(paths.target)
-    return model, ServedTokenizer(paths.target), paths
-
-
-SLOW_CLIENT_S = 4  # the fleet's header and body timeouts
+    return tiny_pair()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny):
-    tmp = tmp_path_factory.mktemp("api")
-    base = _metrics_base()
-    proc, ports, env = honcho_fleet(tmp, "draft=1,target=2,orchestrator=1,api=1", SPECSPLIT_ORCHESTRATOR_COUNT="1",
-                                    SPECSPLIT_API_MAX_BODY_BYTES=str(MAX_BODY), SPECSPLIT_METRICS_PORT=str(base),
-                                    SPECSPLIT_RPC_TIMEOUT_S="60",
-                                    # the slow-client test waits these out (defaults 10 and 30 s)
-                                    SPECSPLIT_API_HEADER_TIMEOUT_S=str(SLOW_CLIENT_S),
-                                    SPECSPLIT_API_BODY_TIMEOUT_S=str(SLOW_CLIENT_S))
-    url = f"http://127.0.0.1:{ports['api']}"
-    try:
-        wait_until(lambda: _health(url) == 200 or proc.poll() is not None, 240, "the API serves")
-        assert proc.poll() is None, honcho_log(tmp)[-3000:]
-        yield {"url": url, "tmp": tmp, "proc": proc, "env": env, "ports": ports, "metrics": base}
-    finally:
-        stop_honcho(proc)
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code
-    except httpx.HTTPError:
-        return 0
-
-
-def _model(fleet) -> str:
-    return httpx.get(f"{fleet['url']}/v1/models", timeout=5).json()["data"][0]["id"]
-
-
-def expected(model, tok, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding of the target, ended at the first stop id (included), as the fleet ends it."""
-    ids, _ = greedy_reference(model, prompt, n)
-    for i, t in enumerate(ids):
-        if t in tok.stop_token_ids:
-            return ids[:i + 1]
-    return ids
-
-
-def _client(fleet, **kw):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{fleet['url']}/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+def fleet(tmp_path_factory, tiny):  # tiny first: it provisions the pair the fleet loads
+    yield from api_fleet(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------- answers
 def test_models_and_health(fleet):
-    assert _health(fleet["url"]) == 200
-    models = _client(fleet).models.list()
+    assert api_health(fleet["url"]) == 200
+    models = openai_client(fleet).models.list()
     assert [m.id for m in models.data] == ["tiny-v1"]
 
 
 def test_completion_greedy_equals_target_and_stream_equals_whole(fleet, tiny):
     model, tok, _ = tiny
-    client = _client(fleet)
+    client = openai_client(fleet)
     for seed in range(3):
         rng = random.Random(seed)
         prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(3, 20))]
@@ -130,7 +87,7 @@ def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
     model, tok, _ = tiny
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count: one two"}]
     want = tok.decode(expected(model, tok, tok.encode_chat(messages), 32))
-    whole = _client(fleet).chat.completions.create(model="tiny-v1", messages=messages, max_tokens=32,
+    whole = openai_client(fleet).chat.completions.create(model="tiny-v1", messages=messages, max_tokens=32,
                                                    temperature=0)
     assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
 
@@ -149,7 +106,7 @@ def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
 
 def test_stop_string_cuts_exactly_where_it_begins(fleet, tiny):
     model, tok, _ = tiny
-    client = _client(fleet)
+    client = openai_client(fleet)
     prompt = [5, 17, 99, 3, 250]
     full = tok.decode(expected(model, tok, prompt, 48))
     assert len(full) > 12, full
@@ -163,7 +120,7 @@ def test_stop_string_cuts_exactly_where_it_begins(fleet, tiny):
 
 
 def test_same_seed_same_sample_and_n_choices(fleet):
-    client = _client(fleet)
+    client = openai_client(fleet)
     kw = dict(model="tiny-v1", prompt="hello there", max_tokens=24, temperature=0.9, top_p=0.95)
     a = client.completions.create(seed=1234, **kw)
     b = client.completions.create(seed=1234, **kw)
@@ -205,52 +162,35 @@ def test_64_concurrent_streams_complete_with_nothing_lost(fleet, tiny):
 
 
 # ---------------------------------------------------------------------------- errors
-def _post(fleet, path: str, body, **kw) -> httpx.Response:
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(f"{fleet['url']}{path}", content=data, headers={"content-type": "application/json"},
-                      timeout=60, **kw)
-
-
-def _err(resp: httpx.Response, status: int, param=None, code=None) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
 def test_error_bodies(fleet):
     ok = {"model": "tiny-v1", "prompt": "hi", "max_tokens": 2}
-    _err(_post(fleet, "/v1/completions", b"{not json"), 400, code="invalid_json")
-    _err(_post(fleet, "/v1/completions", b"[1, 2]"), 400)
-    _err(_post(fleet, "/v1/completions", {**ok, "max_tokens": "many"}), 400, param="max_tokens")
-    _err(_post(fleet, "/v1/completions", {**ok, "temperature": 7}), 400, param="temperature")
-    _err(_post(fleet, "/v1/completions", {"model": "tiny-v1"}), 400, param="prompt")
-    _err(_post(fleet, "/v1/completions", {**ok, "bogus": 1}), 400, param="bogus", code="unsupported_parameter")
+    api_error(post_json(fleet, "/v1/completions", b"{not json"), 400, code="invalid_json")
+    api_error(post_json(fleet, "/v1/completions", b"[1, 2]"), 400)
+    api_error(post_json(fleet, "/v1/completions", {**ok, "max_tokens": "many"}), 400, param="max_tokens")
+    api_error(post_json(fleet, "/v1/completions", {**ok, "temperature": 7}), 400, param="temperature")
+    api_error(post_json(fleet, "/v1/completions", {"model": "tiny-v1"}), 400, param="prompt")
+    api_error(post_json(fleet, "/v1/completions", {**ok, "bogus": 1}), 400, param="bogus", code="unsupported_parameter")
     for name, value in [("logprobs", 2), ("frequency_penalty", 0.5), ("presence_penalty", 1), ("logit_bias", {"1": 5}),
                         ("echo", True), ("best_of", 3), ("suffix", "x")]:
-        _err(_post(fleet, "/v1/completions", {**ok, name: value}), 400, param=name)
+        api_error(post_json(fleet, "/v1/completions", {**ok, name: value}), 400, param=name)
     chat = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}]}
     for name, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
                         ("response_format", {"type": "json_object"}), ("logprobs", True)]:
-        _err(_post(fleet, "/v1/chat/completions", {**chat, name: value}), 400, param=name)
-    _err(_post(fleet, "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}), 400,
+        api_error(post_json(fleet, "/v1/chat/completions", {**chat, name: value}), 400, param=name)
+    api_error(post_json(fleet, "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}), 400,
          param="messages")
-    _err(_post(fleet, "/v1/completions", {**ok, "prompt": [10**9]}), 400, param="prompt")
-    _err(_post(fleet, "/v1/completions", {**ok, "max_tokens": 10**6}), 400, code="context_length_exceeded")
-    _err(_post(fleet, "/v1/completions", {**ok, "model": "gpt-4"}), 404, param="model", code="model_not_found")
-    _err(httpx.get(f"{fleet['url']}/v1/nothing", timeout=10), 404)
+    api_error(post_json(fleet, "/v1/completions", {**ok, "prompt": [10**9]}), 400, param="prompt")
+    api_error(post_json(fleet, "/v1/completions", {**ok, "max_tokens": 10**6}), 400, code="context_length_exceeded")
+    api_error(post_json(fleet, "/v1/completions", {**ok, "model": "gpt-4"}), 404, param="model", code="model_not_found")
+    api_error(httpx.get(f"{fleet['url']}/v1/nothing", timeout=10), 404)
     # defaults the OpenAI SDKs send are honoured exactly (they mean "off")
-    fine = _post(fleet, "/v1/completions", {**ok, "frequency_penalty": 0, "logprobs": None, "echo": False})
+    fine = post_json(fleet, "/v1/completions", {**ok, "frequency_penalty": 0, "logprobs": None, "echo": False})
     assert fine.status_code == 200, fine.text
 
 
 def test_body_over_the_limit_is_refused_before_it_is_read(fleet):
     big = b'{"model": "tiny-v1", "prompt": "' + b"a" * (MAX_BODY + 10) + b'"}'
-    _err(_post(fleet, "/v1/completions", big), 413)
+    api_error(post_json(fleet, "/v1/completions", big), 413)
 
     def chunks():  # no Content-Length: counted while read
         yield b'{"model": "tiny-v1", "prompt": "'
@@ -258,7 +198,7 @@ def test_body_over_the_limit_is_refused_before_it_is_read(fleet):
             yield b"a" * 1024
         yield b'"}'
 
-    _err(httpx.post(f"{fleet['url']}/v1/completions", content=chunks(), timeout=30), 413)
+    api_error(httpx.post(f"{fleet['url']}/v1/completions", content=chunks(), timeout=30), 413)
 
 
 def test_slow_headers_and_body_time_out(fleet):
@@ -274,83 +214,27 @@ def test_slow_headers_and_body_time_out(fleet):
         assert b" 408 " in s.recv(4096).split(b"\r\n")[0]
 
 
-def _scrape_api(fleet) -> dict:
-    return scrape(f"{fleet['url']}/metrics")
-
-
-_WORKER_METRICS = (300, 400, 401)  # the workers' metrics ports, as offsets from the fleet's base
-
-
-def _worker_sessions(fleet, offsets=_WORKER_METRICS) -> float:
-    total = 0.0
-    for off in offsets:
-        total += sum(v for k, v in scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics").items()
-                     if k.startswith("specsplit:worker_sessions"))
-    return total
-
-
-def _orchestrator_cancelled(fleet) -> float:
-    """Sessions the orchestrator (its metrics port: base + 200) ended as cancelled."""
-    page = scrape(f"http://127.0.0.1:{fleet['metrics'] + 200}/metrics")
-    return page['specsplit:sessions_finished_total{finish_reason="cancelled"}']
-
-
 def test_client_disconnect_cancels_the_session_everywhere(fleet):
     body = {"model": "tiny-v1", **LONG}
-    cancelled_before = _orchestrator_cancelled(fleet)
+    cancelled_before = orchestrator_cancelled(fleet)
     with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-        assert _scrape_api(fleet)["specsplit:num_requests_running"] >= 1
+        assert scrape_api(fleet)["specsplit:num_requests_running"] >= 1
     # on events, not within a time: the orchestrator ended the session as cancelled (run out, it
     # would be "length": LONG is thousands of tokens from done), then the workers dropped it
-    wait_until(lambda: _orchestrator_cancelled(fleet) > cancelled_before, 60, "the orchestrator cancelled it")
-    wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 60, "running back to 0")
+    wait_until(lambda: orchestrator_cancelled(fleet) > cancelled_before, 60, "the orchestrator cancelled it")
+    wait_until(lambda: scrape_api(fleet)["specsplit:num_requests_running"] == 0, 60, "running back to 0")
     try:
-        wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on the workers")
+        wait_until(lambda: worker_sessions(fleet) == 0, 60, "no session left on the workers")
     except TimeoutError:  # name where, and whether a worker left and came back meanwhile
-        held = {port: _worker_sessions(fleet, (port,)) for port in _WORKER_METRICS}
+        held = {port: worker_sessions(fleet, (port,)) for port in WORKER_METRICS}
         moves = [line for line in honcho_log(fleet["tmp"]).splitlines()
                  if "worker_expired" in line or "inflight_failed" in line or "worker_admitted" in line]
         raise AssertionError(f"sessions left by metrics port offset: {held}; worker moves: {moves[-20:]}") from None
-    assert _scrape_api(fleet)['specsplit:request_success_total{finished_reason="abort"}'] >= 1
-
-
-def _target_sessions(fleet, slot: int) -> float:
-    return _worker_sessions(fleet, (400 + slot - 1,))
-
-
-@contextlib.contextmanager
-def _moved_off_a_stalled_worker(fleet):
-    """A LONG stream whose target worker is SIGSTOPped until the router expires it and the other
-    worker serves the session (events, not times). Yields (stalled slot, other slot, resume,
-    leave): ``resume()`` SIGCONTs the stalled worker (also done on the way out), ``leave()``
-    closes the stream as a client that goes away (also done on the way out)."""
-    from tests.honcho_fleet import worker_pid
-
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session from earlier tests")
-    stalled: list[int] = []
-
-    def resume() -> None:
-        while stalled:
-            os.kill(stalled.pop(), signal.SIGCONT)
-
-    try:
-        with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG},
-                          timeout=120) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            assert any(next(lines).startswith("data: {") for _ in range(6))
-            home = wait_until(lambda: next((n for n in (1, 2) if _target_sessions(fleet, n) == 1), None), 60,
-                              "a target worker holds the session")
-            stalled.append(worker_pid(fleet["proc"].pid, f"target.{home}"))
-            os.kill(stalled[0], signal.SIGSTOP)
-            wait_until(lambda: _target_sessions(fleet, 3 - home) == 1, 60, "the other worker serves the session")
-            yield home, 3 - home, resume, resp.close
-    finally:
-        resume()
+    assert scrape_api(fleet)['specsplit:request_success_total{finished_reason="abort"}'] >= 1
 
 
 def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
@@ -363,7 +247,7 @@ def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
 
     router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
     expired = scrape(router)['specsplit:router_workers_expired_total{service="target"}']
-    with _moved_off_a_stalled_worker(fleet) as (home, other, resume, _):
+    with moved_off_a_stalled_worker(fleet) as (home, other, resume, _):
         assert scrape(router)['specsplit:router_workers_expired_total{service="target"}'] == expired + 1
         orch = worker_pid(fleet["proc"].pid, "orchestrator.1")
         os.kill(orch, signal.SIGSTOP)  # the session waits here until the stalled worker is back
@@ -371,11 +255,11 @@ def test_a_stalled_worker_back_leaves_no_session_behind(fleet):
             resume()
             wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
                        "the stalled worker admitted again")
-            assert _target_sessions(fleet, home) == _target_sessions(fleet, other) == 1  # a cache on each
+            assert target_sessions(fleet, home) == target_sessions(fleet, other) == 1  # a cache on each
         finally:
             os.kill(orch, signal.SIGCONT)
     # the client left: the session ends as cancelled, and its caches go from both workers
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on either worker")
+    wait_until(lambda: worker_sessions(fleet) == 0, 60, "no session left on either worker")
     assert scrape(router)['specsplit:router_end_session_copies_total{service="target"}'] >= 1
 
 
@@ -383,67 +267,47 @@ def test_a_session_that_ends_while_its_worker_is_away_is_ended_there_when_it_is_
     """As above, but the session ends while the stalled worker is still away: the router keeps
     the END_SESSION for the expired worker and sends it when the worker is admitted again."""
     router = f"http://127.0.0.1:{fleet['metrics'] + 100}/metrics"
-    with _moved_off_a_stalled_worker(fleet) as (_, other, resume, leave):
+    with moved_off_a_stalled_worker(fleet) as (_, other, resume, leave):
         leave()  # the session ends while its first worker is still stopped
-        wait_until(lambda: _target_sessions(fleet, other) == 0, 60, "the session ended on the other worker")
+        wait_until(lambda: target_sessions(fleet, other) == 0, 60, "the session ended on the other worker")
         resume()
     wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
                "the stalled worker admitted again")
-    wait_until(lambda: _worker_sessions(fleet) == 0, 60, "no session left on either worker")
+    wait_until(lambda: worker_sessions(fleet) == 0, 60, "no session left on either worker")
 
 
 # ---------------------------------------------------------------------------- more API processes
-def _api_process(fleet, tmp: Path, name: str, **settings) -> tuple[subprocess.Popen, str]:
-    port = free_ports(1)[0]
-    env = {**fleet["env"], "SPECSPLIT_API_PORT": str(port), "SPECSPLIT_SUPERVISE": "false", **settings}
-    log = open(tmp / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "api"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait(timeout=10)
-
-
 def test_api_keys_are_required_when_on(fleet, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# keys\nsk-one\n\nsk-two\n")
-    proc, url = _api_process(fleet, tmp_path, "keyed", SPECSPLIT_API_KEYS_FILE=str(keys))
+    proc, url = api_process(fleet, tmp_path, "keyed", SPECSPLIT_API_KEYS_FILE=str(keys))
     try:
-        wait_until(lambda: _health(url) == 200 or proc.poll() is not None, 120, "keyed API serves")
+        wait_until(lambda: api_health(url) == 200 or proc.poll() is not None, 120, "keyed API serves")
         body = {"model": "tiny-v1", "prompt": "hi", "max_tokens": 2}
-        _err(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 401, code="invalid_api_key")
-        _err(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"},
+        api_error(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 401, code="invalid_api_key")
+        api_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"},
                         timeout=30), 401)
         ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-two"}, timeout=60)
         assert ok.status_code == 200, ok.text
     finally:
-        assert _stop(proc) == 0
+        assert stop_process(proc) == 0
 
 
 def test_binding_beyond_loopback_without_keys_is_refused(fleet, tmp_path):
-    proc, _ = _api_process(fleet, tmp_path, "public", SPECSPLIT_API_HOST="0.0.0.0")
+    proc, _ = api_process(fleet, tmp_path, "public", SPECSPLIT_API_HOST="0.0.0.0")
     assert proc.wait(timeout=60) == 2
     assert "requires API keys" in (tmp_path / "public.log").read_text()
 
 
 def test_no_orchestrator_is_503(fleet, tmp_path):
     dead = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    proc, url = _api_process(fleet, tmp_path, "orphan", SPECSPLIT_ORCHESTRATOR=dead)
+    proc, url = api_process(fleet, tmp_path, "orphan", SPECSPLIT_ORCHESTRATOR=dead)
     try:
-        wait_until(lambda: _health(url) == 503, 60, "the API answers 503")
+        wait_until(lambda: api_health(url) == 503, 60, "the API answers 503")
         wait_until(lambda: "loading" not in httpx.get(f"{url}/health", timeout=5).text, 60, "tokenizer loaded")
-        _err(httpx.post(f"{url}/v1/completions", json={"model": "tiny-v1", "prompt": "hi"}, timeout=30), 503)
+        api_error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-v1", "prompt": "hi"}, timeout=30), 503)
     finally:
-        assert _stop(proc) == 0
+        assert stop_process(proc) == 0
 
 
 def test_another_tokenizer_is_refused_naming_both(fleet, tiny, tmp_path):
@@ -454,7 +318,7 @@ def test_another_tokenizer_is_refused_naming_both(fleet, tiny, tmp_path):
     data["added_tokens"].append({**data["added_tokens"][-1], "id": data["added_tokens"][-1]["id"] + 1,
                                  "content": "<|not-the-fleet's|>"})
     (other / "tokenizer.json").write_text(json.dumps(data))
-    proc, _ = _api_process(fleet, tmp_path, "other", SPECSPLIT_TARGET_MODEL=str(other))
+    proc, _ = api_process(fleet, tmp_path, "other", SPECSPLIT_TARGET_MODEL=str(other))
     assert proc.wait(timeout=120) == 2
     log = (tmp_path / "other.log").read_text()
     assert "tokenizer_mismatch" in log and tok.fingerprint in log
@@ -471,27 +335,20 @@ def test_orchestrator_overload_is_429_with_retry_after(fleet, tmp_path):
     orch = subprocess.Popen([sys.executable, "-m", "specsplit", "orchestrator"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    proc, url = _api_process(fleet, tmp_path, "small", SPECSPLIT_ORCHESTRATOR=f"tcp://127.0.0.1:{port}")
+    proc, url = api_process(fleet, tmp_path, "small", SPECSPLIT_ORCHESTRATOR=f"tcp://127.0.0.1:{port}")
     try:
-        wait_until(lambda: _health(url) == 200, 120, "the API on the small orchestrator serves")
+        wait_until(lambda: api_health(url) == 200, 120, "the API on the small orchestrator serves")
         long = {"model": "tiny-v1", **LONG}
         with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as first:
             assert first.status_code == 200
             lines = first.iter_lines()  # (kept: a dropped iterator closes the connection)
             next(lines)
             refused = httpx.post(f"{url}/v1/completions", json={**long, "stream": False}, timeout=30)
-            _err(refused, 429, code="rate_limit_exceeded")
+            api_error(refused, 429, code="rate_limit_exceeded")
             assert refused.headers["retry-after"] == "1"
     finally:
-        assert _stop(proc) == 0
-        _stop(orch)
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise LookupError(pid)
+        assert stop_process(proc) == 0
+        stop_process(orch)
 
 
 @pytest.mark.timeout(600)
@@ -522,11 +379,11 @@ def test_api_rss_is_flat_over_2000_requests(fleet):
         return ok
 
     assert asyncio.run(burst(500, 0)) == 500
-    before = _rss_kb(pid)
+    before = rss_kb(pid)
     samples = []
     for k in range(3):
         assert asyncio.run(burst(500, k)) == 500
-        samples.append(_rss_kb(pid))
+        samples.append(rss_kb(pid))
     print(f"API RSS after 500 requests {before} kB, after 1000/1500/2000: {samples} kB")
     assert max(samples) <= before * 1.05, (before, samples)
-    wait_until(lambda: _scrape_api(fleet)["specsplit:num_requests_running"] == 0, 10, "nothing left running")
+    wait_until(lambda: scrape_api(fleet)["specsplit:num_requests_running"] == 0, 10, "nothing left running")

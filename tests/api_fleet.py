@@ -1,0 +1,193 @@
+"""The fleet tests/test_api.py runs against (``honcho start`` of the Procfile and .env, the
+``api`` line included, tiny fp32 pair, free ports) and the helpers its tests share: metrics, raw
+HTTP, OpenAI error bodies, more API processes. test_api.py wraps ``tiny_pair`` and ``api_fleet``
+in module-scoped fixtures, so it still starts one fleet."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from specsplit.launch import free_ports, port_is_free, scrape
+from tests.conftest import greedy_reference, wait_until
+from tests.honcho_fleet import honcho_fleet, honcho_log, stop_honcho
+
+MAX_BODY = 65536
+# the tiny target's greedy answer to this prompt runs 2,915 tokens before its end token: a
+# generation that is still streaming when a test acts on it
+LONG = {"prompt": [5, 17, 99, 3, 250], "max_tokens": 2900, "temperature": 0, "stream": True}
+
+
+def metrics_base() -> int:
+    """A base port whose target and draft metrics ports (base + 300 / 400, instances 1-2) are free."""
+    for _ in range(100):
+        base = random.randrange(20000, 40000)
+        if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):
+            return base
+    raise RuntimeError("no free metrics ports")
+
+
+def tiny_pair():
+    """(the tiny target model, its served tokenizer, the pair's paths)."""
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
+
+    paths = resolve_model_paths(ModelSettings(preset="tiny"))
+    model, _ = load_model(paths.target)
+    return model, ServedTokenizer(paths.target), paths
+
+
+SLOW_CLIENT_S = 4  # the fleet's header and body timeouts
+
+
+def api_fleet(tmp_path_factory):
+    """The fleet, yielded as {url, tmp, proc, env, ports, metrics}; stopped on the way out."""
+    tmp = tmp_path_factory.mktemp("api")
+    base = metrics_base()
+    proc, ports, env = honcho_fleet(tmp, "draft=1,target=2,orchestrator=1,api=1", SPECSPLIT_ORCHESTRATOR_COUNT="1",
+                                    SPECSPLIT_API_MAX_BODY_BYTES=str(MAX_BODY), SPECSPLIT_METRICS_PORT=str(base),
+                                    SPECSPLIT_RPC_TIMEOUT_S="60",
+                                    # the slow-client test waits these out (defaults 10 and 30 s)
+                                    SPECSPLIT_API_HEADER_TIMEOUT_S=str(SLOW_CLIENT_S),
+                                    SPECSPLIT_API_BODY_TIMEOUT_S=str(SLOW_CLIENT_S))
+    url = f"http://127.0.0.1:{ports['api']}"
+    try:
+        wait_until(lambda: api_health(url) == 200 or proc.poll() is not None, 240, "the API serves")
+        assert proc.poll() is None, honcho_log(tmp)[-3000:]
+        yield {"url": url, "tmp": tmp, "proc": proc, "env": env, "ports": ports, "metrics": base}
+    finally:
+        stop_honcho(proc)
+
+
+def api_health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def served_model(fleet) -> str:
+    return httpx.get(f"{fleet['url']}/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def expected(model, tok, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of the target, ended at the first stop id (included), as the fleet ends it."""
+    ids, _ = greedy_reference(model, prompt, n)
+    for i, t in enumerate(ids):
+        if t in tok.stop_token_ids:
+            return ids[:i + 1]
+    return ids
+
+
+def openai_client(fleet, **kw):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{fleet['url']}/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def post_json(fleet, path: str, body, **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{fleet['url']}{path}", content=data, headers={"content-type": "application/json"},
+                      timeout=60, **kw)
+
+
+def api_error(resp: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def scrape_api(fleet) -> dict:
+    return scrape(f"{fleet['url']}/metrics")
+
+
+WORKER_METRICS = (300, 400, 401)  # the workers' metrics ports, as offsets from the fleet's base
+
+
+def worker_sessions(fleet, offsets=WORKER_METRICS) -> float:
+    total = 0.0
+    for off in offsets:
+        total += sum(v for k, v in scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics").items()
+                     if k.startswith("specsplit:worker_sessions"))
+    return total
+
+
+def orchestrator_cancelled(fleet) -> float:
+    """Sessions the orchestrator (its metrics port: base + 200) ended as cancelled."""
+    page = scrape(f"http://127.0.0.1:{fleet['metrics'] + 200}/metrics")
+    return page['specsplit:sessions_finished_total{finish_reason="cancelled"}']
+
+
+def target_sessions(fleet, slot: int) -> float:
+    return worker_sessions(fleet, (400 + slot - 1,))
+
+
+@contextlib.contextmanager
+def moved_off_a_stalled_worker(fleet):
+    """A LONG stream whose target worker is SIGSTOPped until the router expires it and the other
+    worker serves the session (events, not times). Yields (stalled slot, other slot, resume,
+    leave): ``resume()`` SIGCONTs the stalled worker (also done on the way out), ``leave()``
+    closes the stream as a client that goes away (also done on the way out)."""
+    from tests.honcho_fleet import worker_pid
+
+    wait_until(lambda: worker_sessions(fleet) == 0, 60, "no session from earlier tests")
+    stalled: list[int] = []
+
+    def resume() -> None:
+        while stalled:
+            os.kill(stalled.pop(), signal.SIGCONT)
+
+    try:
+        with httpx.stream("POST", f"{fleet['url']}/v1/completions", json={"model": "tiny-v1", **LONG},
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert any(next(lines).startswith("data: {") for _ in range(6))
+            home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
+                              "a target worker holds the session")
+            stalled.append(worker_pid(fleet["proc"].pid, f"target.{home}"))
+            os.kill(stalled[0], signal.SIGSTOP)
+            wait_until(lambda: target_sessions(fleet, 3 - home) == 1, 60, "the other worker serves the session")
+            yield home, 3 - home, resume, resp.close
+    finally:
+        resume()
+
+
+def api_process(fleet, tmp: Path, name: str, **settings) -> tuple[subprocess.Popen, str]:
+    port = free_ports(1)[0]
+    env = {**fleet["env"], "SPECSPLIT_API_PORT": str(port), "SPECSPLIT_SUPERVISE": "false", **settings}
+    log = open(tmp / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "api"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_process(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=10)
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise LookupError(pid)
