@@ -8,14 +8,16 @@
 #                                  64 MiB), under .whl/ (git-ignored)
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
 #                                  weights of the real configs, logs and JSON under $OUT:
-#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's and greedy equivalence), TESTS_S;
-#     2. COST_S > 0: `specsplit bench gpu` eager, on CUDA graphs of the model's modules (the target),
-#        and on graphs of the fused body (both roles: the issue's three bars), in one call;
-#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "fused transformers"):
+#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels' and
+#        greedy equivalence), TESTS_S;
+#     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs of the fused body in torch
+#        operations (the target), then on graphs of the fused body through the Triton kernels
+#        (both roles: the issue's three bars), in one call;
+#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton fused"):
 #        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
-#        (default "8:fused 8:transformers": graphs of each body; a pool of 0 runs eagerly), then
-#        the prompt-lookup trace (no draft: its verify-only figure is the fleet's), LOOKUP_S;
+#        (default "8:triton 8:fused": graphs of each body; a pool of 0 runs eagerly), then the
+#        prompt-lookup trace on the Triton body (no draft: its verify-only figure is the fleet's), LOOKUP_S;
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -23,7 +25,8 @@
 # Stop 51 (H200): steps 1-4 took ~20 + ~60 + ~25 + ~45 s at their defaults, model loads
 # included; the long-context sweep took ~110-150 s per attention (stops 37-38). Since the fused
 # body's A/B (a third cost run, a second probe, a replay per body) and the lookup trace's replay,
-# expect ~20 + ~90 + ~50 + ~130 s: give the defaults (steps 1-4) one 420 s call; add LONGCTX=1
+# expect ~20 + ~90 + ~50 + ~130 s, and Triton compiling its kernels on first use (~0.5-1 s per
+# variant, ~20 variants per process): give the defaults (steps 1-4) one 480 s call; add LONGCTX=1
 # only with a 600 s call (and LONGCTX_S, COST_S or REPLAY_S trimmed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,28 +60,30 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  timeout "${TESTS_S:-90}" python3 -m pytest -q -ra -p no:cacheprovider -k "cuda or cudnn" \
-    ${TESTS:-tests/test_graphs.py tests/test_fused.py tests/test_greedy_equivalence.py} 2>&1 | tee "$OUT/tests-cuda.log" | tail -8
+  # test_kernels: every test runs the compiled kernels on the device (its ahead-of-time compile check ran here)
+  timeout "${TESTS_S:-120}" python3 -m pytest -q -ra -p no:cacheprovider -k "(cuda or cudnn or kernels) and not compiles" \
+    ${TESTS:-tests/test_kernels.py tests/test_graphs.py tests/test_fused.py tests/test_greedy_equivalence.py} 2>&1 \
+    | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
   if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call
     timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
       --batch 1,16 --no-cuda-graphs --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-eager.json" 2>&1 \
       | grep -v '^target {' | tail -14
     timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
-      --batch 1,16 --graph-body transformers --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-modules.json" 2>&1 \
+      --batch 1,16 --graph-body fused --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-fused.json" 2>&1 \
       | grep -v '^target {' | tail -14
     timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
-      --tokens 1,4,16,64 --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
+      --tokens 1,4,16,64 --graph-body triton --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
       | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -34
   fi
   if [ "${PROBE_S:-40}" -gt 0 ]; then
-    for body in ${BODIES:-fused transformers}; do
+    for body in ${BODIES:-triton fused}; do
       timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
         --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels\|host top' | tail -9
     done
   fi
   if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
-    runs=(${REPLAY_RUNS:-8:fused 8:transformers})
+    runs=(${REPLAY_RUNS:-8:triton 8:fused})
     for run in "${runs[@]}"; do
       pool=${run%%:*} body=${run#*:}
       SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool SPECSPLIT_CUDA_GRAPH_BODY=$body \
@@ -88,7 +93,8 @@ run)
         --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
     # prompt lookup alone (no draft worker): the verify-only figure is the fleet's
-    SPECSPLIT_TARGET_KV_POOL_GB=8 timeout "${LOOKUP_S:-40}" python3 -m specsplit bench replay --device cuda $cfg \
+    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton timeout "${LOOKUP_S:-40}" \
+      python3 -m specsplit bench replay --device cuda $cfg \
       --trace tests/data/traces/humaneval0-9-qwen-coder-lookup-cpu2-amx.jsonl.gz --max-rounds "${LOOKUP_ROUNDS:-1000}" \
       --json "$OUT/gpu-replay-lookup.json" 2>&1 | grep -v "^replay: session" | head -4
   fi

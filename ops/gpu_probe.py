@@ -27,6 +27,7 @@ from specsplit.backends import CudaBackend  # noqa: E402
 from specsplit.bench.gpu import cell_call, prefill, random_model  # noqa: E402
 from specsplit.engine.base import EngineLimits  # noqa: E402
 from specsplit.engine.batch import Segment  # noqa: E402
+from specsplit.engine.graphs import BODIES  # noqa: E402
 from specsplit.engine.kvpool import GB, pool_shape  # noqa: E402
 from specsplit.engine.masks import causal  # noqa: E402
 from specsplit.engine.target import TargetEngine  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> int:
     p.add_argument("--target-config", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--compile-shapes", default="1x1,16x4")
-    p.add_argument("--body", default="fused", choices=["fused", "transformers"], help="what the graphs replay")
+    p.add_argument("--body", default="fused", choices=list(BODIES), help="what the graphs replay")
     args = p.parse_args()
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": CONTEXT,
                  "body": args.body}

@@ -16,6 +16,10 @@ import torch
 
 torch.set_num_threads(1)
 
+if not torch.cuda.is_available():  # Triton's kernels (specsplit.engine.kernels) run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specsplit.engine import kernels
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.batch import Segment
 from specsplit.engine.draft import DraftEngine
@@ -31,10 +32,11 @@ MODES = [pytest.param("static", id="static"),
              not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)"))]
 
 
-def graphed(limits: EngineLimits, model, slots: int, mode: str) -> EngineLimits:
-    """``limits`` with a pool of ``slots`` session slots (+ the scratch slot) and graphs ``mode``."""
+def graphed(limits: EngineLimits, model, slots: int, mode: str, body: str = "fused") -> EngineLimits:
+    """``limits`` with a pool of ``slots`` session slots (+ the scratch slot) and graphs ``mode``
+    replaying ``body``."""
     shape = pool_shape(model, limits.max_session_tokens, next(model.parameters()).dtype)
-    return replace(limits, kv_pool_gb=(slots + 1) * shape.slot_bytes / GB, graphs=mode)
+    return replace(limits, kv_pool_gb=(slots + 1) * shape.slot_bytes / GB, graphs=mode, graph_body=body)
 
 
 def device_of(mode: str) -> torch.device:
@@ -46,21 +48,22 @@ def test_buckets():
     assert key_buckets(600) == (256, 512, 600) and key_buckets(160) == (160,) and key_buckets(512) == (256, 512)
 
 
-@pytest.mark.parametrize("body", ["fused", "transformers"])
+@pytest.mark.parametrize("body", ["triton", "fused", "transformers"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
     """Linear tokens then trees, 1 to 40 new tokens, on caches crossing the key buckets: the
     graph body's logits and caches equal the eager forward's, whether the forward passes its
     visibility as a tensor or describes it on the host (``TreeInputs``: the compact inputs), and
-    a padded bucket wrote nothing a session reads; for the fused body (the default) and for the
-    model's own modules."""
+    a padded bucket wrote nothing a session reads; for the fused body (the default), its Triton
+    kernels and the model's own modules."""
     dev = device_of(mode)
     target = on_device(models[family][0], dev)
     eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 2, "off").kv_pool_gb))
     fast = TargetEngine(target, replace(graphed(LIMITS, target, 2, mode), graph_body=body))
     assert fast.graphs is not None and eager.graphs is None
-    assert (fast.graphs.fused is not None) == (body == "fused")
+    runs = body if body != "triton" or kernels.available(dev) is None else "fused"  # Triton: CUDA or interpreter
+    assert fast.graphs.body == runs and (fast.graphs.fused is None) == (body == "transformers")
     rng = random.Random(3)
     for i, (linear, nodes, cached) in enumerate(((0, 1, 5), (2, 3, 200), (0, 9, 250), (5, 11, 300), (1, 32, 500),
                                                  (0, 40, 540), (3, 1, 7), (0, 16, 260))):
@@ -109,24 +112,29 @@ def validate_tree_layout(tokens, parents):
     return validate_tree(FlatTree(token_ids=tokens, parents=parents), vocab_size=128, max_nodes=64, max_depth=64)
 
 
+BODIES = ["triton", "fused"]  # the Triton kernels and the torch operations of the fused body
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_generate_through_graphs_equals_plain_greedy(models, family, mode):
+@pytest.mark.parametrize(("family", "body"), [*((f, "fused") for f in FAMILIES), ("qwen3", "triton")])
+def test_generate_through_graphs_equals_plain_greedy(models, family, mode, body):
     """Draft and target engines on pools with graphs give the target's greedy decoding; a sampled
-    run equals the same run on eager forwards."""
+    run equals the same run on eager forwards. Through the Triton kernels for qwen3 (the family
+    with the most of them: per-head norms), as the interpreter runs them ~100x slower."""
     engines = []
 
     def on_pool(cls, model, limits):
-        engines.append(cls(model, graphed(replace(limits, max_session_tokens=600), model, 1, mode)))
+        engines.append(cls(model, graphed(replace(limits, max_session_tokens=600), model, 1, mode, body)))
         return engines[-1]
 
     generate_equals_greedy(models, family, on_pool, device_of(mode), prompts=5)
     assert all(e.graphs.served > 0 for e in engines)
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_verify_through_graphs_equals_each_session_alone(models, family, mode):
+def test_batched_verify_through_graphs_equals_each_session_alone(models, family, mode, body):
     """Rounds of three sessions verified one at a time eagerly on growing caches and batched
     through graphs on slots that held other sessions' K/V: the same replies; the batches pad to
     four sessions (the scratch slot) and to the trees' token bucket."""
@@ -134,7 +142,7 @@ def test_batched_verify_through_graphs_equals_each_session_alone(models, family,
     target, draft_model = (on_device(m, dev) for m in models[family][:2])
     rng = random.Random(5)
     alone = TargetEngine(target, LIMITS)
-    batched = TargetEngine(target, graphed(LIMITS, target, 3, mode))
+    batched = TargetEngine(target, graphed(LIMITS, target, 3, mode, body))
     for i in range(3):  # every slot holds another session's K/V, then is freed
         kv = batched.store.get_or_create(f"old{i}").kv
         batched.forward_linear(kv, [rng.randrange(128) for _ in range(300)])
@@ -149,13 +157,14 @@ def test_batched_verify_through_graphs_equals_each_session_alone(models, family,
     assert accepted > 0 and batched.graphs.served >= served + 4  # round 0 prefills alone, then batches
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("mode", MODES)
-def test_logits_outlive_the_next_forward_through_the_same_bucket(models, mode):
+def test_logits_outlive_the_next_forward_through_the_same_bucket(models, mode, body):
     """A forward's logits are the caller's: another forward through the same bucket (the same
     static buffers) leaves them as they were, in float32 too, for one session and for several."""
     dev = device_of(mode)
     target = on_device(models["llama"][0], dev)
-    fast = TargetEngine(target, graphed(LIMITS, target, 4, mode))
+    fast = TargetEngine(target, graphed(LIMITS, target, 4, mode, body))
     kvs = [fast.store.get_or_create(f"s{i}").kv for i in range(4)]
     for i, kv in enumerate(kvs):
         fast.forward_linear(kv, [(7 * i + j) % 128 for j in range(10)])

@@ -83,7 +83,7 @@ class _Layer:
         self.o, self.o_bias, self.down = attn.o_proj.weight, attn.o_proj.bias, mlp.down_proj.weight
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        self.qk_norm = None
+        self.qk_norm, self.qk_eps = None, 0.0
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each query and key head before the rotation
             self.qk_norm = torch.cat([attn.q_norm.weight.detach().expand(heads, head_dim),
                                       attn.k_norm.weight.detach().expand(kv_heads, head_dim)])
@@ -132,19 +132,43 @@ class FusedDecoder:
         self._swap = torch.eye(d, **weights).roll(d // 2, dims=0)  # row j+D/2 of column j (mod D)
         self._sign = torch.cat([-torch.ones(d // 2, **weights), torch.ones(d - d // 2, **weights)])
         self._out_dtype = _score_dtype_supported(pool.device, pool.shape.dtype)
+        self.kernels, self.programs, self.block_n = None, 0, 0  # the Triton kernels (``build(kernels=True)``)
 
     # ---- a forward ---------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor, pos: torch.Tensor):
+        """The residual stream [N, H] (N = B x T) and the tokens' cos and sin [N, D] (the model's
+        rotary module: transformers' values, in the model's dtype)."""
+        b, t = ids.shape
+        x = F.embedding(ids.reshape(-1), self.embed)
+        cos, sin = self.rotary(x, pos)
+        return x, cos.reshape(b * t, self.head_dim), sin.reshape(b * t, self.head_dim)
+
+    def _rest_of_layer(self, x: torch.Tensor, out: torch.Tensor, lay: _Layer) -> torch.Tensor:
+        """The residual stream after attention's output ``out`` [N, Hq x D]: its projection added,
+        then the MLP's."""
+        x = torch.addmm(x, out, lay.o.t()) if lay.o_bias is None else x + F.linear(out, lay.o, lay.o_bias)
+        h = F.rms_norm(x, (x.shape[-1],), lay.norm2, lay.eps2)
+        gate_up = torch.mm(h, lay.gate_up.t())
+        if self.kernels is not None:
+            act = self.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+        return torch.addmm(x, act, lay.down.t())
+
+    def _head(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        h = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
+        torch.mm(h, self.lm_head.t(), out=logits.view(x.shape[0], -1))
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, where: torch.Tensor,
                 visible: torch.Tensor, keys: int, logits: torch.Tensor) -> None:
         """Tokens ``ids`` [B, T] at positions ``pos`` [B, T] of the sessions in pool ``slots`` [B],
         their K/V written at cache rows ``where`` [B, T], each seeing ``visible`` [B, T, keys] of
-        its slot's first ``keys`` entries; logits [B, T, V] into ``logits``."""
+        its slot's first ``keys`` entries; logits [B, T, V] into ``logits`` (torch operations)."""
         b, t = ids.shape
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         g = hq // hkv
-        x = F.embedding(ids.reshape(-1), self.embed)  # [N, H], N = B x T: the residual stream
-        cos, sin = self.rotary(x, pos)  # [B, T, D] each, in the model's dtype (transformers' values)
-        cos, sin = cos.reshape(b * t, d), sin.reshape(b * t, d)
+        x, cos, sin = self._embed(ids, pos)
         rotation = torch.addcmul(self._eye * cos[:, None, :], self._swap, (sin * self._sign)[:, None, :])
         # the mask of every layer: [B x Hkv, T x G, keys], rows of one KV head's queries token-major
         mask = torch.zeros(b, hkv, t, g, keys, dtype=torch.float32, device=x.device)
@@ -174,13 +198,28 @@ class FusedDecoder:
                 scores = torch.baddbmm(mask, q.float(), k.float().transpose(1, 2), alpha=lay.scaling)
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
             out = weighted_values(probs.view(b, hkv, t * g, keys), v.view(b, hkv, keys, d), chunk)
-            out = out.view(b, hkv, t, g * d).transpose(1, 2).reshape(b * t, hq * d)
-            x = torch.addmm(x, out, lay.o.t()) if lay.o_bias is None else x + F.linear(out, lay.o, lay.o_bias)
-            h = F.rms_norm(x, (x.shape[-1],), lay.norm2, lay.eps2)
-            gate, up = torch.mm(h, lay.gate_up.t()).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate).mul_(up), lay.down.t())
-        h = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
-        torch.mm(h, self.lm_head.t(), out=logits.view(b * t, -1))
+            x = self._rest_of_layer(x, out.view(b, hkv, t, g * d).transpose(1, 2).reshape(b * t, hq * d), lay)
+        self._head(x, logits)
+
+    def forward_kernels(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                        vis: torch.Tensor, compact: bool, keys: int, logits: torch.Tensor) -> None:
+        """The same forward through the Triton kernels (``specsplit.engine.kernels``): each
+        session's new tokens written at its ``lengths`` [B] on, seeing every cached entry and
+        ``vis`` [B, T, T] among themselves (``compact``), or ``vis`` [B, T, >= keys] of the slot."""
+        kern = self.kernels
+        b, t = ids.shape
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        x, cos, sin = self._embed(ids, pos)
+        slots, lengths = slots.contiguous(), lengths.contiguous()  # the kernels read them as plain arrays
+        out = torch.empty(b * t, hq * d, dtype=x.dtype, device=x.device)
+        for i, lay in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1)
+            qkv = F.linear(h, lay.qkv, lay.qkv_bias).view(b * t, hq + 2 * hkv, d)
+            kern.rope_store(qkv, cos, sin, lay.qk_norm, lay.qk_eps, self.pool.kv[i], slots, lengths, hq, hkv)
+            kern.attend(qkv, self.pool.kv[i], slots, lengths, vis, compact, keys, lay.scaling, hq, hkv, out,
+                        self.programs, self.block_n)
+            x = self._rest_of_layer(x, out, lay)
+        self._head(x, logits)
 
 
 def _score_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -199,9 +238,25 @@ def _score_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def build(model, pool) -> tuple[FusedDecoder | None, str | None]:
-    """The fused body of ``model`` over ``pool``, or (None, why not)."""
+def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str | None]:
+    """The fused body of ``model`` over ``pool`` (with ``kernels``: through the Triton kernels
+    where they run), or None; and why not (or why without the kernels)."""
     try:
-        return FusedDecoder(model, pool), None
+        decoder = FusedDecoder(model, pool)
     except Unsupported as exc:
         return None, str(exc)
+    if not kernels:
+        return decoder, None
+    from specsplit.engine import kernels as triton_kernels
+
+    why = triton_kernels.available(pool.device) or triton_kernels.supported(decoder.head_dim, pool.shape.dtype)
+    if why is None:
+        decoder.kernels, decoder.block_n = triton_kernels, triton_kernels.BLOCK_N
+        # programs an attention aims for: twice the multiprocessors. Triton's interpreter runs
+        # programs one by one, each step costing the same at any size: no split of the keys and
+        # larger steps there (tests/test_kernels.py checks the device's splits and steps)
+        if pool.device.type == "cuda":
+            decoder.programs = 2 * torch.cuda.get_device_properties(pool.device).multi_processor_count
+        else:
+            decoder.programs, decoder.block_n = 1, 256
+    return decoder, why

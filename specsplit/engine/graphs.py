@@ -13,10 +13,11 @@ forward whose sessions describe their new tokens on the host (``Segment.tree``: 
 trees, every cached entry visible) copies ``meta`` and ``new_vis`` [B, T, T] in two host copies
 and the body builds the mask; any other copies each session's visibility [t, P+t] into ``vis``
 [B, T, Lmax]. The output is ``logits`` [B, T, V]. The body is ``specsplit.engine.fused``'s decoder
-where it runs the model (llama, qwen2, qwen3: ~16-18 kernels a layer on CUDA), else the model's own
-modules (``SPECSPLIT_CUDA_GRAPH_BODY=transformers``: ~48). Either way each layer writes the new K/V
-into the session's slot at P.., reads its slot's first L entries (a gather of (slot, KV head) runs)
-and attends under the additive mask.
+where it runs the model (llama, qwen2, qwen3: ~16-18 kernels a layer on CUDA; with
+``SPECSPLIT_CUDA_GRAPH_BODY=triton`` ~9, through ``specsplit.engine.kernels``), else the model's own
+modules (``transformers``: ~48). Each layer writes the new K/V into the session's slot at P..; the
+torch bodies read its slot's first L entries (a gather of (slot, KV head) runs) and attend under
+an additive mask, the Triton body's attention reads the slot in place up to P + T.
 Padding tokens of a session land after its length (nothing reads them, the next forward
 overwrites them); padding sessions run on the pool's scratch slot, which no session holds.
 Nothing of a call is read on the host inside the body.
@@ -46,7 +47,8 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
 MIN_KEYS = 256  # the smallest cache bucket; then doubling up to the pool's slot length
 MODES = ("cuda", "static")
-BODIES = ("fused", "transformers")  # the decoder in fewer kernels (engine.fused), or the model's own modules
+# the decoder through Triton kernels (engine.kernels), in fewer torch kernels (engine.fused), or the model's modules
+BODIES = ("triton", "fused", "transformers")
 GRAPH_ATTENTION = "specsplit_graph_gqa"
 GROUPED = ("sdpa", GQA_ATTENTION)  # attention a graph's body replaces with grouped matmuls
 
@@ -141,11 +143,13 @@ class GraphRunner:
         self.device, self.dtype = pool.device, pool.shape.dtype
         self.attention = model.config._attn_implementation  # the model's: a forward on another runs eagerly
         self.body_attention = register_graph_attention() if self.attention in GROUPED else self.attention
-        # the decoder in fewer kernels (specsplit.engine.fused) where it runs this model, else its modules
-        self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body != "fused" else \
-            build_fused(model, pool)
+        # the decoder in fewer kernels (specsplit.engine.fused; through Triton's where asked and they
+        # run) where it runs this model, else its modules
+        self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body == "transformers" \
+            else build_fused(model, pool, kernels=body == "triton")
+        self.body = "transformers" if self.fused is None else "triton" if self.fused.kernels else "fused"
         if log is not None:
-            log.info("graph_body", body="fused" if self.fused is not None else "transformers", why=self.fused_not)
+            log.info("graph_body", body=self.body, asked=body, why=self.fused_not)
         self.max_len = pool.shape.max_len
         self.key_buckets = key_buckets(self.max_len)
         self._inputs: dict[tuple[int, int], _Inputs] = {}  # at most |BATCH| x |TOKEN| entries
@@ -158,7 +162,8 @@ class GraphRunner:
         # a body holds float32 scores [B, Hq, T, L] (the fused body its mask too): larger shapes run
         # eagerly, where attention over many keys takes sdpa's memory-efficient kernel
         self.query_heads = int(model.config.get_text_config(decoder=True).num_attention_heads)
-        self.max_scores = ACCEL_MAX_SCORES
+        # (the Triton body holds neither: its attention reads the pool in place, block by block)
+        self.max_scores = float("inf") if self.body == "triton" else ACCEL_MAX_SCORES
         self.captures, self.capture_ms, self.served = 0, 0.0, 0  # served: forwards run through a bucket
 
     # ---- shapes ------------------------------------------------------------------------
@@ -260,6 +265,10 @@ class GraphRunner:
     def _body(self, inp: _Inputs, b: int, t: int, keys: int, compact: bool) -> None:
         """The forward at shape (b, t, keys) from the static inputs into ``inp.logits``."""
         ids, pos, slots, lengths = inp.meta[:, :t], inp.meta[:, t:2 * t], inp.meta[:, 2 * t], inp.meta[:, 2 * t + 1]
+        if self.body == "triton":  # visibility read inside the attention kernel
+            self.fused.forward_kernels(ids, pos, slots, lengths, inp.new_vis if compact else inp.vis, compact, keys,
+                                       inp.logits)
+            return
         where = lengths[:, None] + self._arange[:t]  # [B, T] cache positions the new tokens take
         visible = self._visibility(inp, lengths, b, t, keys) if compact else inp.vis[:, :, :keys]
         if self.fused is not None:
@@ -308,6 +317,6 @@ class GraphRunner:
         return graph
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "body": "fused" if self.fused is not None else "transformers",
+        return {"mode": self.mode, "body": self.body,
                 "captures": self.captures, "capture_ms": round(self.capture_ms, 1),
                 "failed": sum(g is None for g in self._graphs.values()), "served": self.served}
