@@ -147,10 +147,11 @@ def test_silu_mul_equals_torch(dtype):
 def test_every_variant_compiles_for_the_h200():
     """Each kernel variant the real pair's buckets launch (the 1.5B target: head size 128, 6
     query heads a KV head; the 0.5B draft: 64 and 7) compiles for sm_90 ahead of time, no device
-    needed, and fits a multiprocessor's shared memory (228 KiB on Hopper)."""
+    needed, fits a multiprocessor's shared memory (228 KiB on Hopper), and no attention variant
+    spills registers (``compile_variants`` raises)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from specsplit.engine.kernels import compile_variants; "
-            "print(json.dumps(compile_variants(90, shapes=((128, 6), (64, 7)), block_ms=(16, 64))))")
+            "print(json.dumps(compile_variants(90, shapes=((128, 6), (64, 7)), block_ms=(16, 32))))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]

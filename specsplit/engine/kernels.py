@@ -26,14 +26,15 @@ the lent H200 runs (tests/test_kernels.py).
 from __future__ import annotations
 
 import os
+import re
 
 import numpy
 import torch
 
 BLOCK_N = 64  # keys per step of a program's loop
 MIN_SPLIT_KEYS = 256  # a program reads at least this many keys before the keys are split further
-MAX_BLOCK_M = 64  # query rows (tokens x query heads of one KV head) a program holds
-ROPE_ROWS = 32  # (token, head) rows a program of rope_store rotates
+MAX_BLOCK_M = 32  # query rows (tokens x query heads of one KV head) a program holds (64 spill registers on sm_90)
+ROPE_ROWS = 16  # (token, head) rows a program of rope_store rotates
 SILU_BLOCK = 1024  # elements a program of silu_mul writes
 NEG = -1.0e30  # a masked score: finite, so a row with nothing visible stays finite (padding rows)
 
@@ -103,6 +104,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _warps(block_m: int, head_dim: int) -> int:
+    """Warps of an attention program: 8 from 16 x 128 query elements (4 spill registers on
+    sm_90 for a 32-row block of 128-wide heads; tests/test_kernels.py compiles both)."""
+    return 8 if block_m * head_dim >= 2048 else 4
+
+
 def plan(batch: int, tokens: int, keys: int, kv_heads: int, group: int, programs: int,
          block_n: int = BLOCK_N) -> tuple[int, int, int]:
     """(BLOCK_M, splits, keys a split) for a bucket's attention: rows of query heads x tokens in
@@ -127,7 +134,7 @@ if triton is not None:
         """Program p: R of the ``rows`` (token n, head h) pairs of the q and k heads, token-major.
         Queries rotate in place; keys rotate and go, with the values, into the pool at (slot,
         head, length + i)."""
-        r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)[:, None]
+        r = tl.program_id(0) * R + tl.arange(0, R)[:, None]  # offsets in int32 but the pool's (fewer registers)
         live = r < rows
         n = r // (HQ + HKV)
         h = r % (HQ + HKV)
@@ -151,11 +158,25 @@ if triton is not None:
         is_key = live & (h >= HQ)
         b = n // tokens
         slot = tl.load(slots + b, mask=is_key, other=0).to(tl.int64)
-        at = tl.load(lengths + b, mask=is_key, other=0).to(tl.int64) + n % tokens
+        at = tl.load(lengths + b, mask=is_key, other=0).to(tl.int32) + n % tokens
         dst = kv + slot * stride_slot + (h - HQ) * stride_head + at * D + j
         tl.store(dst, y.to(kv.dtype.element_ty), mask=is_key)
         value = tl.load(row + (h + HKV) * D + j, mask=is_key, other=0.0)
         tl.store(dst + stride_half, value.to(kv.dtype.element_ty), mask=is_key)
+
+    @triton.jit
+    def _program_rows(tokens, HKV: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+        """An attention program's (session x KV head, session, KV head, its block of query rows,
+        which of them exist): rows are the T x G queries of one KV head, token-major."""
+        bh = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return bh, bh // HKV, bh % HKV, rows, rows < tokens * G
+
+    @triton.jit
+    def _out_at(out, b, head, rows, tokens, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+        """Where the query rows' outputs go in ``out`` [N, HQ x D]."""
+        return (out + (b * tokens).to(tl.int64) * (HQ * D) + head * G * D
+                + ((rows // G) * HQ + rows % G)[:, None] * D + tl.arange(0, D)[None, :])
 
     # integers that change with the bucket are not specialized on (each value would compile anew)
     @triton.jit(do_not_specialize=["tokens", "per_split", "splits", "stride_vis_b", "stride_vis_t"])
@@ -168,30 +189,27 @@ if triton is not None:
         """Program (session x KV head, block of rows, split of keys): the rows' attention over
         the split's keys of the session's slot; the normalized output into ``out`` [N, HQ x D],
         or (SPLIT) the unnormalized sums with their running max and total into the partials."""
-        bh = tl.program_id(0)
-        mb = tl.program_id(1)
+        bh, b, head, rows, live = _program_rows(tokens, HKV, G, BLOCK_M)
         sp = tl.program_id(2)
-        b = bh // HKV
-        head = bh % HKV
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = rows < tokens * G
         i = rows // G  # the row's token; its query head is head x G + rows % G
         d = tl.arange(0, D)
-        tok = (b * tokens + i).to(tl.int64)
-        q_at = tok[:, None] * ((HQ + 2 * HKV) * D) + (head * G + rows % G)[:, None] * D + d[None, :]
-        q = tl.load(qkv + q_at, mask=live[:, None], other=0.0)
+        # 64-bit scalar bases, 32-bit offsets within a tile (64-bit tiles of pointers spill registers)
+        heads = (i * (HQ + 2 * HKV) + rows % G)[:, None] * D + d[None, :]
+        q = tl.load(qkv + (b * tokens).to(tl.int64) * ((HQ + 2 * HKV) * D) + head * G * D + heads,
+                    mask=live[:, None], other=0.0)
         slot = tl.load(slots + b).to(tl.int64)
         length = tl.load(lengths + b).to(tl.int32)
         start = sp * per_split
         stop = tl.minimum(start + per_split, length + tokens)  # the new tokens' K/V were written
         base = kv + slot * stride_slot + head * stride_head
+        seen_at = vis + b.to(tl.int64) * stride_vis_b + i[:, None] * stride_vis_t
         m_i = tl.full([BLOCK_M], _NEG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for n0 in range(start, stop, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             inside = cols < stop
-            k = tl.load(base + cols[:, None].to(tl.int64) * D + d[None, :], mask=inside[:, None], other=0.0)
+            k = tl.load(base + cols[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -199,62 +217,52 @@ if triton is not None:
             s = s * scaling
             if COMPACT:  # every cached entry, and among the new tokens what new_vis says
                 rel = cols - length
-                new = tl.load(vis + b * stride_vis_b + i[:, None] * stride_vis_t + rel[None, :],
+                new = tl.load(seen_at + rel[None, :],
                               mask=live[:, None] & (rel[None, :] >= 0) & (rel[None, :] < tokens), other=0)
                 seen = (rel[None, :] < 0) | (new != 0)
             else:
-                seen = tl.load(vis + b * stride_vis_b + i[:, None] * stride_vis_t + cols[None, :],
-                               mask=live[:, None] & inside[None, :], other=0) != 0
+                seen = tl.load(seen_at + cols[None, :], mask=live[:, None] & inside[None, :], other=0) != 0
             s = tl.where(seen, s, _NEG)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.where(inside[None, :], tl.exp(s - m_new[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(base + stride_half + cols[:, None].to(tl.int64) * D + d[None, :], mask=inside[:, None],
-                        other=0.0)
+            v = tl.load(base + stride_half + cols[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if SPLIT:
-            at = (bh * splits + sp).to(tl.int64) * (tokens * G) + rows
-            tl.store(part_o + at[:, None] * D + d[None, :], acc, mask=live[:, None])
-            tl.store(part_ml + at * 2, m_i, mask=live)
-            tl.store(part_ml + at * 2 + 1, l_i, mask=live)
+            at = (bh * splits + sp).to(tl.int64) * (tokens * G)
+            tl.store(part_o + at * D + rows[:, None] * D + d[None, :], acc, mask=live[:, None])
+            tl.store(part_ml + at * 2 + rows * 2, m_i, mask=live)
+            tl.store(part_ml + at * 2 + rows * 2 + 1, l_i, mask=live)
         else:
-            o = acc / l_i[:, None]
-            o_at = tok[:, None] * (HQ * D) + (head * G + rows % G)[:, None] * D + d[None, :]
-            tl.store(out + o_at, o.to(out.dtype.element_ty), mask=live[:, None])
+            tl.store(_out_at(out, b, head, rows, tokens, HQ, G, D), (acc / l_i[:, None]).to(out.dtype.element_ty),
+                     mask=live[:, None])
 
     @triton.jit(do_not_specialize=["tokens", "splits"])
     def _combine(part_o, part_ml, out, tokens, splits,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
         """Program (session x KV head, block of rows): the splits' partial sums merged."""
-        bh = tl.program_id(0)
-        mb = tl.program_id(1)
-        b = bh // HKV
-        head = bh % HKV
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = rows < tokens * G
+        bh, b, head, rows, live = _program_rows(tokens, HKV, G, BLOCK_M)
         d = tl.arange(0, D)
         m = tl.full([BLOCK_M], _NEG, tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for sp in range(splits):
-            at = (bh * splits + sp).to(tl.int64) * (tokens * G) + rows
-            m_s = tl.load(part_ml + at * 2, mask=live, other=_NEG)
-            l_s = tl.load(part_ml + at * 2 + 1, mask=live, other=0.0)
-            o_s = tl.load(part_o + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+            at = (bh * splits + sp).to(tl.int64) * (tokens * G)
+            m_s = tl.load(part_ml + at * 2 + rows * 2, mask=live, other=_NEG)
+            l_s = tl.load(part_ml + at * 2 + rows * 2 + 1, mask=live, other=0.0)
+            o_s = tl.load(part_o + at * D + rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
             m_new = tl.maximum(m, m_s)
             old, now = tl.exp(m - m_new), tl.exp(m_s - m_new)
             total = total * old + l_s * now
             acc = acc * old[:, None] + o_s * now[:, None]
             m = m_new
-        i = rows // G
-        tok = (b * tokens + i).to(tl.int64)
-        o_at = tok[:, None] * (HQ * D) + (head * G + rows % G)[:, None] * D + d[None, :]
-        tl.store(out + o_at, (acc / tl.maximum(total, 1e-30)[:, None]).to(out.dtype.element_ty), mask=live[:, None])
+        tl.store(_out_at(out, b, head, rows, tokens, HQ, G, D),
+                 (acc / tl.maximum(total, 1e-30)[:, None]).to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _silu_mul(gate_up, out, inter, total, BLOCK: tl.constexpr):
@@ -304,10 +312,10 @@ def attend(qkv: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: to
     _attend[grid](qkv, kv, slots, lengths, vis, out, part_o, part_ml, tokens, per_split, splits, scaling,
                   vis.stride(0), vis.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
                   HQ=heads, HKV=kv_heads, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, COMPACT=compact,
-                  SPLIT=splits > 1, IEEE=ieee)
+                  SPLIT=splits > 1, IEEE=ieee, num_warps=_warps(block_m, d))
     if splits > 1:
         _combine[grid[:2]](part_o, part_ml, out, tokens, splits, HQ=heads, HKV=kv_heads, G=group, D=d,
-                           BLOCK_M=block_m)
+                           BLOCK_M=block_m, num_warps=_warps(block_m, d))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -318,12 +326,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=(16, 32, 64),
+def _stack_bytes(cubin: bytes) -> int:
+    """The stack frame of a compiled kernel (spilled registers), by Triton's own cuobjdump."""
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True, timeout=60).stdout
+    return max((int(m) for m in re.findall(r"STACK:(\d+)", usage)), default=0)
+
+
+def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=(16, 32),
                      dtype: str = "bf16") -> dict:
     """Compile (no device needed: ahead of time, for CUDA compute ``capability``) every variant
     of the kernels that models of ``shapes`` (head size, query heads a KV head; by default the
     real target's and draft's) launch in ``dtype``; {variant: shared memory bytes}. Raises the
-    compiler's error for a kernel that does not build. How the CPU tests check that the kernels
+    compiler's error for a kernel that does not build, and for an attention variant that spills
+    registers (ptxas's count, in the compiled kernel). How the CPU tests check that the kernels
     build for the lent GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -331,9 +354,13 @@ def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=
     target = GPUTarget("cuda", capability, 32)
     ptr, out = f"*{dtype}", {}
 
-    def build(fn, signature: dict, constexprs: dict, name: str) -> None:
+    def build(fn, signature: dict, constexprs: dict, name: str, warps: int = 4) -> None:
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                                options={"num_warps": warps})
+        stack = _stack_bytes(kernel.asm["cubin"])
+        if fn is _attend and stack:
+            raise RuntimeError(f"{name}: {stack} bytes of stack (registers spilled)")
         out[name] = kernel.metadata.shared
 
     kv_args = {"stride_half": "i64", "stride_slot": "i64", "stride_head": "i32"}
@@ -353,8 +380,9 @@ def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=
                                     "stride_vis_b": "i32", "stride_vis_t": "i32", **kv_args},
                           {"HQ": g * hkv, "HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N,
                            "COMPACT": compact, "SPLIT": split, "IEEE": False},
-                          f"attend d{d} g{g} m{block_m} compact={compact} split={split}")
+                          f"attend d{d} g{g} m{block_m} compact={compact} split={split}", _warps(block_m, d))
             build(_combine, {"part_o": "*fp32", "part_ml": "*fp32", "out": ptr, "tokens": "i32", "splits": "i32"},
-                  {"HQ": g * hkv, "HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m}, f"combine d{d} g{g} m{block_m}")
+                  {"HQ": g * hkv, "HKV": hkv, "G": g, "D": d, "BLOCK_M": block_m}, f"combine d{d} g{g} m{block_m}",
+                  _warps(block_m, d))
     build(_silu_mul, {"gate_up": ptr, "out": ptr, "inter": "i32", "total": "i32"}, {"BLOCK": SILU_BLOCK}, "silu_mul")
     return out
