@@ -13,6 +13,9 @@
 #     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs of the fused body in torch
 #        operations (the target), then on graphs of the fused body through the Triton kernels
 #        (both roles: the issue's three bars), in one call;
+#     2b. LONG_S > 0: the target's 1- and 16-token forwards at LONG_CONTEXT cached tokens (65536)
+#        on graphs of each body: the full verification SpecPV's bar compares against, with the
+#        Triton body's attention reading the slot in place against the torch body's gather;
 #     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton fused"):
 #        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
@@ -26,8 +29,8 @@
 # included; the long-context sweep took ~110-150 s per attention (stops 37-38). Since the fused
 # body's A/B (a third cost run, a second probe, a replay per body) and the lookup trace's replay,
 # expect ~20 + ~90 + ~50 + ~130 s, and Triton compiling its kernels on first use (~0.5-1 s per
-# variant, ~20 variants per process): give the defaults (steps 1-4) one 480 s call; add LONGCTX=1
-# only with a 600 s call (and LONGCTX_S, COST_S or REPLAY_S trimmed).
+# variant, ~20 variants per process) and step 2b (~90 s): give the defaults one 560 s call; add
+# LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -75,6 +78,13 @@ run)
     timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
       --tokens 1,4,16,64 --graph-body triton --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
       | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -34
+  fi
+  if [ "${LONG_S:-90}" -gt 0 ]; then  # full verification at a long context, per body
+    for body in triton fused; do
+      timeout "$((LONG_S / 2))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,16 \
+        --batch 1 --context "${LONG_CONTEXT:-65536}" --graph-body "$body" --max-seconds $((LONG_S / 3)) \
+        --json "$OUT/gpu-cost-long-$body.json" 2>&1 | grep -v '^target {' | tail -6
+    done
   fi
   if [ "${PROBE_S:-40}" -gt 0 ]; then
     for body in ${BODIES:-triton fused}; do
