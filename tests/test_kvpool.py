@@ -85,6 +85,36 @@ def test_settings_reach_the_engine_limits(monkeypatch):
     assert engine_limits(s).kv_pool_gb == 0.0
 
 
+@pytest.mark.parametrize("layers", [2, 6])
+def test_compaction_in_a_slot_moves_every_layer_at_once(layers):
+    """A pooled cache's compaction (the accepted path moved after the prefix) leaves each layer as
+    a growing cache's does, for paths that are and are not already in place, and takes the same
+    few operations whatever the number of layers (one gather and one copy over the pool)."""
+    from specsplit.bench.opcount import CountOps
+    from specsplit.engine.kvpool import PoolShape
+
+    shape = PoolShape(layers=layers, kv_heads=2, head_dim=8, max_len=64, dtype=torch.float32)
+    pool = KVPool(shape, 3, torch.device("cpu"))
+    rng = random.Random(layers)
+    for src, dst in (([10, 12, 13, 17], 10), ([5, 6, 7], 5), ([20, 31], 19), ([], 4)):
+        pooled_kv, plain = pool.make_kv(), SessionKV(layers, 64)
+        for i in range(layers):
+            k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+            pooled_kv.layers[i].update(k, v)
+            plain.layers[i].update(k, v)
+        other = {s: pool.all[:, :, s].clone() for s in range(3) if s != pooled_kv.slot}
+        with CountOps() as count:
+            pooled_kv.compact(src, dst)
+        plain.compact(src, dst)
+        assert pooled_kv.length == plain.length == dst + len(src)
+        for a, b in zip(pooled_kv.layers, plain.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+            torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+        assert sum(count.ops.values()) <= (0 if src == list(range(dst, dst + len(src))) else 4), count.ops
+        assert all(torch.equal(t, pool.all[:, :, s]) for s, t in other.items())  # no other slot moved
+        pool.release(type("S", (), {"kv": pooled_kv, "lock": threading.Lock(), "draft_tree": None})())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_forward_in_a_slot_matches_each_path(family):
     model = tiny_model(family, seed=1)

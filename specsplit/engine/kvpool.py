@@ -1,7 +1,7 @@
 """A preallocated KV pool: every session's cache in a fixed slot, allocated once at engine start.
 
 Per decoder layer one K and one V tensor [slots, Hkv, max_session_tokens, D] on the engine's
-device and dtype. A new session takes a free slot and its ``SessionKV`` writes into that slot's
+device and dtype (views of one tensor of all layers). A new session takes a free slot and its ``SessionKV`` writes into that slot's
 views (``SlotLayer``): a cache never grows or moves, so its addresses are static (what CUDA graphs
 captured over the buffers need); rollback, ``compact`` and ``crop_to`` work as on growing buffers.
 
@@ -118,6 +118,17 @@ class PooledKV(SessionKV):
         self.max_len, self.slot, self.pool = pool.shape.max_len, slot, pool
         self.released = False
 
+    def compact(self, src_positions: list[int], dst_start: int) -> None:
+        """As ``SessionKV.compact``, every layer's K and V moved at once: one gather and one copy
+        over the pool's tensor of all layers, where moving layer by layer launched four kernels
+        a layer (on a GPU, ~100 launches a session a round for a 28-layer model)."""
+        m = len(src_positions)
+        if src_positions and src_positions != list(range(dst_start, dst_start + m)) and not self.released:
+            slot = self.pool.all[:, :, self.slot]  # [layers, 2, Hkv, max_len, D]
+            src = torch.tensor(src_positions, dtype=torch.long, device=self.pool.device)
+            slot[:, :, :, dst_start:dst_start + m] = slot.index_select(3, src)
+        self.crop_to(dst_start + m)
+
     def advance(self, n: int) -> None:
         """``n`` more entries were written into the slot after ``length`` (a graph's forward,
         ``specsplit.engine.graphs``): count them."""
@@ -143,9 +154,12 @@ class KVPool:
         size = (slots + scratch, shape.kv_heads, shape.max_len, shape.head_dim)
         # zeros, not empty: a later reader of the whole buffer (a captured graph under a mask) must
         # never meet NaN garbage
-        # per layer K and V as the two halves of one tensor [2, slots, Hkv, max_len, D]: a graph's
-        # body reads a session's keys and values in one gather (specsplit.engine.fused)
-        self.kv = [torch.zeros((2, *size), dtype=shape.dtype, device=self.device) for _ in range(shape.layers)]
+        # every layer's K and V in one tensor [layers, 2, slots, Hkv, max_len, D]: per layer, K and V
+        # are the two halves of ``kv[l]`` (a graph's body reads a session's keys and values in one
+        # gather: specsplit.engine.fused), and a session's compaction moves its entries in every
+        # layer at once (``PooledKV.compact``)
+        self.all = torch.zeros((shape.layers, 2, *size), dtype=shape.dtype, device=self.device)
+        self.kv = list(self.all.unbind(0))
         self.keys = [kv[0] for kv in self.kv]
         self.values = [kv[1] for kv in self.kv]
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
