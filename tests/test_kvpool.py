@@ -95,7 +95,6 @@ def test_compaction_in_a_slot_moves_every_layer_at_once(layers):
 
     shape = PoolShape(layers=layers, kv_heads=2, head_dim=8, max_len=64, dtype=torch.float32)
     pool = KVPool(shape, 3, torch.device("cpu"))
-    rng = random.Random(layers)
     for src, dst in (([10, 12, 13, 17], 10), ([5, 6, 7], 5), ([20, 31], 19), ([], 4)):
         pooled_kv, plain = pool.make_kv(), SessionKV(layers, 64)
         for i in range(layers):
