@@ -158,3 +158,24 @@ def test_every_variant_compiles_for_the_h200():
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(shared) == 2 * (2 + 2 * 4 + 2) + 1, sorted(shared)  # per shape: rope x2, attend x8, combine x2
     assert max(shared.values()) <= 228 * 1024, shared
+
+
+def test_a_device_the_kernels_miscompute_on_keeps_the_torch_operations(monkeypatch):
+    """At start the Triton body checks one forward against the torch operations' on the pool's
+    scratch slot: kernels that agree serve; a kernel that miscomputes (here SiLU x up returning
+    zeros) leaves the fused body in torch operations, with the reason logged."""
+    from specsplit.engine.graphs import GraphRunner
+    from specsplit.engine.kvpool import KVPool, pool_shape
+    from tests.conftest import tiny_model
+
+    model = tiny_model("qwen3")
+
+    def runner() -> GraphRunner:
+        pool = KVPool(pool_shape(model, 300, torch.float32), 1, DEVICE, scratch=True)
+        return GraphRunner(model.to(DEVICE), pool, model.config.vocab_size, "static", body="triton")
+
+    assert runner().body == "triton"
+    monkeypatch.setattr(kernels, "silu_mul", lambda gate_up: gate_up.new_zeros(gate_up.shape[0],
+                                                                                gate_up.shape[1] // 2))
+    fallen = runner()
+    assert fallen.body == "fused" and "differ" in fallen.fused_not

@@ -259,4 +259,46 @@ def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str 
             decoder.programs = 2 * torch.cuda.get_device_properties(pool.device).multi_processor_count
         else:
             decoder.programs, decoder.block_n = 1, 256
+        why = _disagreement(decoder)
+        if why is not None:  # a kernel that misbehaves on this device: the torch operations instead
+            decoder.kernels = None
     return decoder, why
+
+
+CHECK_TOKENS = 8  # the start-up check's forward: a short causal run on the pool's scratch slot
+
+
+@torch.no_grad()
+def _disagreement(decoder: FusedDecoder) -> str | None:
+    """None when a forward through the Triton kernels gives the torch operations' logits on this
+    device (a mean error within 10 % of the mean logit: rounding differs, a broken kernel's output
+    is another matter), else what differs. The kernels were
+    checked in Triton's interpreter and compiled for sm_90 only: a device they miscompute on must
+    not serve through them. Runs once at start on the pool's scratch slot (no session's)."""
+    pool = decoder.pool
+    if pool.scratch is None:
+        return None
+    dev, t = pool.device, CHECK_TOKENS
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, decoder.embed.shape[0], (1, t), generator=g).to(dev)
+    pos = torch.arange(t, device=dev)[None]
+    slots, lengths = torch.tensor([pool.scratch], device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
+    out = []
+    for kernels in (True, False):
+        logits = torch.empty(1, t, decoder.lm_head.shape[0], dtype=pool.shape.dtype, device=dev)
+        if kernels:
+            decoder.forward_kernels(ids, pos, slots, lengths, causal, True, t, logits)
+        else:
+            held, decoder.kernels = decoder.kernels, None
+            try:
+                decoder.forward(ids, pos, slots, pos.clone(), causal, t, logits)
+            finally:
+                decoder.kernels = held
+        out.append(logits.float())
+    got, want = out
+    err, scale = (got - want).abs().mean().item(), want.abs().mean().item()
+    if not err <= 0.1 * scale:  # NaN fails too
+        return (f"the Triton kernels' logits differ from the torch operations' on {dev}: mean error {err:.3g} "
+                f"against a mean logit of {scale:.3g}")
+    return None
