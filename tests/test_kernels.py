@@ -163,7 +163,8 @@ def test_every_variant_compiles_for_the_h200():
 def test_a_device_the_kernels_miscompute_on_keeps_the_torch_operations(monkeypatch):
     """At start the Triton body checks one forward against the torch operations' on the pool's
     scratch slot: kernels that agree serve; a kernel that miscomputes (here SiLU x up returning
-    zeros) leaves the fused body in torch operations, with the reason logged."""
+    zeros) or fails (one that does not build for the device) leaves the fused body in torch
+    operations, with the reason logged, and the engine starts."""
     from specsplit.engine.graphs import GraphRunner
     from specsplit.engine.kvpool import KVPool, pool_shape
     from tests.conftest import tiny_model
@@ -179,3 +180,11 @@ def test_a_device_the_kernels_miscompute_on_keeps_the_torch_operations(monkeypat
                                                                                 gate_up.shape[1] // 2))
     fallen = runner()
     assert fallen.body == "fused" and "differ" in fallen.fused_not
+    monkeypatch.undo()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernels, "attend", fails)  # a GPU the kernels do not build for
+    fallen = runner()
+    assert fallen.body == "fused" and "failed" in fallen.fused_not

@@ -272,13 +272,21 @@ CHECK_TOKENS = 8  # the start-up check's forward: a short causal run on the pool
 def _disagreement(decoder: FusedDecoder) -> str | None:
     """None when a forward through the Triton kernels gives the torch operations' logits on this
     device (a mean error within 10 % of the mean logit: rounding differs, a broken kernel's output
-    is another matter), else what differs. The kernels were
-    checked in Triton's interpreter and compiled for sm_90 only: a device they miscompute on must
-    not serve through them. Runs once at start on the pool's scratch slot (no session's)."""
+    is another matter), else what differs or failed. The kernels were checked in Triton's
+    interpreter and compiled for sm_90 only: a device they miscompute on, or cannot build them
+    for, must not serve through them. Runs once at start on the pool's scratch slot."""
     pool = decoder.pool
     if pool.scratch is None:
         return None
-    dev, t = pool.device, CHECK_TOKENS
+    try:
+        return _compare_bodies(decoder, pool, min(CHECK_TOKENS, pool.shape.max_len))
+    except Exception as exc:  # a kernel that does not build or run here (an older GPU): not a crash
+        return f"the Triton kernels failed on {pool.device}: {type(exc).__name__}: {exc}"[:500]
+
+
+def _compare_bodies(decoder: FusedDecoder, pool, t: int) -> str | None:
+    """``_disagreement``'s forwards: ``t`` causal tokens through each body, logits compared."""
+    dev = pool.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, decoder.embed.shape[0], (1, t), generator=g).to(dev)
     pos = torch.arange(t, device=dev)[None]
