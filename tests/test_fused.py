@@ -139,3 +139,38 @@ def test_models_the_body_does_not_run_keep_the_modules():
     run = GraphRunner(gpt2, pool, 128, "static")
     assert run.fused is None and run.describe()["body"] == "transformers"
     assert isinstance(runner(tiny_model("llama"), "fused", "cpu").fused, FusedDecoder)
+
+
+def test_a_fused_body_that_miscomputes_here_keeps_the_modules(monkeypatch):
+    """At start the fused body's torch operations check one forward against the model's own
+    modules on the pool's scratch slot: a body that agrees serves; one that miscomputes on this
+    device (here: the MLP left out) or fails leaves the modules' body, with the reason, and the
+    graphs' forwards still equal the eager forward's."""
+    import specsplit.engine.fused as fused_module
+
+    model = tiny_model("qwen2", seed=3)
+    assert runner(model, "fused", "cpu").body == "fused"
+    monkeypatch.setattr(fused_module.FusedDecoder, "_rest_of_layer",
+                        lambda self, x, out, lay: torch.addmm(x, out, lay.o.t()))
+    fallen = runner(model, "fused", "cpu")
+    assert fallen.body == "transformers" and fallen.fused is None and "differ" in fallen.fused_not
+    assert "modules" in fallen.fused_not
+    monkeypatch.setattr(fused_module.FusedDecoder, "_embed", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+    fallen = runner(model, "triton", "cpu")
+    assert fallen.body == "transformers" and "failed" in fallen.fused_not
+    # an engine whose fused body fell back serves through the modules' graphs, as the eager forward
+    from specsplit.engine.masks import causal
+    from specsplit.engine.target import TargetEngine
+    from tests.test_graphs import LIMITS, graphed
+
+    eager, fast = (TargetEngine(model, graphed(LIMITS, model, 1, mode)) for mode in ("off", "static"))
+    assert fast.graphs.body == "transformers" and eager.graphs is None
+    prompt, tokens = list(range(3, 40)), [5, 7, 11]
+    out = []
+    for engine in (eager, fast):
+        kv = engine.store.get_or_create("s").kv
+        engine.forward_linear(kv, prompt)
+        pos = torch.arange(len(prompt), len(prompt) + 3)
+        out.append(engine.forward(kv, tokens, pos, causal(3, len(prompt), torch.device("cpu")), keep=3))
+    assert fast.graphs.served == 2  # the prompt and the three tokens
+    torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-4)

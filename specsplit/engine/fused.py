@@ -240,11 +240,15 @@ def _score_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str | None]:
     """The fused body of ``model`` over ``pool`` (with ``kernels``: through the Triton kernels
-    where they run), or None; and why not (or why without the kernels)."""
+    where they run), or None; and why not (or why without the kernels). Each is checked once
+    against what it replaces before it serves (``_disagreement``)."""
     try:
         decoder = FusedDecoder(model, pool)
     except Unsupported as exc:
         return None, str(exc)
+    why = _disagreement(decoder, model, "torch")
+    if why is not None:  # the torch operations miscompute here: the model's own modules instead
+        return None, why
     if not kernels:
         return decoder, None
     from specsplit.engine import kernels as triton_kernels
@@ -259,33 +263,39 @@ def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str 
             decoder.programs = 2 * torch.cuda.get_device_properties(pool.device).multi_processor_count
         else:
             decoder.programs, decoder.block_n = 1, 256
-        why = _disagreement(decoder)
+        why = _disagreement(decoder, model, "triton")
         if why is not None:  # a kernel that misbehaves on this device: the torch operations instead
             decoder.kernels = None
     return decoder, why
 
 
 CHECK_TOKENS = 8  # the start-up check's forward: a short causal run on the pool's scratch slot
+CHECK_ERROR = 0.1  # the largest mean error of one token's logits, relative to the mean logit
 
 
 @torch.no_grad()
-def _disagreement(decoder: FusedDecoder) -> str | None:
-    """None when a forward through the Triton kernels gives the torch operations' logits on this
-    device (a mean error within 10 % of the mean logit: rounding differs, a broken kernel's output
-    is another matter), else what differs or failed. The kernels were checked in Triton's
-    interpreter and compiled for sm_90 only: a device they miscompute on, or cannot build them
-    for, must not serve through them. Runs once at start on the pool's scratch slot."""
+def _disagreement(decoder: FusedDecoder, model, body: str) -> str | None:
+    """None when a forward through ``body`` gives the logits of what it replaces on this device
+    (the Triton kernels: the torch operations'; the torch operations: the model's own modules'),
+    else what differs or failed. Rounding differs (bf16: ~2 % of the mean logit); a broken
+    kernel's output is another matter: each token's mean error must stay within CHECK_ERROR of
+    the mean logit. The bodies are checked against the modules on CPUs (tests/test_graphs.py) and
+    the kernels in Triton's interpreter, compiled for sm_90 only: a device they miscompute on, or
+    cannot build them for, must not serve through them. Runs once at start on the pool's scratch
+    slot."""
     pool = decoder.pool
     if pool.scratch is None:
         return None
+    what = "the Triton kernels" if body == "triton" else "the fused body's torch operations"
     try:
-        return _compare_bodies(decoder, pool, min(CHECK_TOKENS, pool.shape.max_len))
+        return _compare_bodies(decoder, model, body, min(CHECK_TOKENS, pool.shape.max_len), what)
     except Exception as exc:  # a kernel that does not build or run here (an older GPU): not a crash
-        return f"the Triton kernels failed on {pool.device}: {type(exc).__name__}: {exc}"[:500]
+        return f"{what} failed on {pool.device}: {type(exc).__name__}: {exc}"[:500]
 
 
-def _compare_bodies(decoder: FusedDecoder, pool, t: int) -> str | None:
-    """``_disagreement``'s forwards: ``t`` causal tokens through each body, logits compared."""
+def _compare_bodies(decoder: FusedDecoder, model, body: str, t: int, what: str) -> str | None:
+    """``_disagreement``'s forwards: ``t`` causal tokens through ``body`` and what it replaces."""
+    pool = decoder.pool
     dev = pool.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, decoder.embed.shape[0], (1, t), generator=g).to(dev)
@@ -293,20 +303,23 @@ def _compare_bodies(decoder: FusedDecoder, pool, t: int) -> str | None:
     slots, lengths = torch.tensor([pool.scratch], device=dev), torch.zeros(1, dtype=torch.long, device=dev)
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]
     out = []
-    for kernels in (True, False):
+    for run in ((body, "torch") if body == "triton" else (body, "modules")):
         logits = torch.empty(1, t, decoder.lm_head.shape[0], dtype=pool.shape.dtype, device=dev)
-        if kernels:
+        if run == "triton":
             decoder.forward_kernels(ids, pos, slots, lengths, causal, True, t, logits)
-        else:
+        elif run == "torch":
             held, decoder.kernels = decoder.kernels, None
             try:
                 decoder.forward(ids, pos, slots, pos.clone(), causal, t, logits)
             finally:
                 decoder.kernels = held
+        else:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         out.append(logits.float())
     got, want = out
-    err, scale = (got - want).abs().mean().item(), want.abs().mean().item()
-    if not err <= 0.1 * scale:  # NaN fails too
-        return (f"the Triton kernels' logits differ from the torch operations' on {dev}: mean error {err:.3g} "
-                f"against a mean logit of {scale:.3g}")
+    err, scale = (got - want).abs().mean(dim=-1).max().item(), want.abs().mean().item()
+    if not err <= CHECK_ERROR * scale:  # NaN fails too
+        against = "the torch operations'" if body == "triton" else "the model's own modules'"
+        return (f"{what}' logits differ from {against} on {dev}: a token's mean error {err:.3g} against a mean "
+                f"logit of {scale:.3g}")
     return None
