@@ -8,8 +8,8 @@
 #                                  64 MiB), under .whl/ (git-ignored)
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
 #                                  weights of the real configs, logs and JSON under $OUT:
-#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels' and
-#        greedy equivalence), TESTS_S;
+#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels', the
+#        KV pool's, an automatic one included, and greedy equivalence), TESTS_S;
 #     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs of the fused body in torch
 #        operations (the target), then on graphs of the fused body through the Triton kernels
 #        (both roles: the three bars), in one call;
@@ -65,7 +65,8 @@ run)
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   # test_kernels: every test runs the compiled kernels on the device (its ahead-of-time compile check ran here)
   timeout "${TESTS_S:-120}" python3 -m pytest -q -ra -p no:cacheprovider -k "(cuda or cudnn or kernels) and not compiles" \
-    ${TESTS:-tests/test_kernels.py tests/test_graphs.py tests/test_fused.py tests/test_greedy_equivalence.py} 2>&1 \
+    ${TESTS:-tests/test_kernels.py tests/test_graphs.py tests/test_fused.py tests/test_kvpool.py \
+      tests/test_greedy_equivalence.py} 2>&1 \
     | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
   if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -88,6 +88,10 @@ class SessionLimitSettings(HeartbeatSettings):
         "orchestrator refuses with BAD_REQUEST, before it starts, a request that could never fit."))
 
 
+# a KV pool's size: GB, or "auto" (sized to a CUDA device's free memory; specsplit.engine.kvpool)
+PoolGB = Annotated[float, Field(ge=0, le=65536)] | Literal["auto"]
+
+
 class WorkerSettings(SessionLimitSettings):
     """A draft or target worker: threads, session caches, batching and the kernels its model runs on."""
 
@@ -131,13 +135,16 @@ class WorkerSettings(SessionLimitSettings):
         "Dynamic int8 Linear layers for the target model (CPU, torch engine). A quantized target is its own "
         "reference: its greedy output is that quantized model's greedy decoding (up to the dynamic activation "
         "scale, which depends on how many tokens a forward carries)."))
-    draft_kv_pool_gb: float = Field(default=0.0, ge=0, le=65536, description=(
+    draft_kv_pool_gb: PoolGB = Field(default="auto", description=(
         "Torch draft engine: GB (10^9 bytes) of KV cache allocated once at startup on the model's device, one "
         "fixed slot of SPECSPLIT_MAX_SESSION_TOKENS per session (at most SPECSPLIT_WORKER_MAX_SESSIONS slots; "
         "static buffers, what CUDA graphs need). When every slot is held, the least recently used idle "
         "session is dropped; a new session gets OVERLOADED (retryable) while every slot has a request in "
-        "flight. A pool smaller than one slot is refused at startup. 0: caches grow per session as needed."))
-    target_kv_pool_gb: float = Field(default=0.0, ge=0, le=65536, description=(
+        "flight. A pool smaller than one slot is refused at startup. 0: caches grow per session as needed. "
+        "`auto`: on CUDA, SPECSPLIT_WORKER_MAX_SESSIONS slots or as many as the device's free memory holds "
+        "after the model loaded, leaving 10 % of its memory (at least 3 GB) free; none if not one fits "
+        "(logged); elsewhere 0."))
+    target_kv_pool_gb: PoolGB = Field(default="auto", description=(
         "The same for a torch target engine (SPECSPLIT_DRAFT_KV_POOL_GB)."))
     pack_weights: bool = Field(default=True, description=(
         "Reorder bf16/fp16 Linear weights once into oneDNN's layout (CPU): bit-identical, faster target "
@@ -155,16 +162,17 @@ class WorkerSettings(SessionLimitSettings):
         "CUDA: forwards of up to 64 new tokens over 8K+ cached tokens attend through grouped matmuls instead "
         "of sdpa's memory-efficient kernel, which runs few thread blocks for few queries. Off: sdpa always."))
     cuda_graphs: bool = Field(default=True, description=(
-        "CUDA, with a KV pool (SPECSPLIT_TARGET_KV_POOL_GB / SPECSPLIT_DRAFT_KV_POOL_GB > 0): forwards of up to "
-        "64 new tokens per session and 32 sessions replay CUDA graphs, one captured per shape bucket on its "
-        "first use (specsplit.engine.graphs). Off, or without a pool: eager forwards."))
+        "CUDA, with a KV pool (SPECSPLIT_TARGET_KV_POOL_GB / SPECSPLIT_DRAFT_KV_POOL_GB, `auto` by default): "
+        "forwards of up to 64 new tokens per session and 32 sessions replay CUDA graphs, one captured per shape "
+        "bucket on its first use (specsplit.engine.graphs). Off, or without a pool: eager forwards."))
     cuda_graph_body: Literal["triton", "fused", "transformers"] = Field(default="fused", description=(
         "What a CUDA graph replays: fused, the decoder with q/k/v and gate/up each in one GEMM, RMSNorm in "
         "one kernel and the rotation as one matmul (specsplit.engine.fused; llama, qwen2 and qwen3 models, "
         "others fall back); triton, the same with the rotation and the K/V writes, attention over the pool "
         "read in place, and SiLU x up as Triton kernels (specsplit.engine.kernels; about half the fused "
         "body's kernels; without Triton the fused body); transformers, the model's own modules (about twice "
-        "the fused body's kernels)."))
+        "the fused body's kernels). At start each body checks one forward against what it replaces (the "
+        "modules, the torch operations) on this device and, if they differ or it fails, falls back (logged)."))
     draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64, description=(
         "Draft forwards allowed after re-rooting a grown tree (unset: up to the tree's depth, as from scratch). "
         "They delay the round, while growth adds the same nodes during the next verify at no wait; 0 measured "
@@ -187,7 +195,7 @@ class WorkerSettings(SessionLimitSettings):
     def engine_for(self, service: str) -> str:
         return self.draft_engine if service == "draft" else self.target_engine
 
-    def kv_pool_gb_for(self, service: str) -> float:
+    def kv_pool_gb_for(self, service: str) -> float | str:
         return self.draft_kv_pool_gb if service == "draft" else self.target_kv_pool_gb
 
     def quantize_for(self, service: str) -> str:

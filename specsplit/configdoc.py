@@ -187,12 +187,17 @@ def _bounds(metadata: list) -> list[str]:
 
 def _kind(annotation, metadata: list) -> str:
     """The type and allowed values of a field, as a user reads them."""
+    if typing.get_origin(annotation) is typing.Annotated:  # a member of a union with its own bounds
+        annotation, *infos = typing.get_args(annotation)
+        metadata = [m for info in infos for m in getattr(info, "metadata", [info])]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation, *rest = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if rest:
-            raise ValueError(f"no rendering for a union of several types: {annotation}, {rest}")
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) > 1:  # e.g. a number or `auto`
+            return " or ".join(_kind(a, metadata) for a in members)
+        annotation = members[0]
     if typing.get_origin(annotation) is typing.Literal:
-        return "one of " + ", ".join(f"`{v}`" for v in typing.get_args(annotation))
+        values = typing.get_args(annotation)
+        return ("one of " if len(values) > 1 else "") + ", ".join(f"`{v}`" for v in values)
     names = {bool: "boolean", int: "integer", float: "number", str: "text", Path: "path", SecretStr: "secret text"}
     base = names.get(annotation, getattr(annotation, "__name__", str(annotation)))
     return ", ".join([base, *_bounds(metadata)])

@@ -68,12 +68,12 @@ def engine_limits(settings: WorkerSettings, service: str | None = None, backend=
     from specsplit.engine.base import EngineLimits  # torch: never at this module's import (see build_engine)
 
     pool = settings.kv_pool_gb_for(service) if service and settings.engine_for(service) == "torch" else 0.0
-    cuda = getattr(backend, "name", None) == "cuda"
+    cuda = getattr(backend, "name", None) == "cuda"  # with a pool ("auto": sized on CUDA), graphs replay
     return EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
-        kv_pool_gb=pool, graphs="cuda" if pool > 0 and cuda and settings.cuda_graphs else "off",
+        kv_pool_gb=pool, graphs="cuda" if (pool == "auto" or pool > 0) and cuda and settings.cuda_graphs else "off",
         graph_body=settings.cuda_graph_body,
     )
 

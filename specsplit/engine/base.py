@@ -25,7 +25,7 @@ from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
 from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.kvpool import GB, KVPool, pool_shape, pool_slots
+from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
 from specsplit.engine.masks import TreeInputs, additive_mask, causal
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, SpecError
@@ -41,7 +41,9 @@ class EngineLimits:
     cache_chunk: int = 64  # KV capacity granularity (tokens); see specsplit.engine.kvcache
     max_tree_nodes: int = 64
     max_tree_depth: int = 16
-    kv_pool_gb: float = 0.0  # > 0: every session's KV in a pool preallocated at start (specsplit.engine.kvpool)
+    # > 0: every session's KV in a pool preallocated at start (specsplit.engine.kvpool); "auto": one
+    # sized to the device's free memory on CUDA, none elsewhere
+    kv_pool_gb: float | str = 0.0
     graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
     graph_body: str = "fused"  # what the graphs run: "fused" (engine.fused) or "transformers" (the model's modules)
 
@@ -134,18 +136,13 @@ class Engine:
         self.kv_pool: KVPool | None = None
         self.graphs: GraphRunner | None = None
         make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
-        if limits.kv_pool_gb > 0:
-            shape = pool_shape(model, limits.max_session_tokens, self.dtype)
-            scratch = limits.graphs != "off"  # the graphs' padding sessions take one slot of the budget
-            slots = pool_slots(limits.kv_pool_gb, shape, limits.max_sessions + scratch) - scratch
-            if slots < 1:
-                raise ValueError(f"a KV pool of {limits.kv_pool_gb} GB holds no session beside the graphs' "
-                                 f"scratch slot: each slot needs {shape.slot_bytes / GB:.4f} GB")
-            self.kv_pool = KVPool(shape, slots, self.device, scratch=scratch)
+        if limits.kv_pool_gb == AUTO or limits.kv_pool_gb > 0:
+            self.kv_pool = self._allocate_pool(limits)
+        if self.kv_pool is not None:
             make_kv, on_evict = self.kv_pool.make_kv, self.kv_pool.release
             self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
-                          tokens_per_slot=limits.max_session_tokens)
-            if scratch:
+                          tokens_per_slot=limits.max_session_tokens, auto=limits.kv_pool_gb == AUTO)
+            if self.kv_pool.scratch is not None:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
                                           body=limits.graph_body)
         self.store = SessionStore(
@@ -154,6 +151,39 @@ class Engine:
             ttl_s=limits.session_ttl_s,
             on_evict=on_evict,
         )
+
+    AUTO_POOL_TRIES = 3  # an automatic pool re-measures free memory after an allocation fails
+
+    def _allocate_pool(self, limits: EngineLimits) -> KVPool | None:
+        """The KV pool of ``limits.kv_pool_gb``; "auto": on CUDA one of ``max_sessions`` slots or
+        what the device's free memory holds beside a reserve (``kvpool.auto_slots``), else None
+        (caches grow per session; logged where a CUDA device had no room for one slot)."""
+        shape = pool_shape(self.model, limits.max_session_tokens, self.dtype)
+        scratch = limits.graphs != "off"  # the graphs' padding sessions take one slot of the budget
+        want = limits.max_sessions + scratch
+        if limits.kv_pool_gb != AUTO:
+            slots = pool_slots(limits.kv_pool_gb, shape, want) - scratch
+            if slots < 1:
+                raise ValueError(f"a KV pool of {limits.kv_pool_gb} GB holds no session beside the graphs' "
+                                 f"scratch slot: each slot needs {shape.slot_bytes / GB:.4f} GB")
+            return KVPool(shape, slots, self.device, scratch=scratch)
+        if self.device.type != "cuda":
+            return None
+        for _ in range(self.AUTO_POOL_TRIES):
+            free, total = torch.cuda.mem_get_info(self.device)
+            slots = auto_slots(shape, want, free, total) - scratch
+            if slots < 1:
+                self.log.warning("kv_pool_auto_none", free_gb=round(free / GB, 2),
+                                 slot_gb=round(shape.slot_bytes / GB, 4),
+                                 action="caches grow per session; eager forwards")
+                return None
+            try:
+                return KVPool(shape, slots, self.device, scratch=scratch)
+            except torch.OutOfMemoryError:  # another process on the device took memory meanwhile: measure again
+                torch.cuda.empty_cache()
+        self.log.warning("kv_pool_auto_failed", tries=self.AUTO_POOL_TRIES,
+                         action="caches grow per session; eager forwards")
+        return None
 
     # ---- request plumbing -------------------------------------------------------------
     def handle(self, msg: Message) -> Message:

@@ -23,6 +23,12 @@ from transformers.cache_utils import Cache
 from specsplit.engine.kvcache import ChunkedLayer, SessionKV
 
 GB = 10**9  # the pool's size setting counts bytes in units of 10^9
+AUTO = "auto"  # the size setting's default: sized to the device at start (``auto_slots``)
+# what an automatic pool leaves free on the device: the largest of a fraction of its memory and a
+# floor, for activations, prefill chunks, the graphs' static buffers (a bucket's logits alone reach
+# ~0.6 GB for a 150K vocabulary) and other processes' growth
+AUTO_RESERVE_FRACTION = 0.1
+AUTO_RESERVE_BYTES = 3 * GB
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,13 @@ def pool_slots(gb: float, shape: PoolShape, max_sessions: int) -> int:
         raise ValueError(f"a KV pool of {gb} GB holds no session: one slot ({shape.max_len} tokens, "
                          f"{shape.layers} layers) needs {shape.slot_bytes / GB:.4f} GB")
     return min(slots, max_sessions)
+
+
+def auto_slots(shape: PoolShape, want: int, free_bytes: int, total_bytes: int) -> int:
+    """Slots of an automatic pool: ``want`` (the sessions a worker keeps, plus the graphs'
+    scratch slot), or as many as ``free_bytes`` hold after the reserve; 0 when not even one."""
+    reserve = max(AUTO_RESERVE_BYTES, round(AUTO_RESERVE_FRACTION * total_bytes))
+    return max(0, min(want, (free_bytes - reserve) // shape.slot_bytes))
 
 
 class SlotLayer(ChunkedLayer):
