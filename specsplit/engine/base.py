@@ -346,9 +346,15 @@ class Engine:
             raise SpecError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}") from exc
 
     def elapsed_ms(self, t0: float) -> float:
-        """Milliseconds since ``t0``, after the device finished its queued work."""
+        """Milliseconds since ``t0``, after the device finished its queued work, less any CUDA
+        graph captures since (a one-time cost: the replies' times are what forwards cost)."""
         self.backend.synchronize()
-        return elapsed_ms(t0)
+        return self.steady_ms(t0)
+
+    def steady_ms(self, t0: float) -> float:
+        """Milliseconds since ``t0`` less the graph captures that started since."""
+        ms = elapsed_ms(t0)
+        return ms if self.graphs is None else max(0.0, ms - self.graphs.capture_ms_since(t0))
 
 
 def elapsed_ms(t0: float) -> float:

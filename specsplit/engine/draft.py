@@ -194,7 +194,7 @@ class DraftEngine(Engine):
         for j, node in enumerate(nodes):
             g.slot[node] = base + j
         self._add_top_children(g, nodes, rows)
-        g.forward_ms = elapsed_ms(t0)  # after the host copy: the device has finished
+        g.forward_ms = self.steady_ms(t0)  # after the host copy: the device has finished
 
     def _reroot(self, kv: SessionKV, g: DraftTree, sync, root: int) -> DraftTree | None:
         """The kept tree re-rooted at the new root when [append tokens + root] is one of its paths
