@@ -150,7 +150,7 @@ def test_the_draft_replays_each_clean_round_at_its_context(trace, tmp_path, monk
 
     def spy(self, sid, base, append, spec):
         sent.append((sid, base + append + 1, spec))
-        real(self, sid, base, append, spec)
+        return real(self, sid, base, append, spec)
 
     monkeypatch.setattr(replay.Replayer, "_draft", spy)
     out = tmp_path / "replay.json"

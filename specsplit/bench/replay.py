@@ -288,13 +288,12 @@ class Replayer:
             self._draft(sid, base, r.context_len - 2 - base, TreeSpec(max_nodes=1, max_depth=0))
             base = r.context_len - 2
         spec = TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
-        t0 = time.perf_counter()
-        self._draft(sid, base, r.context_len - 1 - base, spec)
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = self._draft(sid, base, r.context_len - 1 - base, spec)  # the reply's, as verify's: graph captures out
         self._draft_held[sid] = r.context_len
         return ms
 
-    def _draft(self, sid: str, base: int, append: int, spec: TreeSpec) -> None:
+    def _draft(self, sid: str, base: int, append: int, spec: TreeSpec) -> float:
+        """One draft request; its reply's draft_ms."""
         rnd = self._round[f"draft-{sid}"] = self._round.get(f"draft-{sid}", -1) + 1
         req = DraftRequest(session_id=sid, round=rnd, sync=CacheSync(base_len=base, append_token_ids=self.tokens(append)),
                            root=self.tokens(1)[0], tree=spec)
@@ -302,6 +301,7 @@ class Replayer:
         if isinstance(reply, ErrorReply):
             raise ReplayError(f"draft session {sid} request {rnd}: the engine answered {reply.code}: {reply.message}")
         self._draft_held[sid] = base + append + 1
+        return reply.draft_ms
 
     def decode(self, sid: str, held: int, c: int, s: TracedSession, out: list[AloneStep]) -> int:
         """The target alone's step at context ``c`` (a plain round: root-only), timed into ``out``."""
