@@ -105,9 +105,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _warps(block_m: int, head_dim: int) -> int:
-    """Warps of an attention program: 8 from 16 x 128 query elements (4 spill registers on
-    sm_90 for a 32-row block of 128-wide heads; tests/test_kernels.py compiles both)."""
-    return 8 if block_m * head_dim >= 2048 else 4
+    """Warps of an attention program: 8 from 32 x 128 query elements. Compiled for sm_90 as a
+    launch specializes them (16-byte aligned pointers: vectorized, pipelined loads), 4 warps
+    hold a 32-row block of 128-wide heads at the 255-register limit and 8 spill a 16-row one
+    (tests/test_kernels.py compiles every variant the real pair launches)."""
+    return 8 if block_m * head_dim >= 4096 else 4
 
 
 def plan(batch: int, tokens: int, keys: int, kv_heads: int, group: int, programs: int,
@@ -340,6 +342,14 @@ def _stack_bytes(cubin: bytes) -> int:
     return max((int(m) for m in re.findall(r"STACK:(\d+)", usage)), default=0)
 
 
+def aligned(fn, names) -> dict:
+    """ASTSource ``attrs`` marking ``fn``'s arguments ``names`` divisible by 16, as Triton's JIT
+    specializes them at a launch (pointers to torch's allocations, strides and sizes that are
+    multiples of 16): compiled without, loads stay scalar and are not pipelined, and register
+    counts differ from the kernels that run."""
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
+
+
 def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=(16, 32),
                      dtype: str = "bf16") -> dict:
     """Compile (no device needed: ahead of time, for CUDA compute ``capability``) every variant
@@ -355,9 +365,14 @@ def compile_variants(capability: int = 90, shapes=((128, 6), (64, 7)), block_ms=
     ptr, out = f"*{dtype}", {}
 
     def build(fn, signature: dict, constexprs: dict, name: str, warps: int = 4) -> None:
+        # what a launch specializes as multiples of 16: pointers (``lengths`` points 8 bytes into
+        # the graph's inputs), strides and sizes that are not exempt (``do_not_specialize``)
+        even = [a for a, kind in signature.items() if (kind.startswith("*") and a != "lengths")
+                or (a.startswith("stride_") and a not in ("stride_vis_b", "stride_vis_t"))
+                or a in ("inter", "total")]
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                                options={"num_warps": warps})
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned(fn, even)),
+                                target=target, options={"num_warps": warps})
         stack = _stack_bytes(kernel.asm["cubin"])
         if fn is _attend and stack:
             raise RuntimeError(f"{name}: {stack} bytes of stack (registers spilled)")
