@@ -8,19 +8,20 @@
 #                                  64 MiB), under .whl/ (git-ignored)
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
 #                                  weights of the real configs, logs and JSON under $OUT:
-#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels', the
-#        KV pool's, an automatic one included, and greedy equivalence), TESTS_S;
+#     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels' and
+#        GEMMs', the KV pool's, an automatic one included, and greedy equivalence), TESTS_S;
 #     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs of the fused body in torch
-#        operations (the target), then on graphs of the fused body through the Triton kernels
-#        (both roles: the issue's three bars), in one call;
+#        operations (the target), then on graphs of the fused body through the Triton kernels,
+#        with torch's GEMMs and with Triton's (both roles: the issue's three bars);
 #     2b. LONG_S > 0: the target's 1- and 16-token forwards at LONG_CONTEXT cached tokens (65536)
 #        on graphs of each body: the full verification SpecPV's bar compares against, with the
 #        Triton body's attention reading the slot in place against the torch body's gather;
-#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton fused"):
+#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm triton fused"):
 #        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
-#        (default "8:triton 8:fused": graphs of each body; a pool of 0 runs eagerly), then the
-#        prompt-lookup trace on the Triton body (no draft: its verify-only figure is the fleet's), LOOKUP_S;
+#        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly), then the
+#        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
+#        LOOKUP_S;
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -29,8 +30,10 @@
 # included; the long-context sweep took ~110-150 s per attention (stops 37-38). Since the fused
 # body's A/B (a third cost run, a second probe, a replay per body) and the lookup trace's replay,
 # expect ~20 + ~90 + ~50 + ~130 s, and Triton compiling its kernels on first use (~0.5-1 s per
-# variant, ~20 variants per process) and step 2b (~90 s): give the defaults one 560 s call; add
-# LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
+# variant, ~20 variants per process; the GEMMs ~10 more) and step 2b (~90 s), and since the
+# triton_gemm body a fourth cost run and a third probe (~+70 s): give the defaults one 590 s call
+# (each step stops at its own timeout); if it ran out, a second call with the finished steps'
+# *_S=0 measures the rest. Add LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # the device's image lacks these or holds other versions; each is pinned to this checkout's venv
@@ -63,9 +66,11 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  # test_kernels: every test runs the compiled kernels on the device (its ahead-of-time compile check ran here)
-  timeout "${TESTS_S:-120}" python3 -m pytest -q -ra -p no:cacheprovider -k "(cuda or cudnn or kernels) and not compiles" \
-    ${TESTS:-tests/test_kernels.py tests/test_graphs.py tests/test_fused.py tests/test_kvpool.py \
+  # test_kernels, test_matmul: every test runs the compiled kernels on the device (their ahead-of-time
+  # compile checks ran here)
+  timeout "${TESTS_S:-150}" python3 -m pytest -q -ra -p no:cacheprovider \
+    -k "(cuda or cudnn or kernels or matmul) and not compiles" \
+    ${TESTS:-tests/test_kernels.py tests/test_matmul.py tests/test_graphs.py tests/test_fused.py tests/test_kvpool.py \
       tests/test_greedy_equivalence.py} 2>&1 \
     | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
@@ -76,9 +81,11 @@ run)
     timeout "$((COST_S / 3))" python3 -m specsplit bench gpu --device cuda $cfg --roles target --tokens 1,4,16 \
       --batch 1,16 --graph-body fused --max-seconds $((COST_S / 4)) --json "$OUT/gpu-cost-fused.json" 2>&1 \
       | grep -v '^target {' | tail -14
-    timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
-      --tokens 1,4,16,64 --graph-body triton --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost.json" 2>&1 \
-      | tee "$OUT/gpu-cost.log" | grep -v '^target {\|^draft {' | tail -34
+    for body in triton triton_gemm; do  # both roles: the issue's three bars, with torch's GEMMs and with Triton's
+      timeout "$((COST_S * 2 / 3))" python3 -m specsplit bench gpu --device cuda $cfg --draft-config .whl/cfg/draft \
+        --tokens 1,4,16,64 --graph-body $body --max-seconds $((COST_S / 2)) --json "$OUT/gpu-cost-$body.json" 2>&1 \
+        | tee "$OUT/gpu-cost-$body.log" | grep -v '^target {\|^draft {' | tail -34
+    done
   fi
   if [ "${LONG_S:-90}" -gt 0 ]; then  # full verification at a long context, per body
     for body in triton fused; do
@@ -88,13 +95,13 @@ run)
     done
   fi
   if [ "${PROBE_S:-40}" -gt 0 ]; then
-    for body in ${BODIES:-triton fused}; do
+    for body in ${BODIES:-triton_gemm triton fused}; do
       timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
         --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels\|host top' | tail -9
     done
   fi
   if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
-    runs=(${REPLAY_RUNS:-8:triton 8:fused})
+    runs=(${REPLAY_RUNS:-8:triton_gemm 8:fused})
     for run in "${runs[@]}"; do
       pool=${run%%:*} body=${run#*:}
       SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool SPECSPLIT_CUDA_GRAPH_BODY=$body \
@@ -104,7 +111,7 @@ run)
         --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
     # prompt lookup alone (no draft worker): the verify-only figure is the fleet's
-    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton timeout "${LOOKUP_S:-40}" \
+    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm timeout "${LOOKUP_S:-40}" \
       python3 -m specsplit bench replay --device cuda $cfg \
       --trace tests/data/traces/humaneval0-9-qwen-coder-lookup-cpu2-amx.jsonl.gz --max-rounds "${LOOKUP_ROUNDS:-1000}" \
       --json "$OUT/gpu-replay-lookup.json" 2>&1 | grep -v "^replay: session" | head -4

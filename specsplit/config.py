@@ -165,12 +165,14 @@ class WorkerSettings(SessionLimitSettings):
         "CUDA, with a KV pool (SPECSPLIT_TARGET_KV_POOL_GB / SPECSPLIT_DRAFT_KV_POOL_GB, `auto` by default): "
         "forwards of up to 64 new tokens per session and 32 sessions replay CUDA graphs, one captured per shape "
         "bucket on its first use (specsplit.engine.graphs). Off, or without a pool: eager forwards."))
-    cuda_graph_body: Literal["triton", "fused", "transformers"] = Field(default="fused", description=(
+    cuda_graph_body: Literal["triton_gemm", "triton", "fused", "transformers"] = Field(default="fused", description=(
         "What a CUDA graph replays: fused, the decoder with q/k/v and gate/up each in one GEMM, RMSNorm in "
         "one kernel and the rotation as one matmul (specsplit.engine.fused; llama, qwen2 and qwen3 models, "
         "others fall back); triton, the same with the rotation and the K/V writes, attention over the pool "
         "read in place, and SiLU x up as Triton kernels (specsplit.engine.kernels; about half the fused "
-        "body's kernels; without Triton the fused body); transformers, the model's own modules (about twice "
+        "body's kernels; without Triton the fused body); triton_gemm, triton with its GEMMs of up to 64 rows "
+        "in Triton too, RMSNorm and SiLU x up folded into them (specsplit.engine.matmul; six or seven kernels "
+        "a layer); transformers, the model's own modules (about twice "
         "the fused body's kernels). At start each body checks one forward against what it replaces (the "
         "modules, the torch operations) on this device and, if they differ or it fails, falls back (logged)."))
     draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64, description=(

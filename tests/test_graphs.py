@@ -48,7 +48,7 @@ def test_buckets():
     assert key_buckets(600) == (256, 512, 600) and key_buckets(160) == (160,) and key_buckets(512) == (256, 512)
 
 
-@pytest.mark.parametrize("body", ["triton", "fused", "transformers"])
+@pytest.mark.parametrize("body", ["triton_gemm", "triton", "fused", "transformers"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
@@ -62,7 +62,7 @@ def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
     eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 2, "off").kv_pool_gb))
     fast = TargetEngine(target, replace(graphed(LIMITS, target, 2, mode), graph_body=body))
     assert fast.graphs is not None and eager.graphs is None
-    runs = body if body != "triton" or kernels.available(dev) is None else "fused"  # Triton: CUDA or interpreter
+    runs = body if not body.startswith("triton") or kernels.available(dev) is None else "fused"  # CUDA or interpreter
     assert fast.graphs.body == runs and (fast.graphs.fused is None) == (body == "transformers")
     rng = random.Random(3)
     for i, (linear, nodes, cached) in enumerate(((0, 1, 5), (2, 3, 200), (0, 9, 250), (5, 11, 300), (1, 32, 500),
@@ -112,15 +112,17 @@ def validate_tree_layout(tokens, parents):
     return validate_tree(FlatTree(token_ids=tokens, parents=parents), vocab_size=128, max_nodes=64, max_depth=64)
 
 
-BODIES = ["triton", "fused"]  # the Triton kernels and the torch operations of the fused body
+BODIES = ["triton_gemm", "triton", "fused"]  # the Triton kernels (their GEMMs too) and the fused body's torch ops
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("family", "body"), [*((f, "fused") for f in FAMILIES), ("qwen3", "triton")])
+@pytest.mark.parametrize(("family", "body"), [*((f, "fused") for f in FAMILIES), ("qwen3", "triton"),
+                                             ("qwen2", "triton_gemm")])
 def test_generate_through_graphs_equals_plain_greedy(models, family, mode, body):
     """Draft and target engines on pools with graphs give the target's greedy decoding; a sampled
     run equals the same run on eager forwards. Through the Triton kernels for qwen3 (the family
-    with the most of them: per-head norms), as the interpreter runs them ~100x slower."""
+    with the most of them: per-head norms) and with their GEMMs for qwen2 (q/k/v biases), as the
+    interpreter runs them ~100x slower."""
     engines = []
 
     def on_pool(cls, model, limits):

@@ -91,7 +91,7 @@ def parse(argv):
                    help="each role's KV pool (default: 64 on CUDA, capped at the grid's sessions; 0 on CPU)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="eager forwards on CUDA (SPECSPLIT_CUDA_GRAPHS=false)")
-    p.add_argument("--graph-body", choices=["triton", "fused", "transformers"], default="fused",
+    p.add_argument("--graph-body", choices=["triton_gemm", "triton", "fused", "transformers"], default="fused",
                    help="what the CUDA graphs replay (SPECSPLIT_CUDA_GRAPH_BODY)")
     p.add_argument("--max-seconds", type=float, default=540.0, help="no cell starts after this many seconds")
     p.add_argument("--json", dest="json_path")

@@ -38,10 +38,11 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        from specsplit.engine import kernels
+        from specsplit.engine import kernels, matmul
 
-        for name in ("_rope_store", "_attend", "_combine", "_silu_mul"):
-            kernel = getattr(kernels, name, None)
+        for module, name in ((kernels, "_rope_store"), (kernels, "_attend"), (kernels, "_combine"),
+                             (kernels, "_silu_mul"), (matmul, "_linear")):
+            kernel = getattr(module, name, None)
             if kernel is not None:
                 self._patched.append((kernel, kernel.run))
                 kernel.run = self._counted(name.lstrip("_"), kernel.run)

@@ -133,6 +133,7 @@ class FusedDecoder:
         self._sign = torch.cat([-torch.ones(d // 2, **weights), torch.ones(d - d // 2, **weights)])
         self._out_dtype = _score_dtype_supported(pool.device, pool.shape.dtype)
         self.kernels, self.programs, self.block_n = None, 0, 0  # the Triton kernels (``build(kernels=True)``)
+        self.gemm, self.matmul = False, None  # and their GEMMs (``build(gemm=True)``: specsplit.engine.matmul)
 
     # ---- a forward ---------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor, pos: torch.Tensor):
@@ -143,9 +144,18 @@ class FusedDecoder:
         cos, sin = self.rotary(x, pos)
         return x, cos.reshape(b * t, self.head_dim), sin.reshape(b * t, self.head_dim)
 
+    def _gemms(self, rows: int) -> bool:
+        """Whether this forward's GEMMs go through ``specsplit.engine.matmul`` (its few rows)."""
+        return self.gemm and self.kernels is not None and rows <= self.matmul.MAX_ROWS
+
     def _rest_of_layer(self, x: torch.Tensor, out: torch.Tensor, lay: _Layer) -> torch.Tensor:
         """The residual stream after attention's output ``out`` [N, Hq x D]: its projection added,
         then the MLP's."""
+        if self._gemms(x.shape[0]):  # three kernels, x updated in place: o, norm + gate/up, SiLU x up + down
+            mm = self.matmul.linear
+            mm(out, lay.o, bias=lay.o_bias, residual=x, out=x)
+            gate_up = mm(x, lay.gate_up, norm=lay.norm2, eps=lay.eps2)
+            return mm(gate_up, lay.down, silu=True, residual=x, out=x)
         x = torch.addmm(x, out, lay.o.t()) if lay.o_bias is None else x + F.linear(out, lay.o, lay.o_bias)
         h = F.rms_norm(x, (x.shape[-1],), lay.norm2, lay.eps2)
         gate_up = torch.mm(h, lay.gate_up.t())
@@ -157,6 +167,9 @@ class FusedDecoder:
         return torch.addmm(x, act, lay.down.t())
 
     def _head(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        if self._gemms(x.shape[0]):
+            self.matmul.linear(x, self.lm_head, norm=self.norm, eps=self.eps, out=logits.view(x.shape[0], -1))
+            return
         h = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         torch.mm(h, self.lm_head.t(), out=logits.view(x.shape[0], -1))
 
@@ -212,9 +225,13 @@ class FusedDecoder:
         x, cos, sin = self._embed(ids, pos)
         slots, lengths = slots.contiguous(), lengths.contiguous()  # the kernels read them as plain arrays
         out = torch.empty(b * t, hq * d, dtype=x.dtype, device=x.device)
+        gemms = self._gemms(b * t)
         for i, lay in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1)
-            qkv = F.linear(h, lay.qkv, lay.qkv_bias).view(b * t, hq + 2 * hkv, d)
+            if gemms:  # the input norm inside the q/k/v GEMM
+                qkv = self.matmul.linear(x, lay.qkv, bias=lay.qkv_bias, norm=lay.norm1, eps=lay.eps1)
+            else:
+                qkv = F.linear(F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1), lay.qkv, lay.qkv_bias)
+            qkv = qkv.view(b * t, hq + 2 * hkv, d)
             kern.rope_store(qkv, cos, sin, lay.qk_norm, lay.qk_eps, self.pool.kv[i], slots, lengths, hq, hkv)
             kern.attend(qkv, self.pool.kv[i], slots, lengths, vis, compact, keys, lay.scaling, hq, hkv, out,
                         self.programs, self.block_n)
@@ -238,10 +255,11 @@ def _score_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str | None]:
+def build(model, pool, kernels: bool = False, gemm: bool = False) -> tuple[FusedDecoder | None, str | None]:
     """The fused body of ``model`` over ``pool`` (with ``kernels``: through the Triton kernels
-    where they run), or None; and why not (or why without the kernels). Each is checked once
-    against what it replaces before it serves (``_disagreement``)."""
+    where they run; with ``gemm`` too, their GEMMs of few rows), or None; and why not (or why
+    without the kernels or their GEMMs). Each is checked once against what it replaces before it
+    serves (``_disagreement``)."""
     try:
         decoder = FusedDecoder(model, pool)
     except Unsupported as exc:
@@ -263,7 +281,17 @@ def build(model, pool, kernels: bool = False) -> tuple[FusedDecoder | None, str 
             decoder.programs = 2 * torch.cuda.get_device_properties(pool.device).multi_processor_count
         else:
             decoder.programs, decoder.block_n = 1, 256
+        if gemm:
+            from specsplit.engine import matmul
+
+            decoder.gemm, decoder.matmul = True, matmul
         why = _disagreement(decoder, model, "triton")
+        if why is not None and decoder.gemm:  # without the GEMMs, the other kernels may still serve
+            decoder.gemm = False
+            rest = _disagreement(decoder, model, "triton")
+            why = f"{why}; without the Triton GEMMs: {rest or 'they agree'}"
+            if rest is None:
+                return decoder, why
         if why is not None:  # a kernel that misbehaves on this device: the torch operations instead
             decoder.kernels = None
     return decoder, why

@@ -48,8 +48,9 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
 MIN_KEYS = 256  # the smallest cache bucket; then doubling up to the pool's slot length
 MODES = ("cuda", "static")
-# the decoder through Triton kernels (engine.kernels), in fewer torch kernels (engine.fused), or the model's modules
-BODIES = ("triton", "fused", "transformers")
+# the decoder through Triton kernels, their GEMMs too (engine.kernels, engine.matmul), in fewer torch kernels
+# (engine.fused), or the model's modules
+BODIES = ("triton_gemm", "triton", "fused", "transformers")
 GRAPH_ATTENTION = "specsplit_graph_gqa"
 GROUPED = ("sdpa", GQA_ATTENTION)  # attention a graph's body replaces with grouped matmuls
 
@@ -147,8 +148,9 @@ class GraphRunner:
         # the decoder in fewer kernels (specsplit.engine.fused; through Triton's where asked and they
         # run) where it runs this model, else its modules
         self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body == "transformers" \
-            else build_fused(model, pool, kernels=body == "triton")
-        self.body = "transformers" if self.fused is None else "triton" if self.fused.kernels else "fused"
+            else build_fused(model, pool, kernels=body.startswith("triton"), gemm=body == "triton_gemm")
+        self.body = ("transformers" if self.fused is None else "fused" if self.fused.kernels is None
+                     else "triton_gemm" if self.fused.gemm else "triton")
         if log is not None:
             log.info("graph_body", body=self.body, asked=body, why=self.fused_not)
         self.max_len = pool.shape.max_len
@@ -164,7 +166,7 @@ class GraphRunner:
         # eagerly, where attention over many keys takes sdpa's memory-efficient kernel
         self.query_heads = int(model.config.get_text_config(decoder=True).num_attention_heads)
         # (the Triton body holds neither: its attention reads the pool in place, block by block)
-        self.max_scores = float("inf") if self.body == "triton" else ACCEL_MAX_SCORES
+        self.max_scores = float("inf") if self.body.startswith("triton") else ACCEL_MAX_SCORES
         self.captures, self.capture_ms, self.served = 0, 0.0, 0  # served: forwards run through a bucket
         self._recent: deque[tuple[float, float]] = deque(maxlen=64)  # (perf_counter at a capture's start, ms)
 
@@ -267,7 +269,7 @@ class GraphRunner:
     def _body(self, inp: _Inputs, b: int, t: int, keys: int, compact: bool) -> None:
         """The forward at shape (b, t, keys) from the static inputs into ``inp.logits``."""
         ids, pos, slots, lengths = inp.meta[:, :t], inp.meta[:, t:2 * t], inp.meta[:, 2 * t], inp.meta[:, 2 * t + 1]
-        if self.body == "triton":  # visibility read inside the attention kernel
+        if self.body.startswith("triton"):  # visibility read inside the attention kernel
             self.fused.forward_kernels(ids, pos, slots, lengths, inp.new_vis if compact else inp.vis, compact, keys,
                                        inp.logits)
             return
