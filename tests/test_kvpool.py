@@ -162,6 +162,39 @@ def test_compaction_in_a_slot_moves_every_layer_at_once(layers):
         pool.release(type("S", (), {"kv": pooled_kv, "lock": threading.Lock(), "draft_tree": None})())
 
 
+def test_several_sessions_compact_at_once():
+    """A batched verify's compactions, every member's at once (``KVPool.compact_sessions``): each
+    cache as a growing cache compacted alone, paths already in place untouched, slots outside
+    the batch untouched, and the same few operations for three sessions as for one."""
+    from specsplit.bench.opcount import CountOps
+    from specsplit.engine.kvpool import PoolShape
+
+    shape = PoolShape(layers=3, kv_heads=2, head_dim=8, max_len=64, dtype=torch.float32)
+    pool = KVPool(shape, 7, torch.device("cpu"))
+    moves = (([10, 12, 13, 17], 10), ([5, 6, 7], 5), ([20, 31], 19), ([], 4), ([33, 30, 40], 30))
+    pooled, plain = [pool.make_kv() for _ in moves], [SessionKV(3, 64) for _ in moves]
+    for a, b in zip(pooled, plain):
+        for i in range(3):
+            k, v = torch.randn(1, 2, 45, 8), torch.randn(1, 2, 45, 8)
+            a.layers[i].update(k, v)
+            b.layers[i].update(k, v)
+    others = [s for s in range(7) if s not in {kv.slot for kv in pooled}]
+    for s in others:  # slots outside the batch hold something to keep
+        pool.all[:, :, s].normal_()
+    idle = pool.all[:, :, others].clone()
+    with CountOps() as count:
+        pool.compact_sessions([(kv, src, dst) for kv, (src, dst) in zip(pooled, moves)])
+    for b, (src, dst) in zip(plain, moves):
+        b.compact(src, dst)
+    for a, b in zip(pooled, plain):
+        assert a.length == b.length
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=0)
+            torch.testing.assert_close(la.values, lb.values, rtol=0, atol=0)
+    assert sum(count.ops.values()) <= 4, count.ops  # one index copy, one gather, one put, for all of them
+    assert len(others) == 2 and torch.equal(idle, pool.all[:, :, others])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_forward_in_a_slot_matches_each_path(family):
     model = tiny_model(family, seed=1)

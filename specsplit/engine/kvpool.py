@@ -135,12 +135,12 @@ class PooledKV(SessionKV):
         """As ``SessionKV.compact``, every layer's K and V moved at once: one gather and one copy
         over the pool's tensor of all layers, where moving layer by layer launched four kernels
         a layer (on a GPU, ~100 launches a session a round for a 28-layer model)."""
+        self.pool.compact_sessions([(self, src_positions, dst_start)])
+
+    def moves(self, src_positions: list[int], dst_start: int) -> bool:
+        """Whether compacting ``src_positions`` to ``dst_start`` moves any entry."""
         m = len(src_positions)
-        if src_positions and src_positions != list(range(dst_start, dst_start + m)) and not self.released:
-            slot = self.pool.all[:, :, self.slot]  # [layers, 2, Hkv, max_len, D]
-            src = torch.tensor(src_positions, dtype=torch.long, device=self.pool.device)
-            slot[:, :, :, dst_start:dst_start + m] = slot.index_select(3, src)
-        self.crop_to(dst_start + m)
+        return bool(src_positions) and src_positions != list(range(dst_start, dst_start + m)) and not self.released
 
     def advance(self, n: int) -> None:
         """``n`` more entries were written into the slot after ``length`` (a graph's forward,
@@ -178,6 +178,24 @@ class KVPool:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._retired: list = []  # sessions that left the store while a request held them
         self._lock = threading.Lock()
+
+    def compact_sessions(self, moves) -> None:
+        """Several sessions' compactions (``SessionKV.compact``: (cache, source positions, first
+        destination)), every session's entries of every layer moved at once: one host copy of
+        the indices, one gather and one copy over the pool, however many sessions (a batched
+        verify compacted each of its sessions with its own three)."""
+        slots, src, dst = [], [], []
+        for kv, positions, start in moves:
+            if kv.moves(positions, start):
+                slots += [kv.slot] * len(positions)
+                src += positions
+                dst += range(start, start + len(positions))
+        if slots:
+            s, a, b = torch.tensor([slots, src, dst], dtype=torch.long, device=self.device)
+            # [entries, layers, 2, Hkv, D] gathered (a copy: sources and destinations may overlap), then put
+            self.all[:, :, s, :, b] = self.all[:, :, s, :, a]
+        for kv, positions, start in moves:
+            kv.crop_to(start + len(positions))
 
     def make_kv(self) -> PooledKV | None:
         """A cache in a free slot, or None when every slot is held (the store then frees one)."""

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas import Message, VerifyRequest
+from schemas import ErrorCode, Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
 from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
+from specsplit.engine.kvpool import PooledKV
 from specsplit.engine.masks import TreeInputs
 from specsplit.engine.store import Session
 from specsplit.engine.verify import Outcome
@@ -119,6 +120,7 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
             done.append((m, engine.guarded(m.session, lambda m=m, lg=lg, am=am: _finish(engine, m, lg, am))))
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+    done = _keep_paths(engine, done, replies)
     # one wait for the device for every reply: one forward served them all (a wait per reply
     # cost each member a device synchronization)
     ms = engine.elapsed_ms(t0)
@@ -141,10 +143,41 @@ def greedy_argmax(members: list[_Member], logits: list) -> list[list[int] | None
 
 
 def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outcome:
-    """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); keep the
-    accepted path's K/V."""
-    start = m.req.sync.base_len + len(m.req.sync.append_token_ids)  # the root's position
+    """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); its cache
+    keeps the accepted path's K/V once ``_keep_paths`` ran."""
     verdict = engine.decide(m.req, m.layout, logits, argmax)
-    m.session.kv.compact([start + i for i in verdict.path], start)
     m.session.last_round = m.req.round
     return Outcome(verdict, forward_tokens=len(m.segment.token_ids))
+
+
+def _keep_paths(engine, done: list[tuple[_Member, Outcome]], replies: list) -> list[tuple[_Member, Outcome]]:
+    """Each verified member's cache keeps its accepted path after the root: on a KV pool, every
+    member's K/V moved at once (``KVPool.compact_sessions``: three operations for the batch, not
+    three a member), else cache by cache. The members whose caches did; a failure drops the
+    sessions it touched and becomes their replies (a device failure ends the worker)."""
+    moves = []
+    for m, out in done:
+        start = m.req.sync.base_len + len(m.req.sync.append_token_ids)  # the root's position
+        moves.append((m.session.kv, [start + i for i in out.verdict.path], start))
+    pool = engine.kv_pool
+    if pool is None or not all(isinstance(kv, PooledKV) and kv.pool is pool for kv, _, _ in moves):
+        kept = []
+        for (m, out), (kv, src, start) in zip(done, moves):
+            try:
+                engine.guarded(m.session, lambda kv=kv, src=src, start=start: kv.compact(src, start))
+                kept.append((m, out))
+            except SpecError as exc:
+                replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+        return kept
+    try:
+        pool.compact_sessions(moves)
+    except Exception as exc:
+        for m, _ in done:
+            engine.store.drop(m.session)
+        if is_device_failure(exc):
+            raise DeviceFailure(f"{engine.role} on {engine.device}: {type(exc).__name__}: {exc}") from exc
+        for m, _ in done:
+            replies[m.index] = SpecError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}").to_reply(
+                m.req.session_id, m.req.round)
+        return []
+    return done
