@@ -65,6 +65,9 @@ def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
     runs = body if not body.startswith("triton") or kernels.available(dev) is None else "fused"  # CUDA or interpreter
     assert fast.graphs.body == runs and (fast.graphs.fused is None) == (body == "transformers")
     rng = random.Random(3)
+    tolerance = fp32_tolerance(dev)
+    if runs == "triton_gemm":  # its GEMMs sum in their own order, the norm's scale applied after the product
+        tolerance = {"rtol": tolerance["rtol"], "atol": 5 * tolerance["atol"]}
     for i, (linear, nodes, cached) in enumerate(((0, 1, 5), (2, 3, 200), (0, 9, 250), (5, 11, 300), (1, 32, 500),
                                                  (0, 40, 540), (3, 1, 7), (0, 16, 260))):
         prompt = [rng.randrange(128) for _ in range(cached)]
@@ -84,11 +87,11 @@ def test_tree_logits_through_graphs_equal_eager(models, family, mode, body):
             out.append((logits, kv))
         (want, kv_a), (got, kv_b) = out
         assert got.shape == want.shape == (linear + nodes, 128)
-        torch.testing.assert_close(got, want, **fp32_tolerance(dev))
+        torch.testing.assert_close(got, want, **tolerance)
         assert kv_a.length == kv_b.length == cached + linear + nodes
         for la, lb in zip(kv_a.layers, kv_b.layers):
-            torch.testing.assert_close(lb.keys, la.keys, **fp32_tolerance(dev))
-            torch.testing.assert_close(lb.values, la.values, **fp32_tolerance(dev))
+            torch.testing.assert_close(lb.keys, la.keys, **tolerance)
+            torch.testing.assert_close(lb.values, la.values, **tolerance)
     assert fast.graphs.served >= 8 and fast.graphs.describe()["failed"] == 0
     assert {key[3] for key in fast.graphs._graphs} == ({True, False} if mode == "cuda" else set())
 

@@ -121,6 +121,9 @@ class Engine:
 
     role = "engine"
     linear_chunk = LINEAR_CHUNK  # tokens per forward of a long linear segment (``forward_linear``)
+    # set by __init__ where a KV pool is; engines that build their own state (llama.cpp's) have neither
+    kv_pool: KVPool | None = None
+    graphs: GraphRunner | None = None
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend: Backend | None = None):
