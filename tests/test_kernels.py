@@ -149,15 +149,21 @@ def test_every_variant_compiles_for_the_h200():
     query heads a KV head; the 0.5B draft: 64 and 7) compiles for sm_90 ahead of time, no device
     needed, fits a multiprocessor's shared memory (228 KiB on Hopper), and no attention variant
     spills registers (``compile_variants`` raises)."""
+    shared = compiled_ahead("kernels", "compile_variants(90, shapes=((128, 6), (64, 7)), block_ms=(16, 32))")
+    assert len(shared) == 2 * (2 + 2 * 4 + 2) + 1, sorted(shared)  # per shape: rope x2, attend x8, combine x2
+    assert max(shared.values()) <= 228 * 1024, shared
+
+
+def compiled_ahead(module: str, call: str) -> dict:
+    """``specsplit.engine.<module>.<call>`` (a ``compile_variants``) in a child process without
+    Triton's interpreter (the tests' conftest sets it where there is no GPU): {variant: shared
+    memory bytes}; the child's error fails the test."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from specsplit.engine.kernels import compile_variants; "
-            "print(json.dumps(compile_variants(90, shapes=((128, 6), (64, 7)), block_ms=(16, 32))))")
+    code = f"import json; from specsplit.engine.{module} import compile_variants; print(json.dumps({call}))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 2 * (2 + 2 * 4 + 2) + 1, sorted(shared)  # per shape: rope x2, attend x8, combine x2
-    assert max(shared.values()) <= 228 * 1024, shared
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_device_the_kernels_miscompute_on_keeps_the_torch_operations(monkeypatch):

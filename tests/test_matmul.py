@@ -6,9 +6,6 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -72,19 +69,16 @@ def test_refusals_and_the_device_tiles():
         assert matmul.block_n(151936, 1) == 32 and matmul.block_n(2048, 1) == 16 and matmul.block_n(17920, 17) == 16
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's sm_90 compiler ships for Linux")
 def test_every_variant_the_real_pair_launches_compiles_for_sm90_without_spilling():
     """Compiled ahead of time as a launch specializes them (aligned pointers: vectorized,
     pipelined loads): every variant of the real target's and draft's layers builds for the H200,
     fits its shared memory (228 KiB) and keeps every value in registers (``compile_variants``
     raises otherwise)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from specsplit.engine.matmul import compile_variants; "
-            "print(json.dumps(compile_variants(90)))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    from tests.test_kernels import compiled_ahead
+
+    shared = compiled_ahead("matmul", "compile_variants(90)")
     assert len(shared) == 2 * 4 * 4, sorted(shared)  # per model: 4 uses x (16x16, 16x32, 32, 64 rows)
     assert max(shared.values()) <= 228 * 1024, shared
 
