@@ -163,8 +163,9 @@ class WorkerSettings(SessionLimitSettings):
         "of sdpa's memory-efficient kernel, which runs few thread blocks for few queries. Off: sdpa always."))
     cuda_graphs: bool = Field(default=True, description=(
         "CUDA, with a KV pool (SPECSPLIT_TARGET_KV_POOL_GB / SPECSPLIT_DRAFT_KV_POOL_GB, `auto` by default): "
-        "forwards of up to 64 new tokens per session and 32 sessions replay CUDA graphs, one captured per shape "
-        "bucket on its first use (specsplit.engine.graphs). Off, or without a pool: eager forwards."))
+        "forwards of up to 64 new tokens per session and 32 sessions replay CUDA graphs, one per shape bucket: "
+        "one session's up to 2,048 cached tokens captured at start, the rest on first use "
+        "(specsplit.engine.graphs). Off, or without a pool: eager forwards."))
     cuda_graph_body: Literal["triton_gemm", "triton", "fused", "transformers"] = Field(default="fused", description=(
         "What a CUDA graph replays: fused, the decoder with q/k/v and gate/up each in one GEMM, RMSNorm in "
         "one kernel and the rotation as one matmul (specsplit.engine.fused; llama, qwen2 and qwen3 models, "

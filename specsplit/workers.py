@@ -48,6 +48,8 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
     engine = role_engine(service, settings, model, backend, DraftEngine, TargetEngine)
+    if engine.graphs is not None:  # one session's first forwards, captured before any request
+        engine.graphs.warm(compact=service == "target")
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
         tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),

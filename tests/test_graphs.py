@@ -253,3 +253,28 @@ def test_reported_forward_times_leave_graph_captures_out(models, mode, monkeypat
     assert reply.verify_ms <= wall_ms - runner.capture_ms + 1.0, (reply.verify_ms, wall_ms, runner.capture_ms)
     assert reply.verify_ms > 0 and runner.capture_ms_since(t0) == runner.capture_ms
     assert runner.capture_ms_since(time.perf_counter()) == 0  # none since: the next request reports it all
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_warm_graphs_serve_the_first_forwards_without_a_capture(models, mode):
+    """``GraphRunner.warm`` (a worker's start): one session's graphs up to a cache bucket are
+    captured before any request (on CUDA; a CPU's static bodies have nothing to capture), and
+    the first tree verified then captures nothing and equals the eager forward."""
+    dev = device_of(mode)
+    target = on_device(models["qwen2"][0], dev)
+    fast = TargetEngine(target, graphed(LIMITS, target, 1, mode))
+    warmed = fast.graphs.warm(compact=True, max_keys=512)
+    assert warmed == (len(TOKEN_BUCKETS) * 2 if mode == "cuda" else 0) == fast.graphs.captures
+    eager = TargetEngine(target, replace(LIMITS, kv_pool_gb=graphed(LIMITS, target, 1, "off").kv_pool_gb))
+    tree = TreeInputs(100, 0, [-1, 0, 0, 1], [0, 1, 1, 2])
+    out = []
+    for engine in (eager, fast):
+        kv = engine.store.get_or_create("s").kv
+        engine.forward_linear(kv, list(range(100)), chunk=256)  # one eager forward: past every token bucket
+        if engine is fast:
+            out.append(engine.forward(kv, [5, 6, 7, 8], None, None, keep=4, tree=tree))
+        else:
+            visible, pos = tree.on_device(dev)
+            out.append(engine.forward(kv, [5, 6, 7, 8], pos, visible, keep=4))
+    torch.testing.assert_close(out[1], out[0], **fp32_tolerance(dev))
+    assert fast.graphs.captures == warmed and fast.graphs.served == 1

@@ -47,6 +47,7 @@ from specsplit.models.attention import ACCEL_MAX_SCORES, ACCEL_VALUE_CHUNK, GQA_
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
 MIN_KEYS = 256  # the smallest cache bucket; then doubling up to the pool's slot length
+WARM_KEYS = 2048  # a worker captures one session's graphs up to this cache bucket at start (``warm``)
 MODES = ("cuda", "static")
 # the decoder through Triton kernels, their GEMMs too (engine.kernels, engine.matmul), in fewer torch kernels
 # (engine.fused), or the model's modules
@@ -288,6 +289,24 @@ class GraphRunner:
                              past_key_values=_SlotCache(self.pool, rows.reshape(-1), runs.reshape(-1), keys),
                              use_cache=True, logits_to_keep=0)
         inp.logits.copy_(out.logits)
+
+    def warm(self, compact: bool, max_keys: int = WARM_KEYS) -> int:
+        """Capture at start the graphs one session's forwards take first (every token bucket,
+        cache buckets up to ``max_keys``; ``compact``: forwards that describe their tokens on the
+        host, the target's trees; else the draft's), so a worker's first requests do not wait
+        for captures; the captures made ("cuda" mode only: "static" has none)."""
+        if self.mode != "cuda":
+            return 0
+        t0, before = time.perf_counter(), self.captures
+        with self._lock:
+            for t in TOKEN_BUCKETS:
+                for keys in self.key_buckets:
+                    if keys <= max(max_keys, self.key_buckets[0]) and self.query_heads * t * keys <= self.max_scores:
+                        self._graph((1, t, keys, compact), self._buffers(1, t, compact))
+        if self.log is not None:
+            self.log.info("cuda_graphs_warmed", captures=self.captures - before,
+                          ms=round((time.perf_counter() - t0) * 1e3, 1))
+        return self.captures - before
 
     def capture_ms_since(self, t0: float) -> float:
         """Milliseconds of captures (failed ones too) that started at ``t0`` (``time.perf_counter``)
