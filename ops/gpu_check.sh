@@ -22,6 +22,7 @@
 #        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly), then the
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
 #        LOOKUP_S;
+#     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -116,6 +117,7 @@ run)
       --trace tests/data/traces/humaneval0-9-qwen-coder-lookup-cpu2-amx.jsonl.gz --max-rounds "${LOOKUP_ROUNDS:-1000}" \
       --json "$OUT/gpu-replay-lookup.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
+  python3 ops/gpu_summary.py "$OUT" | tee "$OUT/summary.md"  # every bar of this run in one table
   [ "${LONGCTX:-0}" = 1 ] || exit 0
   cd ops
   timeout "${ATTN_S:-60}" python3 gpu_attention.py cuda "$OUT/gpu-attention.json" 2>&1 | tee "$OUT/gpu-attention.log" | tail -18

@@ -1,0 +1,33 @@
+"""``ops/gpu_summary.py``: one device run's bars in one table, read from the JSON files that
+``ops/gpu_check.sh run`` writes (here the H200 runs kept in ops/results, under the names the
+check gives them)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "ops" / "results"
+
+
+def test_the_summary_judges_each_bar(tmp_path):
+    for src, name in (("gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-eager-same-call.json", "gpu-cost-eager.json"),
+                      ("gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-graphs-host-verdict.json", "gpu-cost-fused.json"),
+                      ("replay-humaneval0-9-qwen-coder-draft-grown-cpu2-amx.json", "gpu-replay-pool8-fused.json"),
+                      ("gpu-replay-h200-humaneval-qwen-coder-random-bf16-graphs.json", "gpu-replay-lookup.json")):
+        shutil.copy(RESULTS / src, tmp_path / name)
+    done = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu_summary.py"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")) for line in done.stdout.splitlines()
+            if line.startswith("| gpu-")}
+    assert ("gpu-cost-eager.json", "eager", "512", "1-token forward / floor", "29.34", "2.0", "FAIL") in rows
+    assert ("gpu-cost-fused.json", "default", "512", "16-node verify / 1-token forward", "1.2", "1.3", "PASS") in rows
+    assert ("gpu-cost-fused.json", "default", "512", "1-token ms", "4.695", "", "") in rows
+    replay = {(r[0], r[3]): r[6] for r in rows if r[0].startswith("gpu-replay")}
+    # with a replayed draft the fleet is "grown during verify" and the rest bound it; without, verify only
+    assert replay[("gpu-replay-pool8-fused.json", "grown during verify / alone")] == "FAIL"
+    assert replay[("gpu-replay-pool8-fused.json", "verify only / alone")] == "(bound)"
+    assert replay[("gpu-replay-lookup.json", "verify only / alone")] == "PASS"
