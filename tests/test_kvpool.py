@@ -499,3 +499,33 @@ def test_a_released_cache_refuses_every_write():
     with pytest.raises(ValueError, match="do not fit"):
         pool.make_kv().layers[0].update(torch.ones(1, 2, 1, 16, dtype=torch.float64),
                                         torch.ones(1, 2, 1, 16, dtype=torch.float64))
+
+
+def test_a_batch_whose_compaction_fails_answers_every_member_and_serves_on():
+    """The batched compaction failing (not the device) drops the members' sessions and answers
+    each with a retryable INTERNAL error; the worker's engine serves the next requests (the
+    clients resend from scratch: CACHE_MISS rebuilds the sessions)."""
+    model = tiny_model("qwen2", seed=2)
+    engine = TargetEngine(model, pooled(LIMITS, model, 4))
+    rng = random.Random(9)
+    cursors = {f"s{i}": SessionCursor([rng.randrange(128) for _ in range(12)]) for i in range(3)}
+    for sid, cur in cursors.items():
+        cur.apply_verify(engine.handle(VerifyRequest(session_id=sid, round=0, sync=cur.target_sync(),
+                                                     tree=_root(cur.committed[-1]), sampling=GREEDY)))
+
+    def tree(cur):  # a root and two children: an accepted second child is not in place
+        return FlatTree(token_ids=[cur.committed[-1], 1, 2], parents=[-1, 0, 0])
+
+    pool, real = engine.kv_pool, engine.kv_pool.compact_sessions
+    pool.compact_sessions = lambda moves: (_ for _ in ()).throw(RuntimeError("index out of range"))
+    replies = engine.verify_batch([VerifyRequest(session_id=sid, round=1, sync=cur.target_sync(), tree=tree(cur),
+                                                 sampling=GREEDY) for sid, cur in cursors.items()])
+    assert all(isinstance(r, ErrorReply) and r.code == ErrorCode.INTERNAL and r.retryable for r in replies), replies
+    assert all(engine.store.get(sid) is None for sid in cursors)
+    assert pool.free_slots + pool.retired == 4  # retired while the batch held them: free on the next take
+    pool.compact_sessions = real
+    for sid, cur in cursors.items():  # the client starts the session again: served as before
+        fresh = SessionCursor(list(cur.committed))
+        reply = engine.handle(VerifyRequest(session_id=sid, round=2, sync=fresh.target_sync(), tree=tree(fresh),
+                                            sampling=GREEDY))
+        assert isinstance(reply, VerifyReply), reply
