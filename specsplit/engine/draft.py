@@ -24,6 +24,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import TypeVar
 
+import numpy
 import torch
 
 from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
@@ -304,8 +305,11 @@ class DraftEngine(Engine):
                 cols.append(g.slot[a])
             rows.append(j)
             cols.append(base + j)
-        visible = torch.zeros(f, base + f, dtype=torch.bool, device=dev)  # [F, P+F]
-        visible[:, : g.prefix_len] = True
-        visible[torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev)] = True
+        # built on the host and copied once (on a GPU, one copy for the zeros, the prefix and the
+        # ancestors' entries that took six operations, two of them copies of the indices)
+        host = numpy.zeros((f, base + f), dtype=bool)  # [F, P+F]
+        host[:, : g.prefix_len] = True
+        host[rows, cols] = True
+        visible = torch.from_numpy(host).to(dev)
         position_ids = torch.tensor(pos, dtype=torch.long, device=dev)  # [F]
         return Segment(kv, [g.tokens[n] for n in nodes], position_ids, visible, keep=f)
