@@ -19,7 +19,7 @@ from schemas import (
 from specsplit.engine.base import Engine, EngineLimits
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.kvpool import AUTO_RESERVE_BYTES, GB, KVPool, PooledKV, auto_slots, pool_shape, pool_slots
+from specsplit.engine.kvpool import GB, KVPool, PooledKV, pool_shape, pool_slots
 from specsplit.engine.target import TargetEngine
 from specsplit.errors import SpecError
 from specsplit.local import generate
@@ -72,65 +72,6 @@ def test_pool_sizing_from_gb():
         assert t.shape == (3, 2, 160, 16) and t.dtype == engine.dtype and t.device == engine.device
     assert TargetEngine(model, LIMITS).kv_pool is None  # 0: off, caches grow as before
     assert not isinstance(TargetEngine(model, LIMITS).store.get_or_create("s").kv, PooledKV)
-
-
-def test_settings_reach_the_engine_limits(monkeypatch):
-    from specsplit.backends import CudaBackend
-    from specsplit.config import WorkerSettings
-    from specsplit.workers import engine_limits
-
-    monkeypatch.setenv("SPECSPLIT_TARGET_KV_POOL_GB", "2.5")
-    s = WorkerSettings()
-    assert s.draft_kv_pool_gb == "auto" and s.target_kv_pool_gb == 2.5  # auto by default
-    assert engine_limits(s, "target").kv_pool_gb == 2.5 and engine_limits(s, "draft").kv_pool_gb == "auto"
-    assert engine_limits(s).kv_pool_gb == 0.0
-    # graphs replay over a pool on CUDA: an automatic one too; never without a pool, nor off CUDA
-    cuda = CudaBackend(torch.device("cuda"), cudnn_attention=True)  # constructs without a GPU
-    assert engine_limits(s, "draft", cuda).graphs == "cuda" and engine_limits(s, "target", cuda).graphs == "cuda"
-    assert engine_limits(s, "draft").graphs == "off"
-    monkeypatch.setenv("SPECSPLIT_DRAFT_KV_POOL_GB", "0")
-    assert engine_limits(WorkerSettings(), "draft", cuda).graphs == "off"
-    for bad in ("-1", "lots", "AUTO"):
-        monkeypatch.setenv("SPECSPLIT_TARGET_KV_POOL_GB", bad)
-        with pytest.raises(ValueError, match="target_kv_pool_gb"):
-            WorkerSettings()
-
-
-def test_automatic_pool_sizing():
-    """``auto``: the sessions a worker keeps, or what free memory holds beside a reserve of 10 %
-    of the device (at least AUTO_RESERVE_BYTES); on a CPU no pool at all (caches grow)."""
-    shape = pool_shape(tiny_model("qwen3", seed=1), 160, torch.float32)
-    slot, small, big = shape.slot_bytes, 24 * GB, 141 * GB
-    assert auto_slots(shape, 257, 20 * GB, big) == 257  # room for every session: what the worker keeps
-    assert auto_slots(shape, 10**9, small, small) == (small - AUTO_RESERVE_BYTES) // slot  # the floor
-    assert auto_slots(shape, 10**9, big, big) == (big - round(0.1 * big)) // slot  # 10 % of a large device
-    assert auto_slots(shape, 64, AUTO_RESERVE_BYTES + 5 * slot + slot // 2, small) == 5  # whole slots only
-    assert auto_slots(shape, 64, AUTO_RESERVE_BYTES + slot - 1, small) == 0  # not one: no pool
-    assert auto_slots(shape, 64, GB, small) == 0  # less free than the reserve
-    engine = TargetEngine(tiny_model("qwen3", seed=1), replace(LIMITS, kv_pool_gb="auto", graphs="static"))
-    assert engine.kv_pool is None and engine.graphs is None
-    assert not isinstance(engine.store.get_or_create("s").kv, PooledKV)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_automatic_pool_on_cuda_serves_through_graphs():
-    """On CUDA ``auto`` allocates every session's slot where memory allows, and greedy decoding
-    through its graphs equals plain greedy decoding."""
-    model = tiny_model("qwen3", seed=1).to("cuda")
-    free_before = torch.cuda.mem_get_info()[0]
-    limits = replace(LIMITS, kv_pool_gb="auto", graphs="cuda")
-    target, draft = TargetEngine(model, limits), DraftEngine(tiny_model("qwen3", seed=2).to("cuda"), limits)
-    shape = pool_shape(model, LIMITS.max_session_tokens, torch.float32)
-    want = auto_slots(shape, LIMITS.max_sessions + 1, free_before, torch.cuda.mem_get_info()[1]) - 1
-    assert target.kv_pool is not None and target.kv_pool.slots == want == LIMITS.max_sessions
-    assert target.graphs is not None and draft.graphs is not None
-    prompt = [3, 17, 5, 9, 11]
-    ref, gap = greedy_reference(model, prompt, 24)
-    assert gap >= MARGIN, "a near-tie: pick another prompt"
-    out = generate(draft.model, model, prompt, max_new_tokens=24, tree=TreeSpec(max_nodes=8, max_depth=4),
-                   sampling=GREEDY, make_target_engine=lambda m, _: target, make_draft_engine=lambda m, _: draft)
-    assert out == ref
-    assert target.graphs.served > 0 and draft.graphs.served > 0
 
 
 @pytest.mark.parametrize("layers", [2, 6])
