@@ -142,8 +142,8 @@ class WorkerSettings(SessionLimitSettings):
         "session is dropped; a new session gets OVERLOADED (retryable) while every slot has a request in "
         "flight. A pool smaller than one slot is refused at startup. 0: caches grow per session as needed. "
         "`auto`: on CUDA, SPECSPLIT_WORKER_MAX_SESSIONS slots or as many as the device's free memory holds "
-        "after the model loaded, leaving 10 % of its memory (at least 3 GB) free; none if not one fits "
-        "(logged); elsewhere 0."))
+        "after the model loaded, leaving 10 % of its memory (at least 3 GB) free and taking at most half of "
+        "it (so a second worker on the card finds room); none if not one fits (logged); elsewhere 0."))
     target_kv_pool_gb: PoolGB = Field(default="auto", description=(
         "The same for a torch target engine (SPECSPLIT_DRAFT_KV_POOL_GB)."))
     pack_weights: bool = Field(default=True, description=(

@@ -42,12 +42,21 @@ def test_settings_reach_the_engine_limits(monkeypatch):
 
 def test_automatic_pool_sizing():
     """``auto``: the sessions a worker keeps, or what free memory holds beside a reserve of 10 %
-    of the device (at least AUTO_RESERVE_BYTES); on a CPU no pool at all (caches grow)."""
+    of the device (at least AUTO_RESERVE_BYTES), within half the card (a second worker on it, the
+    other role of a one-GPU fleet, finds room); on a CPU no pool at all (caches grow)."""
     shape = pool_shape(tiny_model("qwen3", seed=1), 160, torch.float32)
     slot, small, big = shape.slot_bytes, 24 * GB, 141 * GB
     assert auto_slots(shape, 257, 20 * GB, big) == 257  # room for every session: what the worker keeps
-    assert auto_slots(shape, 10**9, small, small) == (small - AUTO_RESERVE_BYTES) // slot  # the floor
-    assert auto_slots(shape, 10**9, big, big) == (big - round(0.1 * big)) // slot  # 10 % of a large device
+    assert auto_slots(shape, 10**9, small - 15 * GB, small) == (small - 15 * GB - AUTO_RESERVE_BYTES) // slot  # floor
+    assert auto_slots(shape, 10**9, big - 80 * GB, big) == (big - 80 * GB - round(0.1 * big)) // slot  # 10 %
+    # at most half the card, whatever is free: a second worker started on it finds room
+    assert auto_slots(shape, 10**9, small, small) == auto_slots(shape, 10**9, big, small) == (small // 2) // slot
+    # a 24 GB card: the target loads 3 GB of weights and takes its pool, then the draft loads 1 GB
+    first = auto_slots(shape, 10**9, small - 3 * GB, small)
+    second = auto_slots(shape, 10**9, small - 3 * GB - first * slot - GB, small)
+    assert first * slot <= small // 2 and second * slot >= 4 * GB
+    # (uncapped, the target's pool would have left the draft less free memory than the reserve)
+    assert small - 3 * GB - (small - 3 * GB - AUTO_RESERVE_BYTES) - GB < AUTO_RESERVE_BYTES
     assert auto_slots(shape, 64, AUTO_RESERVE_BYTES + 5 * slot + slot // 2, small) == 5  # whole slots only
     assert auto_slots(shape, 64, AUTO_RESERVE_BYTES + slot - 1, small) == 0  # not one: no pool
     assert auto_slots(shape, 64, GB, small) == 0  # less free than the reserve

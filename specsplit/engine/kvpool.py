@@ -29,6 +29,9 @@ AUTO = "auto"  # the size setting's default: sized to the device at start (``aut
 # ~0.6 GB for a 150K vocabulary) and other processes' growth
 AUTO_RESERVE_FRACTION = 0.1
 AUTO_RESERVE_BYTES = 3 * GB
+# and takes at most this share of the card, so a second worker started on it (the other role of a
+# one-GPU fleet, another replica) still finds room for a pool of its own
+AUTO_MAX_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,11 @@ def pool_slots(gb: float, shape: PoolShape, max_sessions: int) -> int:
 
 def auto_slots(shape: PoolShape, want: int, free_bytes: int, total_bytes: int) -> int:
     """Slots of an automatic pool: ``want`` (the sessions a worker keeps, plus the graphs'
-    scratch slot), or as many as ``free_bytes`` hold after the reserve; 0 when not even one."""
+    scratch slot), or as many as ``free_bytes`` hold after the reserve, within AUTO_MAX_SHARE of
+    the card; 0 when not even one."""
     reserve = max(AUTO_RESERVE_BYTES, round(AUTO_RESERVE_FRACTION * total_bytes))
-    return max(0, min(want, (free_bytes - reserve) // shape.slot_bytes))
+    room = min(free_bytes - reserve, round(AUTO_MAX_SHARE * total_bytes))
+    return max(0, min(want, room // shape.slot_bytes))
 
 
 class SlotLayer(ChunkedLayer):
