@@ -176,6 +176,11 @@ class WorkerSettings(SessionLimitSettings):
         "a layer); transformers, the model's own modules (about twice "
         "the fused body's kernels). At start each body checks one forward against what it replaces (the "
         "modules, the torch operations) on this device and, if they differ or it fails, falls back (logged)."))
+    cuda_gemm_tune: bool = Field(default=True, description=(
+        "The triton_gemm body: the first product of each kind (q/k/v, o, gate/up, down, the head) times a few "
+        "tiles on the GPU, the reduction split over more programs among them where the output columns give "
+        "few, and keeps the fastest whose result matches (specsplit.engine.matmul; a few seconds at start). "
+        "Off: the default tiles."))
     draft_steps_after_reuse: int | None = Field(default=0, ge=0, le=64, description=(
         "Draft forwards allowed after re-rooting a grown tree (unset: up to the tree's depth, as from scratch). "
         "They delay the round, while growth adds the same nodes during the next verify at no wait; 0 measured "

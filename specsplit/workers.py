@@ -76,7 +76,7 @@ def engine_limits(settings: WorkerSettings, service: str | None = None, backend=
         max_session_tokens=settings.max_session_tokens, max_tree_nodes=settings.max_tree_nodes,
         max_tree_depth=settings.max_tree_depth,
         kv_pool_gb=pool, graphs="cuda" if (pool == "auto" or pool > 0) and cuda and settings.cuda_graphs else "off",
-        graph_body=settings.cuda_graph_body,
+        graph_body=settings.cuda_graph_body, gemm_tune=settings.cuda_gemm_tune,
     )
 
 

@@ -73,13 +73,16 @@ def test_refusals_and_the_device_tiles():
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's sm_90 compiler ships for Linux")
 def test_every_variant_the_real_pair_launches_compiles_for_sm90_without_spilling():
     """Compiled ahead of time as a launch specializes them (aligned pointers: vectorized,
-    pipelined loads): every variant of the real target's and draft's layers builds for the H200,
-    fits its shared memory (228 KiB) and keeps every value in registers (``compile_variants``
-    raises otherwise)."""
+    pipelined loads): every variant of the real target's and draft's layers, and every tile tuning
+    may take for them (8 warps, split reductions and their sums), builds for the H200, fits its
+    shared memory (228 KiB) and keeps every value in registers (``compile_variants`` raises
+    otherwise)."""
     from tests.test_kernels import compiled_ahead
 
     shared = compiled_ahead("matmul", "compile_variants(90)")
-    assert len(shared) == 2 * 4 * 4, sorted(shared)  # per model: 4 uses x (16x16, 16x32, 32, 64 rows)
+    # per model: 4 uses x (16x16, 16x32, 32, 64 rows; 8 warps; the reduction in 2, 4 and 6 or 7 chunks)
+    assert len(shared) == 2 * 4 * 8, sorted(shared)
+    assert sum("split1" not in name for name in shared) == 2 * 4 * 3
     assert max(shared.values()) <= 228 * 1024, shared
 
 
@@ -103,3 +106,103 @@ def test_gemms_that_miscompute_here_leave_the_other_kernels(monkeypatch):
     fallen = runner()
     assert fallen.body == "triton" and fallen.fused.kernels is not None and not fallen.fused.gemm
     assert "differ" in fallen.fused_not and "without the Triton GEMMs: they agree" in fallen.fused_not
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "n", "k", "split"), [(1, 48, 300, 2), (5, 130, 1000, 3), (20, 64, 512, 4)])
+def test_split_reductions_equal_torch(dtype, rows, n, k, split):
+    """The reduction cut in chunks run by separate programs, then summed in order by a second
+    kernel, with everything folded in (the norm's scale needs every chunk's squares)."""
+    g = torch.Generator().manual_seed(rows + n + k + split)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    x, xs, w = rand(rows, k), rand(rows, 2 * k), rand(n, k, scale=k ** -0.5)
+    bias, residual, norm = rand(n), rand(rows, n), (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE)
+    tile = matmul.Tile(16, 128, split)
+    assert tile.chunks(k) == split
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    kw0 = {"bias": None, "residual": None, "norm": None, "eps": 0.0, "silu": False}
+    cases = [({"norm": norm, "eps": 1e-6, "bias": bias}, x), ({"silu": True, "residual": residual}, xs), ({}, x)]
+    for kw, inp in cases:
+        got = torch.full((rows, n), float("nan"), dtype=dtype, device=DEVICE)
+        matmul._launch(inp, w, got, tile, **{**kw0, **kw})
+        ref = reference(inp, w, **kw)
+        torch.testing.assert_close(got.float(), ref, **tol, msg=lambda m, kw=kw: f"{sorted(kw)}: {m}")
+    inplace = residual.clone()
+    matmul._launch(x, w, inplace, tile, **{**kw0, "residual": inplace, "norm": norm, "eps": 1e-6})
+    torch.testing.assert_close(inplace.float(), reference(x, w, residual=residual, norm=norm, eps=1e-6), **tol)
+
+
+def test_the_tiles_tuning_tries_for_the_real_pair(monkeypatch):
+    """On 132 multiprocessors (the H200): the default and 8 warps everywhere; the reduction split
+    where the columns give fewer programs than twice the multiprocessors (q/k/v, o, down), never
+    for gate/up or the head; only splits into whole steps, no chunk empty."""
+    monkeypatch.setattr(matmul, "INTERPRETED", False)  # the device's column tiles
+    def tried(n, k):
+        return [(t.split, t.warps, t.chunks(k)) for t in matmul.candidates(n, k, 132)]
+
+    assert tried(2048, 1536) == [(1, 4, 1), (1, 8, 1), (2, 4, 2), (4, 4, 4)]  # target q/k/v: 128 programs
+    assert tried(1536, 8960) == [(1, 4, 1), (1, 8, 1), (2, 4, 2), (4, 4, 4)]  # target down: 96
+    assert tried(896, 896) == [(1, 4, 1), (1, 8, 1), (4, 4, 4), (8, 4, 7)]  # draft o: 56 programs
+    assert tried(17920, 1536) == tried(151936, 1536) == [(1, 4, 1), (1, 8, 1)]
+    for n, k in ((2048, 1536), (1536, 8960), (896, 896), (896, 4864), (1152, 896)):
+        for t in matmul.candidates(n, k, 132):
+            assert t.chunk(k) % t.block_k == 0 and (t.chunks(k) - 1) * t.chunk(k) < k
+
+
+def test_tuning_takes_the_fastest_tile_that_agrees_and_changes_nothing(monkeypatch):
+    """``_tune`` times each candidate on copies: the fastest whose result is the default's is
+    taken, a faster one that miscomputes is not, and the caller's residual is left as it was."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 256, generator=g).to(DEVICE), (torch.randn(40, 256, generator=g) / 16).to(DEVICE)
+    residual = torch.randn(3, 40, generator=g).to(DEVICE)
+    before = residual.clone()
+    tiles = [matmul.Tile(16, 128), matmul.Tile(16, 128, warps=8), matmul.Tile(16, 128, split=2)]
+    monkeypatch.setattr(matmul, "candidates", lambda n, k, sms: tiles)
+    times = {tiles[0]: 3.0, tiles[1]: 2.0, tiles[2]: 1.0}
+    launched = []
+    real = matmul._launch
+
+    def launch(x, weight, out, tile, **kw):
+        launched.append(tile)
+        real(x, weight, out, tile, **kw)
+
+    monkeypatch.setattr(matmul, "_launch", launch)
+
+    def bench(fn):
+        fn()
+        return times[launched[-1]]
+
+    kw = {"bias": None, "residual": residual, "norm": None, "eps": 0.0, "silu": False}
+    assert matmul._tune(x, w, kw, bench=bench) == (tiles[2], 3.0)
+    torch.testing.assert_close(residual, before, rtol=0, atol=0)
+
+    def wrong(x, weight, out, tile, **kw):  # the split tile drops the residual
+        launched.append(tile)
+        real(x, weight, out, tile, **{**kw, "residual": None} if tile.split > 1 else kw)
+
+    monkeypatch.setattr(matmul, "_launch", wrong)
+    assert matmul._tune(x, w, kw, bench=bench) == (tiles[1], 1.5)
+
+
+def test_a_kind_is_tuned_once_never_while_a_graph_is_captured(monkeypatch):
+    """``_tile``: the first product of a kind tunes it (on its first 16 rows), later ones of any
+    rows reuse the choice; while a graph is being captured (timing would sync) or once MAX_TUNED
+    kinds are known, the default tile. Past 16 rows a tuned tile keeps its split and warps."""
+    calls = []
+    tile = matmul.Tile(16, 128, split=2)
+    monkeypatch.setattr(matmul, "_tuned", {})
+    monkeypatch.setattr(matmul, "_tune", lambda x, w, kw: calls.append(x.shape[0]) or (tile, 1.4))
+    w, kw = torch.zeros(64, 256), {"bias": None, "residual": None, "norm": None, "eps": 0.0, "silu": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert matmul._tile(torch.zeros(40, 256), w, torch.zeros(40, 64), kw) is None and calls == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert matmul._tile(torch.zeros(40, 256), w, torch.zeros(40, 64), kw) == tile and calls == [16]
+    assert matmul._tile(torch.zeros(2, 256), w, torch.zeros(2, 64), kw) == tile and calls == [16]
+    assert matmul.tuned() == {"64x256 plain": "n16 k128 split2 w4 (x1.40)"}
+    wide = matmul._for_rows(tile, 64, 256, 40)
+    assert (wide.split, wide.warps) == (2, 4) and wide.block_n == matmul.block_n(64, 40)
+    monkeypatch.setattr(matmul, "MAX_TUNED", 1)
+    assert matmul._tile(torch.zeros(2, 256), torch.zeros(32, 256), torch.zeros(2, 32), kw) is None

@@ -46,6 +46,7 @@ class EngineLimits:
     kv_pool_gb: float | str = 0.0
     graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
     graph_body: str = "fused"  # what the graphs run: "fused" (engine.fused) or "transformers" (the model's modules)
+    gemm_tune: bool = True  # the triton_gemm body's tiles timed on the GPU (engine.matmul)
 
 
 def model_vocab_size(model) -> int:
@@ -147,7 +148,7 @@ class Engine:
                           tokens_per_slot=limits.max_session_tokens, auto=limits.kv_pool_gb == AUTO)
             if self.kv_pool.scratch is not None:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
-                                          body=limits.graph_body)
+                                          body=limits.graph_body, gemm_tune=limits.gemm_tune)
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,

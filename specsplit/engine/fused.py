@@ -134,6 +134,7 @@ class FusedDecoder:
         self._out_dtype = _score_dtype_supported(pool.device, pool.shape.dtype)
         self.kernels, self.programs, self.block_n = None, 0, 0  # the Triton kernels (``build(kernels=True)``)
         self.gemm, self.matmul = False, None  # and their GEMMs (``build(gemm=True)``: specsplit.engine.matmul)
+        self.tune = False  # their tiles tuned on a GPU at the first product of each kind
 
     # ---- a forward ---------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor, pos: torch.Tensor):
@@ -152,10 +153,10 @@ class FusedDecoder:
         """The residual stream after attention's output ``out`` [N, Hq x D]: its projection added,
         then the MLP's."""
         if self._gemms(x.shape[0]):  # three kernels, x updated in place: o, norm + gate/up, SiLU x up + down
-            mm = self.matmul.linear
-            mm(out, lay.o, bias=lay.o_bias, residual=x, out=x)
-            gate_up = mm(x, lay.gate_up, norm=lay.norm2, eps=lay.eps2)
-            return mm(gate_up, lay.down, silu=True, residual=x, out=x)
+            mm, tune = self.matmul.linear, self.tune
+            mm(out, lay.o, bias=lay.o_bias, residual=x, out=x, tune=tune)
+            gate_up = mm(x, lay.gate_up, norm=lay.norm2, eps=lay.eps2, tune=tune)
+            return mm(gate_up, lay.down, silu=True, residual=x, out=x, tune=tune)
         x = torch.addmm(x, out, lay.o.t()) if lay.o_bias is None else x + F.linear(out, lay.o, lay.o_bias)
         h = F.rms_norm(x, (x.shape[-1],), lay.norm2, lay.eps2)
         gate_up = torch.mm(h, lay.gate_up.t())
@@ -168,7 +169,8 @@ class FusedDecoder:
 
     def _head(self, x: torch.Tensor, logits: torch.Tensor) -> None:
         if self._gemms(x.shape[0]):
-            self.matmul.linear(x, self.lm_head, norm=self.norm, eps=self.eps, out=logits.view(x.shape[0], -1))
+            self.matmul.linear(x, self.lm_head, norm=self.norm, eps=self.eps, out=logits.view(x.shape[0], -1),
+                               tune=self.tune)
             return
         h = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         torch.mm(h, self.lm_head.t(), out=logits.view(x.shape[0], -1))
@@ -228,7 +230,7 @@ class FusedDecoder:
         gemms = self._gemms(b * t)
         for i, lay in enumerate(self.layers):
             if gemms:  # the input norm inside the q/k/v GEMM
-                qkv = self.matmul.linear(x, lay.qkv, bias=lay.qkv_bias, norm=lay.norm1, eps=lay.eps1)
+                qkv = self.matmul.linear(x, lay.qkv, bias=lay.qkv_bias, norm=lay.norm1, eps=lay.eps1, tune=self.tune)
             else:
                 qkv = F.linear(F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1), lay.qkv, lay.qkv_bias)
             qkv = qkv.view(b * t, hq + 2 * hkv, d)
@@ -255,9 +257,11 @@ def _score_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def build(model, pool, kernels: bool = False, gemm: bool = False) -> tuple[FusedDecoder | None, str | None]:
+def build(model, pool, kernels: bool = False, gemm: bool = False,
+          tune: bool = True) -> tuple[FusedDecoder | None, str | None]:
     """The fused body of ``model`` over ``pool`` (with ``kernels``: through the Triton kernels
-    where they run; with ``gemm`` too, their GEMMs of few rows), or None; and why not (or why
+    where they run; with ``gemm`` too, their GEMMs of few rows, tiles tuned on a GPU with ``tune``:
+    ``specsplit.engine.matmul``), or None; and why not (or why
     without the kernels or their GEMMs). Each is checked once against what it replaces before it
     serves (``_disagreement``)."""
     try:
@@ -284,7 +288,7 @@ def build(model, pool, kernels: bool = False, gemm: bool = False) -> tuple[Fused
         if gemm:
             from specsplit.engine import matmul
 
-            decoder.gemm, decoder.matmul = True, matmul
+            decoder.gemm, decoder.matmul, decoder.tune = True, matmul, tune
         why = _disagreement(decoder, model, "triton")
         if why is not None and decoder.gemm:  # without the GEMMs, the other kernels may still serve
             decoder.gemm = False

@@ -133,7 +133,8 @@ class GraphRunner:
     """Forwards of an engine's ``model`` over ``pool`` at bucketed static shapes (``mode``:
     "cuda" replays captured graphs, "static" runs the bodies eagerly)."""
 
-    def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None, body: str = "fused"):
+    def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None, body: str = "fused",
+                 gemm_tune: bool = True):
         if mode not in MODES:
             raise ValueError(f"graph mode {mode!r}: one of {MODES}")
         if body not in BODIES:
@@ -149,11 +150,13 @@ class GraphRunner:
         # the decoder in fewer kernels (specsplit.engine.fused; through Triton's where asked and they
         # run) where it runs this model, else its modules
         self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body == "transformers" \
-            else build_fused(model, pool, kernels=body.startswith("triton"), gemm=body == "triton_gemm")
+            else build_fused(model, pool, kernels=body.startswith("triton"), gemm=body == "triton_gemm", tune=gemm_tune)
         self.body = ("transformers" if self.fused is None else "fused" if self.fused.kernels is None
                      else "triton_gemm" if self.fused.gemm else "triton")
         if log is not None:
             log.info("graph_body", body=self.body, asked=body, why=self.fused_not)
+            if self.body == "triton_gemm" and self.fused.tune and self.fused.matmul.tuned():
+                log.info("gemm_tiles_tuned", tiles=self.fused.matmul.tuned())
         self.max_len = pool.shape.max_len
         self.key_buckets = key_buckets(self.max_len)
         self._inputs: dict[tuple[int, int], _Inputs] = {}  # at most |BATCH| x |TOKEN| entries
@@ -355,6 +358,7 @@ class GraphRunner:
         return graph
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "body": self.body,
+        tiles = self.fused.matmul.tuned() if self.fused is not None and self.fused.gemm and self.fused.tune else {}
+        return {"mode": self.mode, "body": self.body, **({"gemm_tiles": tiles} if tiles else {}),
                 "captures": self.captures, "capture_ms": round(self.capture_ms, 1),
                 "failed": sum(g is None for g in self._graphs.values()), "served": self.served}
