@@ -5,7 +5,7 @@ session lent a device reads first: its minutes are few).
 
 Per ``specsplit bench gpu`` file: its graph body and each check against its bar (the 1-token
 forward over the floor, 16 nodes over 1, 16 sessions x 4 over one session's), and the 1-token
-milliseconds; per ``specsplit bench replay`` file: tokens a round and the fleet over the target
+milliseconds (and the GEMM tiles tuning chose, each with its speed-up over the default tile); per ``specsplit bench replay`` file: tokens a round and the fleet over the target
 alone (verify only; with the draft replayed serially; grown during verify, the fleet's case where
 the draft runs on its own device, judged against the bar; without a replayed draft, as for prompt
 lookup alone, verify only is the fleet's). Standard library only.
@@ -29,6 +29,8 @@ def cost_rows(path: Path) -> list[str]:
     one = {(r["tokens"], r["batch"]): r for r in data.get("grid", {}).get("target", []) if r.get("status") == "done"}
     ms = one.get((1, 1), {}).get("ms")
     rows = [f"| {path.name} | {body} | {context} | 1-token ms | {ms} | | |"]
+    tiles = data.get("models", {}).get("target", {}).get("graphs", {}).get("gemm_tiles", {})
+    rows += [f"| {path.name} | {body} | {context} | tile {kind} | {tile} | | |" for kind, tile in sorted(tiles.items())]
     for c in data.get("checks", []):
         rows.append(f"| {path.name} | {body} | {context} | {c['check']} | {c['value']} | {c['bar']} | {c['result']} |")
     return rows

@@ -4,6 +4,7 @@ check gives them)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -31,3 +32,14 @@ def test_the_summary_judges_each_bar(tmp_path):
     assert replay[("gpu-replay-pool8-fused.json", "grown during verify / alone")] == "FAIL"
     assert replay[("gpu-replay-pool8-fused.json", "verify only / alone")] == "(bound)"
     assert replay[("gpu-replay-lookup.json", "verify only / alone")] == "PASS"
+
+
+def test_the_summary_lists_the_tiles_tuning_chose(tmp_path):
+    data = json.loads((RESULTS / "gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-graphs-host-verdict.json").read_text())
+    data["command"] += " --graph-body triton_gemm"
+    data["models"]["target"].setdefault("graphs", {})["gemm_tiles"] = {"1536x8960 silures": "n16 k256 split4 w4 (x1.62)"}
+    (tmp_path / "gpu-cost-triton_gemm.json").write_text(json.dumps(data))
+    done = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu_summary.py"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert "| gpu-cost-triton_gemm.json | triton_gemm | 512 | tile 1536x8960 silures | n16 k256 split4 w4 (x1.62) | | |" \
+        in done.stdout.splitlines()
