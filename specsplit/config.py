@@ -185,6 +185,12 @@ class WorkerSettings(SessionLimitSettings):
         "Draft forwards allowed after re-rooting a grown tree (unset: up to the tree's depth, as from scratch). "
         "They delay the round, while growth adds the same nodes during the next verify at no wait; 0 measured "
         "fastest (see docs/results.md)."))
+    draft_grow_spares: int = Field(default=2, ge=0, le=16, description=(
+        "Greedy growth: tokens past a node's SPECSPLIT_TREE_BRANCH most probable children that the draft may "
+        "add as more siblings while the target verifies, ranked with the other nodes by path probability. When "
+        "the target rejects every verified child of a node, its token is often the next one down: a forwarded "
+        "sibling lets the next round start from the grown tree instead of drafting from scratch "
+        "(docs/results.md). 0: children past the branch are never drafted."))
     draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576, description=(
         "Long contexts: past sink + window cached tokens, draft forwards attend only to the first "
         "SPECSPLIT_DRAFT_SINK_TOKENS and the last this many (0: the whole context). Never changes the output: "

@@ -172,6 +172,9 @@ class DraftTree:
         self.kids: list[list[int]] = [[]]
         self.slot = [prefix_len - 1]
         self.dists: dict[int, tuple[list[int], list[float]]] = {}
+        # greedy: an expanded node's next most probable tokens beyond its ``branch`` children, most
+        # probable first, as (token, log-prob): growth may add them (``spare_candidates``)
+        self.spares: dict[int, list[tuple[int, float]]] = {}
         self.round, self.max_depth, self.forward_ms = -1, 0, 0.0
 
     def __len__(self) -> int:
@@ -196,6 +199,18 @@ class DraftTree:
         """Unforwarded nodes whose children would still be within ``max_depth``."""
         return [i for i in range(1, len(self.tokens))
                 if self.slot[i] < 0 and self.depths[i] < max_depth and self.scores[i] >= min_logp]
+
+    def spare_candidates(self, max_depth: int) -> list[tuple[float, int]]:
+        """(score, parent) of each expanded node's next spare token within ``max_depth``: the
+        sibling growth may add. Siblings of the verified children are where a bonus token lands
+        when the target rejects them all."""
+        return [(self.scores[node] + spare[0][1], node) for node, spare in self.spares.items()
+                if spare and self.depths[node] < max_depth]
+
+    def add_spare(self, node: int) -> int:
+        """``node``'s next spare token as its child; the new node."""
+        token, logp = self.spares[node].pop(0)
+        return self.add(node, token, logp)
 
     def settled(self, keep: int, max_depth: int, cands: list[int]) -> bool:
         """True when no descendant of a candidate can enter the best ``keep`` nodes (a child's
@@ -238,6 +253,7 @@ class DraftTree:
         for old in sub[1:]:
             i = g.add(index[self.parents[old]], self.tokens[old], self.logps[old])
             g.slot[i] = where[self.slot[old]] if self.slot[old] >= 0 else -1
+        g.spares = {index[old]: list(spare) for old, spare in self.spares.items() if old in index and spare}
         g.max_depth, g.forward_ms = self.max_depth, self.forward_ms
         return g
 

@@ -91,7 +91,7 @@ def role_engine(service: str, settings: WorkerSettings, model, backend, draft_cl
     limits = engine_limits(settings, service, backend)
     if service == "draft":
         return draft_cls(model, limits, steps_after_reuse=settings.draft_steps_after_reuse, backend=backend,
-                         window=draft_window(settings))
+                         window=draft_window(settings), grow_spares=settings.draft_grow_spares)
     return target_cls(model, limits, backend=backend)
 
 

@@ -34,10 +34,11 @@ def deepest_expanded(g) -> int:
     return max(with_expanded_kids or expanded, key=lambda i: (g.depths[i], g.scores[i]))
 
 
-@pytest.mark.parametrize("family,steps_after_reuse", [(f, None) for f in FAMILIES] + [("qwen2", 0), ("llama", 1)])
-def test_rerooted_tree_matches_sequential_forwards(family, steps_after_reuse):
+@pytest.mark.parametrize("family,steps_after_reuse,spares",
+                         [(f, None, 0) for f in FAMILIES] + [("qwen2", 0, 0), ("llama", 1, 0), ("qwen2", 0, 3)])
+def test_rerooted_tree_matches_sequential_forwards(family, steps_after_reuse, spares):
     model = tiny_model(family, seed=31)
-    eng = DraftEngine(model, LIMITS, steps_after_reuse=steps_after_reuse)
+    eng = DraftEngine(model, LIMITS, steps_after_reuse=steps_after_reuse, grow_spares=spares)
     rng = random.Random(7)
     committed = [rng.randrange(128) for _ in range(9)]
     req = DraftRequest(session_id="g", round=0, sync=CacheSync(base_len=0, append_token_ids=committed[:-1]),
@@ -97,8 +98,8 @@ def test_grow_is_harmless_when_it_cannot_apply():
     assert eng.store.get("t").draft_tree.prefix_len == 7
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_generate_with_growth_equals_plain_greedy(models, family):
+@pytest.mark.parametrize("family,spares", [(f, 0) for f in FAMILIES] + [("llama", 4)])
+def test_generate_with_growth_equals_plain_greedy(models, family, spares):
     target, often, _ = models[family]
     rng = random.Random(11)
     stats, compared = RoundStats(), 0
@@ -110,8 +111,42 @@ def test_generate_with_growth_equals_plain_greedy(models, family):
         for tree in (TreeSpec(max_nodes=8, max_depth=4, branch=2), TreeSpec(max_nodes=6, max_depth=5, branch=1,
                                                                               min_path_prob=0.2)):
             out = generate(often, target, prompt, max_new_tokens=24, tree=tree, sampling=SamplingSpec(),
-                           stats=stats, grow_budget_ms=60_000.0)
+                           stats=stats, grow_budget_ms=60_000.0,
+                           make_draft_engine=lambda m, limits: DraftEngine(m, limits, grow_spares=spares))
             assert out == ref, (family, prompt, tree)
         compared += 1
     assert compared >= 4
     assert stats.reused_rounds > stats.rounds // 4, (stats.reused_rounds, stats.rounds)
+
+
+def test_spares_let_a_bonus_among_rejected_siblings_reuse_the_grown_tree():
+    """With ``grow_spares``, growth may add a node's next most probable tokens past its
+    ``branch`` children (where the bonus lands when the target rejects every verified child):
+    such a sibling, once forwarded, is a root the next request re-roots at, its log-probs those of
+    fresh forwards. Without spares no node gets more than ``branch`` children."""
+    model = tiny_model("qwen2", seed=5)
+    committed = [3, 17, 40, 41, 99, 7, 12]
+    for spares in (0, 4):
+        eng = DraftEngine(model, LIMITS, steps_after_reuse=0, grow_spares=spares)
+        eng.handle(DraftRequest(session_id="s", round=0, tree=SPEC, root=committed[-1],
+                                sync=CacheSync(base_len=0, append_token_ids=committed[:-1])))
+        eng.handle(GrowRequest(session_id="s", round=0, budget_ms=60_000.0, width=4))
+        g = eng.store.get("s").draft_tree
+        wide = [i for i in range(len(g)) if len(g.kids[i]) > SPEC.branch]
+        if not spares:
+            assert not wide
+            continue
+        extra = [c for i in wide for c in g.kids[i][SPEC.branch:] if g.slot[c] >= 0]
+        assert extra, "growth added and forwarded no spare sibling"
+        node = max(extra, key=lambda c: g.scores[c])
+        new = [g.tokens[i] for i in path_to(node, g.parents)[1:]]
+        parent_scores = [g.logps[c] for c in g.kids[g.parents[node]]]
+        assert parent_scores == sorted(parent_scores, reverse=True)  # siblings in the draft's order
+        reply = eng.handle(DraftRequest(session_id="s", round=1, tree=SPEC, root=new[-1],
+                                        sync=CacheSync(base_len=len(committed), append_token_ids=new[:-1])))
+        assert reply.reused_nodes > 0
+        ctx = committed + new
+        for i in range(1, reply.tree.num_nodes):
+            path = [reply.tree.token_ids[a] for a in path_to(reply.tree.parents[i], reply.tree.parents)[1:]]
+            want = sequential_logprob(model, ctx + path, reply.tree.token_ids[i])
+            assert abs(reply.tree.draft_logprobs[i] - want) < 2e-4

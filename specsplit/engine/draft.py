@@ -19,6 +19,7 @@ its ``branch`` children, scored by cumulative draft log-prob.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Generator, Sequence
@@ -45,9 +46,11 @@ Forwards = Generator[Segment, torch.Tensor, T]  # yields the forwards it needs, 
 
 class DraftEngine(Engine):
     role = "draft"
+    grow_spares = 0  # engines that build their own state (llama.cpp's) add no spares
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64,
-                 steps_after_reuse: int | None = None, backend=None, window: DraftWindow | None = DraftWindow()):
+                 steps_after_reuse: int | None = None, backend=None, window: DraftWindow | None = DraftWindow(),
+                 grow_spares: int = 0):
         super().__init__(model, limits, vocab_size=vocab_size, backend=backend)
         self.max_support = max_support
         self.steps_after_reuse = steps_after_reuse
@@ -55,6 +58,7 @@ class DraftEngine(Engine):
         self.window = window if window is not None and window.window_tokens > 0 else None
         self._window_attention = window_attention_name(model) if self.window else None
         self.max_kept_nodes = 4 * limits.max_tree_nodes  # a grown tree's size cap
+        self.grow_spares = grow_spares  # tokens past a node's branch that growth may add as siblings
         # set by the worker loop: True when other requests wait (growing yields to them)
         self.others_waiting = lambda: False
 
@@ -164,12 +168,15 @@ class DraftEngine(Engine):
 
     def _add_top_children(self, g: DraftTree, nodes: list[int], rows: torch.Tensor) -> None:
         """Each of ``nodes`` gets its ``g.branch`` most probable children from its logits row
-        (rows [F, V]); one host copy for all of them."""
+        (rows [F, V]), and its next ``grow_spares`` tokens as spares growth may add; one host
+        copy for all of them."""
         logp = torch.log_softmax(rows.float(), dim=-1)  # [F, V]
-        top = torch.topk(logp, min(g.branch, logp.shape[-1]), dim=-1)  # [F, B]
+        top = torch.topk(logp, min(g.branch + self.grow_spares, logp.shape[-1]), dim=-1)  # [F, B + S]
         ids, lps = top.indices.tolist(), top.values.tolist()
         for node, tok_row, lp_row in zip(nodes, ids, lps):
-            g.add_children(node, tok_row, lp_row)
+            g.add_children(node, tok_row[: g.branch], lp_row[: g.branch])
+            if len(tok_row) > g.branch:
+                g.spares[node] = list(zip(tok_row[g.branch:], lp_row[g.branch:]))
 
     # ---- greedy: best-first, kept between requests -------------------------------------
     def _best_first(self, kv: SessionKV, g: DraftTree, spec: TreeSpec, steps: int) -> Forwards[FlatTree]:
@@ -233,14 +240,19 @@ class DraftEngine(Engine):
                 break
             if len(g) + req.width * g.branch > self.max_kept_nodes:
                 break
-            cands = g.candidates(depth_limit, -math.inf)
-            if not cands:
-                break
-            front = g.best(req.width, cands)
-            if kv.room() < len(front):
+            front = self._growth_front(g, depth_limit, req.width)
+            if not front or kv.room() < len(front):
                 break
             yield from self._expand(kv, g, front)
         return len(g) - n0
+
+    @staticmethod
+    def _growth_front(g: DraftTree, depth_limit: int, width: int) -> list[int]:
+        """The ``width`` most probable of the unforwarded nodes and the spare siblings (each
+        expanded node's next one), the chosen spares added to the tree."""
+        ranked = [(g.scores[i], -i, i) for i in g.candidates(depth_limit, -math.inf)]
+        ranked += [(score, -len(g) - k, -1 - parent) for k, (score, parent) in enumerate(g.spare_candidates(depth_limit))]
+        return [i if i >= 0 else g.add_spare(-1 - i) for _, _, i in heapq.nlargest(width, ranked)]
 
     # ---- sampled: level by level, cache cropped afterwards -----------------------------
     def _build(

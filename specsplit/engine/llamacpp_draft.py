@@ -33,7 +33,8 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
     role = "draft"
 
     def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
-                 max_support: int = 64, steps_after_reuse: int | None = None, backend=None, window=None):
+                 max_support: int = 64, steps_after_reuse: int | None = None, backend=None, window=None,
+                 grow_spares: int = 0):
         from specsplit.logs import get_logger
 
         self._setup(lm, limits, vocab_size, backend)
@@ -42,6 +43,7 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
         # (a torch draft's window view; llama.cpp's kernels attend to the whole cache)
         self.window, self._window_attention = None, None
         self.max_kept_nodes = 4 * limits.max_tree_nodes
+        self.grow_spares = grow_spares
         self.others_waiting = lambda: False
         self.log = get_logger("specsplit.draft")
 
