@@ -186,6 +186,10 @@ def _bench(argv: list[str]) -> int:
         from specsplit.bench.replay import main
 
         return main(argv[1:])
+    if argv and argv[0] == "growth":
+        from specsplit.bench.growth import main
+
+        return main(argv[1:])
     from specsplit.bench import require_bench_extras
 
     if argv and argv[0] == "load":

@@ -23,6 +23,7 @@ from typing import Any
 from specsplit.logs import get_logger
 
 TRACE_VERSION = 1
+PROMPT_KEPT = 8192  # a session record keeps prompts of up to this many tokens (long-context ones only their length)
 
 
 def tree_record(tree, sources: dict[int, tuple[str, int]]) -> dict[str, Any]:
@@ -77,7 +78,10 @@ class TraceWriter:
         })
 
     def session(self, actor, done) -> None:
-        self._write({"kind": "session", "session": actor.sid, "prompt_len": len(actor.req.prompt_token_ids),
+        prompt = actor.req.prompt_token_ids
+        self._write({"kind": "session", "session": actor.sid, "prompt_len": len(prompt),
+                     # what a draft replayed against the output needs (``specsplit bench growth``)
+                     **({"prompt": list(prompt)} if len(prompt) <= PROMPT_KEPT else {}),
                      "max_new_tokens": actor.req.max_new_tokens, "greedy": actor.sampling.greedy,
                      "output": list(done.token_ids), "finish": done.finish_reason, "rounds": done.rounds,
                      "elapsed_ms": round(done.elapsed_ms, 3), "predicted_tok_s": done.predicted_tok_s})

@@ -1,0 +1,176 @@
+"""The draft's tree search and growth replayed against the target's recorded greedy output:
+how often a round starts from the grown tree, for a few growth settings, with no target.
+
+At temperature 0 the target's verdict on any tree is fixed by its greedy output (a trace's
+session records keep it and, since they do, the prompt): the accepted path spells the output's
+next tokens, the bonus is the token after them. So the real draft engine can draft, be judged,
+grow for a fixed number of forwards (the verify's length in draft forwards: ``--grow-forwards``)
+and re-root, round after round, exactly as in the fleet but deterministically and with no
+target forward. Per setting it reports rounds, tokens a round, the share of rounds that re-rooted
+a grown tree, and the draft forwards a round that ran after a verdict (the draft's critical path:
+what a draft on its own device adds to a round), and a modelled speed-up over the target alone,
+a draft forward costing ``--draft-cost`` verify forwards and a verify costing as a 1-token
+forward (a GPU's flat verify cost). Prints a Markdown table; ``--json FILE`` writes it.
+
+    specsplit bench growth --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-spares.jsonl.gz \\
+        --spares 0,2 --sessions 4 --max-tokens 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from schemas import CacheSync, DraftRequest, EndSession, GrowRequest, TreeSpec
+from specsplit.orchestrator.replay import read_trace
+
+
+@dataclass
+class Tally:
+    spares: int
+    sessions: int = 0
+    rounds: int = 0
+    tokens: int = 0
+    reused: int = 0
+    after_verdict: int = 0  # draft forwards run after a verdict (not the prompt's round)
+    nodes: int = 0
+
+    def row(self, draft_cost: float) -> dict:
+        r = max(self.rounds, 1)
+        modelled = self.tokens / (self.rounds + draft_cost * self.after_verdict) if self.rounds else 0.0
+        return {**asdict(self), "tokens_per_round": round(self.tokens / r, 3), "reuse": round(self.reused / r, 3),
+                "draft_forwards_after_verdict": round(self.after_verdict / r, 3), "mean_nodes": round(self.nodes / r, 2),
+                "modelled_vs_alone": round(modelled, 3)}
+
+
+def sessions_of(records: Sequence[dict], limit: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, output) of the greedy sessions that kept their prompt, each prompt once (the
+    longest output), output cut at ``max_tokens``; at most ``limit``."""
+    best: dict[tuple[int, ...], list[int]] = {}
+    for r in records:
+        if r.get("kind") == "session" and r.get("greedy") and r.get("prompt") and len(r.get("output", ())) > 1:
+            key = tuple(r["prompt"])
+            if len(r["output"]) > len(best.get(key, ())):
+                best[key] = list(r["output"])
+    return [(list(p), out[:max_tokens]) for p, out in list(best.items())[:limit]]
+
+
+class Counted:
+    """The engine's forwards counted (``forward_one``: every forward a request drives)."""
+
+    def __init__(self, engine):
+        self.n, self._real = 0, engine.forward_one
+        engine.forward_one = self
+
+    def __call__(self, seg):
+        self.n += 1
+        return self._real(seg)
+
+
+def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output: list[int], spec: TreeSpec,
+                   grow_forwards: int, width: int, tally: Tally) -> None:
+    """One session: draft, judge by ``output``, grow ``grow_forwards`` forwards, re-root; until the
+    output is committed."""
+    base, append, root, done, rnd = 0, prompt[:-1], prompt[-1], 0, 0
+    while done < len(output) - 1:
+        counted.n = 0
+        reply = engine.handle(DraftRequest(session_id=sid, round=rnd, root=root, tree=spec,
+                                           sync=CacheSync(base_len=base, append_token_ids=append)))
+        if not hasattr(reply, "tree"):
+            raise RuntimeError(f"session {sid} round {rnd}: {reply}")
+        forwards, tree = counted.n, reply.tree
+        node, accepted = 0, []
+        while done < len(output):
+            node = next((i for i in range(node + 1, tree.num_nodes)
+                         if tree.parents[i] == node and tree.token_ids[i] == output[done]), -1)
+            if node < 0:
+                break
+            accepted.append(output[done])
+            done += 1
+        if done >= len(output):
+            break
+        bonus = output[done]
+        done += 1
+        steps = {"n": 0}
+
+        def waiting() -> bool:  # growth checks before each forward: it stops after grow_forwards
+            steps["n"] += 1
+            return steps["n"] > grow_forwards
+
+        engine.others_waiting = waiting
+        engine.handle(GrowRequest(session_id=sid, round=rnd, budget_ms=60_000.0, width=width))
+        if rnd > 0:  # the prompt's round drafts from scratch in any setting
+            tally.rounds += 1
+            tally.tokens += len(accepted) + 1
+            tally.reused += reply.reused_nodes > 0
+            tally.after_verdict += forwards
+            tally.nodes += tree.num_nodes
+        base, append, root, rnd = base + len(append) + 1, accepted, bonus, rnd + 1
+    engine.others_waiting = lambda: False
+    engine.handle(EndSession(session_id=sid))
+    tally.sessions += 1
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specsplit bench growth", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", action="append", required=True, help="a round trace with prompts in its session records")
+    p.add_argument("--preset", default=None, help="the draft's preset (default: SPECSPLIT_PRESET's)")
+    p.add_argument("--spares", default="0,2", help="SPECSPLIT_DRAFT_GROW_SPARES values, comma-separated")
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=150, help="output tokens replayed per session")
+    p.add_argument("--grow-forwards", type=int, default=3, help="draft forwards of growth per verify")
+    p.add_argument("--width", type=int, default=4, help="nodes a growth forward adds (SPECSPLIT_GROW_WIDTH)")
+    p.add_argument("--max-nodes", type=int, default=8)
+    p.add_argument("--max-depth", type=int, default=5)
+    p.add_argument("--branch", type=int, default=2)
+    p.add_argument("--draft-cost", type=float, default=0.35, help="a draft forward in verify forwards (the model)")
+    p.add_argument("--json", default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    try:
+        args.spares = [int(s) for s in args.spares.split(",")]
+    except ValueError:
+        p.error(f"--spares: comma-separated integers, got {args.spares!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from specsplit.bench.gpu import load_engine
+    from specsplit.config import WorkerSettings
+    from specsplit.models import ModelSettings
+    from specsplit.openmp import set_worker_openmp
+
+    set_worker_openmp()
+    sessions = [s for path in args.trace for s in sessions_of(read_trace(path), args.sessions, args.max_tokens)]
+    if not sessions:
+        print("specsplit bench growth: no greedy session with its prompt in the trace(s) (recorded before "
+              "session records kept prompts?)", file=sys.stderr)
+        return 2
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
+    load = argparse.Namespace(device="cpu", dtype=None, draft_config=None, random_weights=False)
+    engine, described = load_engine("draft", load, ms, WorkerSettings())
+    counted = Counted(engine)
+    spec = TreeSpec(max_nodes=args.max_nodes, max_depth=args.max_depth, branch=args.branch, min_path_prob=0.0)
+    rows, t0 = [], time.perf_counter()
+    for spares in args.spares:
+        engine.grow_spares, tally = spares, Tally(spares)
+        for i, (prompt, output) in enumerate(sessions):
+            replay_session(engine, counted, f"growth-{spares}-{i}", prompt, output, spec, args.grow_forwards,
+                           args.width, tally)
+        rows.append(tally.row(args.draft_cost))
+        print(f"spares {spares}: {rows[-1]}", file=sys.stderr, flush=True)
+    cols = ("spares", "rounds", "tokens_per_round", "reuse", "draft_forwards_after_verdict", "mean_nodes",
+            "modelled_vs_alone")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "draft": described,
+                       "sessions": len(sessions), "seconds": round(time.perf_counter() - t0, 1), "rows": rows},
+                      f, indent=1, default=str)
+    return 0

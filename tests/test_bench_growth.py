@@ -1,0 +1,78 @@
+"""``specsplit bench growth``: the draft's search and growth replayed against a recorded greedy
+output (no target): every round judged by the output, growth limited to its forwards, and the
+share of rounds that re-rooted a grown tree counted."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import torch
+
+from schemas import TreeSpec
+from specsplit.bench import growth
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.draft import DraftEngine
+from tests.conftest import greedy_reference, tiny_model
+
+LIMITS = EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=16, max_tree_depth=8)
+
+
+def test_a_draft_judged_by_its_own_greedy_output_reuses_its_grown_tree():
+    """The draft's own greedy continuation as the output: every round accepts its top path and
+    the bonus is the top child of the path's end, which growth may forward (a random model's flat
+    distributions spread it): most rounds re-root; with no growth every round drafts after the
+    verdict. The output is committed
+    exactly, round by round."""
+    model = tiny_model("qwen2", seed=13)
+    prompt = [random.Random(3).randrange(128) for _ in range(12)]
+    output, _ = greedy_reference(model, prompt, 40)
+    spec = TreeSpec(max_nodes=6, max_depth=3, branch=2)
+    results = {}
+    for grow_forwards in (0, 3):
+        engine = DraftEngine(model, LIMITS, steps_after_reuse=0, grow_spares=2)
+        counted, tally = growth.Counted(engine), growth.Tally(2)
+        growth.replay_session(engine, counted, "s", prompt, output, spec, grow_forwards, 4, tally)
+        assert engine.store.get("s") is None  # ended
+        assert tally.sessions == 1 and 0 < tally.rounds and tally.tokens <= len(output)
+        results[grow_forwards] = tally
+    grown, bare = results[3], results[0]
+    assert grown.reused >= 0.5 * grown.rounds, grown
+    assert bare.reused == 0 and bare.after_verdict >= bare.rounds, bare
+    assert grown.after_verdict < bare.after_verdict
+
+
+def test_the_command_reads_prompts_from_session_records_and_writes_its_table(tmp_path, capsys):
+    """On the tiny preset: a trace of two greedy sessions (one repeated, as a warm-up repeats a
+    prompt; one sampled, which has no single output) replayed for two spare settings."""
+    rng = random.Random(5)
+    p1, p2 = [rng.randrange(100) for _ in range(9)], [rng.randrange(100) for _ in range(14)]
+    lines = [{"kind": "header", "version": 1},
+             {"kind": "session", "session": "w", "prompt": p1, "prompt_len": 9, "greedy": True, "output": [5, 6]},
+             {"kind": "session", "session": "a", "prompt": p1, "prompt_len": 9, "greedy": True,
+              "output": [rng.randrange(100) for _ in range(30)]},
+             {"kind": "session", "session": "b", "prompt": p2, "prompt_len": 14, "greedy": True,
+              "output": [rng.randrange(100) for _ in range(25)]},
+             {"kind": "session", "session": "c", "prompt": p2, "prompt_len": 14, "greedy": False, "output": [1, 2, 3]}]
+    trace = tmp_path / "t.jsonl.gz"
+    with gzip.open(trace, "wt") as f:
+        f.write("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert [len(o) for _, o in growth.sessions_of(lines, 8, 20)] == [20, 20]
+    out = tmp_path / "g.json"
+    assert growth.main(["--trace", str(trace), "--preset", "tiny", "--spares", "0,2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| spares | rounds |") and sum(ln.startswith("| ") for ln in table.splitlines()) == 3
+    data = json.loads(out.read_text())
+    assert data["sessions"] == 2 and [r["spares"] for r in data["rows"]] == [0, 2]
+    for row in data["rows"]:
+        assert row["sessions"] == 2 and row["rounds"] > 0 and 1.0 <= row["tokens_per_round"]
+        assert 0.0 <= row["reuse"] <= 1.0 and row["modelled_vs_alone"] > 0
+
+
+def test_a_trace_without_prompts_is_refused(tmp_path, capsys):
+    trace = tmp_path / "old.jsonl"
+    trace.write_text(json.dumps({"kind": "session", "session": "a", "greedy": True, "output": [1, 2, 3]}) + "\n")
+    assert growth.main(["--trace", str(trace), "--preset", "tiny"]) == 2
+    assert "no greedy session with its prompt" in capsys.readouterr().err
+    torch.manual_seed(0)  # (nothing loaded: the refusal comes before any model)
