@@ -19,7 +19,9 @@
 #     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm triton fused"):
 #        request / runner / replay / kernels per shape;
 #     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
-#        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly), then the
+#        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly; REPLAY_TRACE
+#        default the fleet with growth's spare siblings, humaneval0-9-qwen-coder-spares-cpu2-amx;
+#        the earlier H200 replays ran humaneval0-9-qwen-coder-cpu2-quiet), then the
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
 #        LOOKUP_S;
 #     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
@@ -32,7 +34,9 @@
 # body's A/B (a third cost run, a second probe, a replay per body) and the lookup trace's replay,
 # expect ~20 + ~90 + ~50 + ~130 s, and Triton compiling its kernels on first use (~0.5-1 s per
 # variant, ~20 variants per process; the GEMMs ~10 more) and step 2b (~90 s), and since the
-# triton_gemm body a fourth cost run and a third probe (~+70 s): give the defaults one 590 s call
+# triton_gemm body a fourth cost run and a third probe (~+70 s), and since its GEMM tiles are
+# tuned at first use a few seconds per process (4 tiles x 5 kinds of product per model, each
+# compiled once): give the defaults one 590 s call
 # (each step stops at its own timeout); if it ran out, a second call with the finished steps'
 # *_S=0 measures the rest. Add LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
 set -uo pipefail
@@ -108,7 +112,8 @@ run)
       SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool SPECSPLIT_CUDA_GRAPH_BODY=$body \
         timeout "$((REPLAY_S / ${#runs[@]}))" \
         python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
-        --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-quiet.jsonl.gz --max-rounds "${REPLAY_ROUNDS:-300}" \
+        --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
+        --max-rounds "${REPLAY_ROUNDS:-300}" \
         --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
     # prompt lookup alone (no draft worker): the verify-only figure is the fleet's
