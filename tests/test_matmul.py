@@ -213,3 +213,27 @@ def test_a_kind_is_tuned_once_never_while_a_graph_is_captured(monkeypatch):
     assert matmul.tuned()["48x256 plain"].endswith("(not tuned: RuntimeError: no graph here)")
     monkeypatch.setattr(matmul, "MAX_TUNED", 2)
     assert matmul._tile(torch.zeros(2, 256), torch.zeros(32, 256), torch.zeros(2, 32), kw) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs time the tiles on a GPU")
+def test_tiles_tuned_on_the_gpu_compute_what_torch_does():
+    """On a GPU: the first product of each kind (the real target's down projection, its q/k/v
+    with the norm) times its candidates in CUDA graphs, then products of 1, 16 and 40 rows through
+    the chosen tile equal torch's; the timing itself is finite and positive."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    matmul._tuned.clear()
+    for n, k, kw in ((1536, 8960, {"silu": True}), (2048, 1536, {"norm": "n", "eps": 1e-6})):
+        w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).to(torch.bfloat16)
+        norm = (torch.rand(k, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+        kw = {**kw, "norm": norm} if "norm" in kw else kw
+        for rows in (1, 16, 40):
+            x = torch.randn(rows, 2 * k if kw.get("silu") else k, generator=g, device="cuda").to(torch.bfloat16)
+            got = matmul.linear(x, w, tune=True, **kw)
+            torch.testing.assert_close(got.float(), reference(x, w, **kw), rtol=2e-2, atol=3e-2)
+    chosen = matmul.tuned()
+    assert len(chosen) == 2 and all("x" in v and "not tuned" not in v for v in chosen.values()), chosen
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(4, 256, device="cuda", dtype=torch.bfloat16)
+    ms = matmul.graph_ms([lambda: torch.mm(x, w.t(), out=out)] * 3)
+    assert 0 < ms < 10
