@@ -76,3 +76,16 @@ def test_a_trace_without_prompts_is_refused(tmp_path, capsys):
     assert growth.main(["--trace", str(trace), "--preset", "tiny"]) == 2
     assert "no greedy session with its prompt" in capsys.readouterr().err
     torch.manual_seed(0)  # (nothing loaded: the refusal comes before any model)
+
+
+def test_a_trace_is_read_by_its_bytes_not_its_name(tmp_path):
+    """A fleet writes its trace as plain lines even where ``--record-trace`` names it .gz; a
+    compressed copy reads the same."""
+    from specsplit.orchestrator.replay import read_trace
+
+    lines = [{"kind": "header", "version": 1}, {"kind": "session", "session": "a", "output": [1, 2]}]
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    plain, packed = tmp_path / "fleet.jsonl.gz", tmp_path / "kept.jsonl.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    assert read_trace(plain) == read_trace(packed) == lines

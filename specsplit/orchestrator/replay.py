@@ -47,9 +47,11 @@ class TraceError(ValueError):
 
 
 def read_trace(path: str | Path) -> list[Record]:
-    """Every record of a trace file (``.gz``: gzip-compressed)."""
+    """Every record of a trace file, gzip-compressed or not (by its first bytes, not its name:
+    a fleet writes its trace as plain lines whatever the name ends in)."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
+    with open(path, "rb") as f:
+        opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
     with opener(path, "rt", encoding="utf-8") as f:
         lines = f.read().splitlines()
     records = []
