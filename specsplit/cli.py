@@ -209,7 +209,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _config(argv: list[str], env_file: EnvFileRead | None) -> int:
-    from specsplit.config import ROLES, effective_settings  # zmq (brokers.curve): not for `specsplit --help`
+    from specsplit.effective import ROLES, effective_settings  # zmq (brokers.curve): not for `specsplit --help`
 
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: specsplit config [ROLE ...]         each ROLE's effective settings as JSON (all without ROLE)\n"
