@@ -164,4 +164,4 @@ def test_the_graph_follows_the_rule_of_its_docstring() -> None:
     assert "specsplit.bench.longctx" in graph["specsplit.cli"]  # imported inside a function
     assert "specsplit.models.settings" in graph["specsplit.models"]  # a package re-exporting a submodule
     assert "specsplit.models" not in graph["specsplit.models.settings"]  # its own package: skipped
-    assert {"specsplit.models", "specsplit.models.settings"} <= graph["specsplit.config"]  # a package on the way
+    assert {"specsplit.models", "specsplit.models.settings"} <= graph["specsplit.effective"]  # a package on the way
