@@ -217,12 +217,28 @@ class GrowRequest(Message):
     """Sent to the draft worker while the target verifies round ``round`` (greedy sessions only):
     keep expanding that round's tree, most probable paths first, for at most ``budget_ms``
     (stopping early when other requests wait), so the next DraftRequest can start from the
-    subtree under the real bonus token instead of from scratch. ``width`` nodes per forward."""
+    subtree under the real bonus token instead of from scratch. ``width`` nodes per forward.
+
+    ``tree``: the tree the target verifies this round, when other proposers (prompt lookup's
+    chains) added nodes the draft's tree lacks, rooted at the round's root; ``node_probs[i]``:
+    the orchestrator's estimate that node i ends on the accepted path. The draft adds the
+    missing nodes to its kept tree and grows them with its own, most probable first, so a
+    round after an accepted chain can start from the grown tree too."""
 
     session_id: SessionId
     round: Round
     budget_ms: float = Field(gt=0.0, le=60_000.0)
     width: int = Field(default=4, ge=1, le=MAX_BRANCH)
+    tree: FlatTree | None = None
+    node_probs: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list,
+                                                                     max_length=MAX_TREE_NODES)
+
+    @model_validator(mode="after")
+    def _probs(self) -> GrowRequest:
+        n = self.tree.num_nodes if self.tree is not None else 0
+        if len(self.node_probs) != n:
+            raise ValueError(f"node_probs has {len(self.node_probs)} entries for a tree of {n} nodes")
+        return self
 
 
 class GrowReply(Message):

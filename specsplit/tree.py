@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from schemas import ErrorCode, FlatTree
 from specsplit.errors import SpecError, TreeError
 
+MIN_HINT_PROB = 1e-6  # a hinted node's probability is at least this (its score is a log)
+
 __all__ = [
     "DraftTree", "SpecError", "TreeError", "TreeLayout", "ancestor_pairs", "check_child_dists", "check_parents",
     "check_token_ids", "depths_of", "path_to", "root_to_leaf_paths", "subtree", "subtree_nodes", "validate_tree",
@@ -175,6 +177,12 @@ class DraftTree:
         # greedy: an expanded node's next most probable tokens beyond its ``branch`` children, most
         # probable first, as (token, log-prob): growth may add them (``spare_candidates``)
         self.spares: dict[int, list[tuple[int, float]]] = {}
+        # greedy growth: nodes another proposer added (``add_hints``); their log-probs are
+        # estimates, not the draft's, so re-rooting drops them (``kept_subtree``). A node with
+        # hinted children scores its other children lower by ``discount[node]``: log(1 - the
+        # hinted ones' probability), the chance that the target takes none of them
+        self.hinted: set[int] = set()
+        self.discount: dict[int, float] = {}
         self.round, self.max_depth, self.forward_ms = -1, 0, 0.0
 
     def __len__(self) -> int:
@@ -185,7 +193,7 @@ class DraftTree:
         self.tokens.append(token)
         self.parents.append(parent)
         self.logps.append(logp)
-        self.scores.append(self.scores[parent] + logp)
+        self.scores.append(self.scores[parent] + logp + self.discount.get(parent, 0.0))
         self.depths.append(self.depths[parent] + 1)
         self.kids.append([])
         self.slot.append(-1)
@@ -204,13 +212,68 @@ class DraftTree:
         """(score, parent) of each expanded node's next spare token within ``max_depth``: the
         sibling growth may add. Siblings of the verified children are where a bonus token lands
         when the target rejects them all."""
-        return [(self.scores[node] + spare[0][1], node) for node, spare in self.spares.items()
-                if spare and self.depths[node] < max_depth]
+        return [(self.scores[node] + spare[0][1] + self.discount.get(node, 0.0), node)
+                for node, spare in self.spares.items() if spare and self.depths[node] < max_depth]
 
     def add_spare(self, node: int) -> int:
         """``node``'s next spare token as its child; the new node."""
         token, logp = self.spares[node].pop(0)
         return self.add(node, token, logp)
+
+    def add_hints(self, tree: FlatTree, probs: list[float], *, max_depth: int, max_nodes: int) -> int:
+        """The nodes of ``tree`` (validated, rooted at this tree's root: the round's verified
+        tree) that this tree lacks, added where a path leaves it; within ``max_depth`` and
+        ``max_nodes``. ``probs[i]``: the orchestrator's estimate that node i ends on the
+        accepted path; a hinted node scores its parent's score plus log(probs[i] / probs of its
+        parent), the chance the target takes it there, and its parent's other children lose
+        that chance (``discount``). Growth then ranks them with the draft's own nodes: a
+        prompt-lookup chain the target accepts leaves a forwarded path to re-root at. Returns
+        the nodes added."""
+        where, added = [0] * tree.num_nodes, 0
+        for i in range(1, tree.num_nodes):
+            p = where[tree.parents[i]]
+            if p < 0 or self.depths[p] >= max_depth:
+                where[i] = -1
+                continue
+            tok = tree.token_ids[i]
+            node = next((c for c in self.kids[p] if self.tokens[c] == tok), -1)
+            if node < 0:
+                if len(self.tokens) >= max_nodes:
+                    where[i] = -1
+                    continue
+                taken = min(1.0, probs[i] / max(probs[tree.parents[i]], MIN_HINT_PROB))
+                node = self._add_hinted(p, tok, taken)
+                if p in self.spares:  # not a spare any more
+                    self.spares[p] = [s for s in self.spares[p] if s[0] != tok]
+                added += 1
+            where[i] = node
+        return added
+
+    def _add_hinted(self, parent: int, token: int, taken: float) -> int:
+        """A hinted child the target takes at ``parent`` with probability ``taken``; the
+        parent's other children and their subtrees lose that much."""
+        before = self.discount.get(parent, 0.0)
+        left = math.exp(before) - taken
+        self.discount[parent] = after = math.log(max(left, MIN_HINT_PROB))
+        shift = [c for c in self.kids[parent] if c not in self.hinted]
+        while shift:
+            c = shift.pop()
+            self.scores[c] += after - before
+            shift.extend(self.kids[c])
+        node = self.add(parent, token, 0.0)
+        self.scores[node] = self.scores[parent] + math.log(max(taken, MIN_HINT_PROB))
+        self.hinted.add(node)
+        return node
+
+    def kept_subtree(self, node: int) -> list[int]:
+        """``node`` and its descendants but hinted ones and theirs, in index order: what
+        re-rooting at ``node`` keeps (the next round's tree carries the draft's log-probs only)."""
+        inside, out = {node}, [node]
+        for i in range(node + 1, len(self.parents)):
+            if self.parents[i] in inside and i not in self.hinted:
+                inside.add(i)
+                out.append(i)
+        return out
 
     def settled(self, keep: int, max_depth: int, cands: list[int]) -> bool:
         """True when no descendant of a candidate can enter the best ``keep`` nodes (a child's
@@ -247,7 +310,7 @@ class DraftTree:
     def rerooted(self, node: int, prefix_len: int, where: dict[int, int]) -> DraftTree:
         """The subtree under ``node`` as a new tree, its cache slots moved per ``where``
         (old slot -> new slot)."""
-        sub = subtree_nodes(self.parents, node)
+        sub = self.kept_subtree(node)
         g = DraftTree(self.tokens[node], prefix_len, self.branch)
         index = {old: new for new, old in enumerate(sub)}
         for old in sub[1:]:

@@ -118,3 +118,44 @@ def test_sessions_drafting_together_share_the_sequences(lm_draft):
     assert len(eng.pool) == free0
     with lm_draft.lock:
         assert all(lm_draft.seq_pos_max(s) == -1 for s in range(lm_draft.n_seq))
+
+
+def test_a_hinted_chain_grows_level_by_level_and_is_rerooted_at(lm_draft):
+    """A GrowRequest's chain on the llama.cpp draft: a node's sequence copies its parent's
+    cells, so growth forwards the chain a level per forward (never a node with its parent in the
+    same forward); a request whose accepted tokens run along it re-roots at a forwarded child of
+    its end; ending the session frees every sequence."""
+    from schemas import FlatTree, GrowRequest
+
+    eng = LlamaDraftEngine(lm_draft, EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=16))
+    free0 = len(eng.pool)
+    spec = TreeSpec(max_nodes=4, max_depth=3, branch=2)
+    eng.handle(DraftRequest(session_id="h", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                            root=PROMPT[-1], tree=spec, sampling=SamplingSpec()))
+    g = eng.store.get("h").draft_tree
+    first = next(t for t in range(1000, 2000) if t not in {g.tokens[c] for c in g.kids[0]})
+    chain = [first, 2100, 2200]
+    hint = FlatTree(token_ids=[g.tokens[0], *chain], parents=[-1, 0, 1, 2])
+    forwards, real = [], eng.forward_one
+
+    def forward_one(seg):
+        forwards.append(list(seg.nodes))
+        return real(seg)
+
+    eng.forward_one = forward_one
+    eng.others_waiting = lambda: len(forwards) >= 5
+    eng.handle(GrowRequest(session_id="h", round=0, budget_ms=60_000.0, width=4, tree=hint,
+                           node_probs=[1.0, 0.9, 0.8, 0.7]))
+    for nodes in forwards:
+        assert not set(nodes) & {g.parents[n] for n in nodes}
+    path = g.child_path(chain)
+    assert len(path) == 3 and all(g.slot[n] >= 0 for n in path)
+    end_kids = [c for c in g.kids[path[-1]] if g.slot[c] >= 0]
+    assert end_kids
+    bonus = max(end_kids, key=lambda c: g.scores[c])
+    r1 = eng.handle(DraftRequest(session_id="h", round=1, tree=spec, root=g.tokens[bonus], sampling=SamplingSpec(),
+                                 sync=CacheSync(base_len=len(PROMPT), append_token_ids=chain)))
+    assert isinstance(r1, DraftReply) and r1.reused_nodes > 0
+    assert not eng.store.get("h").draft_tree.hinted
+    eng.handle(EndSession(session_id="h"))
+    assert len(eng.pool) == free0

@@ -19,7 +19,6 @@ its ``branch`` children, scored by cumulative draft log-prob.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Generator, Sequence
@@ -28,7 +27,10 @@ from typing import TypeVar
 import numpy
 import torch
 
-from schemas import DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec, TreeSpec
+from schemas import (
+    MAX_TREE_DEPTH, MAX_TREE_NODES, DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec,
+    TreeSpec,
+)
 from specsplit.engine import sampling as S
 from specsplit.engine.base import LINEAR_CHUNK, Engine, EngineLimits, elapsed_ms
 from specsplit.engine.batch import Segment, using_attention
@@ -37,7 +39,8 @@ from specsplit.engine.draftview import WINDOW_KWARG, DraftWindow, window_attenti
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.store import Session
 from specsplit.engine.masks import causal
-from specsplit.tree import DraftTree, check_token_ids, path_to, subtree_nodes
+from specsplit.errors import TreeError
+from specsplit.tree import DraftTree, check_token_ids, path_to, validate_tree
 
 
 T = TypeVar("T")
@@ -47,6 +50,9 @@ Forwards = Generator[Segment, torch.Tensor, T]  # yields the forwards it needs, 
 class DraftEngine(Engine):
     role = "draft"
     grow_spares = 0  # engines that build their own state (llama.cpp's) add no spares
+    # a forward may hold a node with unforwarded ancestors when they are in it too (the mask
+    # shows each node its ancestors' rows of the same forward): a hinted chain in one forward
+    tree_forward = True
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size=None, max_support: int = 64,
                  steps_after_reuse: int | None = None, backend=None, window: DraftWindow | None = DraftWindow(),
@@ -174,9 +180,13 @@ class DraftEngine(Engine):
         top = torch.topk(logp, min(g.branch + self.grow_spares, logp.shape[-1]), dim=-1)  # [F, B + S]
         ids, lps = top.indices.tolist(), top.values.tolist()
         for node, tok_row, lp_row in zip(nodes, ids, lps):
-            g.add_children(node, tok_row[: g.branch], lp_row[: g.branch])
-            if len(tok_row) > g.branch:
-                g.spares[node] = list(zip(tok_row[g.branch:], lp_row[g.branch:]))
+            have = {g.tokens[c] for c in g.kids[node]}  # a hinted node's hinted child stands for its token
+            pairs = list(zip(tok_row, lp_row))
+            for tok, lp in pairs[: g.branch]:
+                if tok not in have:
+                    g.add(node, tok, lp)
+            if len(pairs) > g.branch:
+                g.spares[node] = [(tok, lp) for tok, lp in pairs[g.branch:] if tok not in have]
 
     # ---- greedy: best-first, kept between requests -------------------------------------
     def _best_first(self, kv: SessionKV, g: DraftTree, spec: TreeSpec, steps: int) -> Forwards[FlatTree]:
@@ -213,7 +223,7 @@ class DraftEngine(Engine):
         if not path or g.slot[path[-1]] < 0:
             return None
         b = path[-1]
-        expanded = sorted((n for n in subtree_nodes(g.parents, b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
+        expanded = sorted((n for n in g.kept_subtree(b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
         kv.compact([g.slot[n] for n in path] + [g.slot[n] for n in expanded], g.prefix_len)
         new_prefix = g.prefix_len + len(path)
         where = {g.slot[n]: new_prefix + k for k, n in enumerate(expanded)}
@@ -229,8 +239,23 @@ class DraftEngine(Engine):
             with session.lock:
                 g = session.draft_tree
                 if isinstance(g, DraftTree) and g.round == req.round:
+                    if req.tree is not None:
+                        self._check_hints(g, req)
+                        # within growth's depth, leaving it room for a forward's children
+                        g.add_hints(req.tree, req.node_probs, max_depth=2 * max(1, g.max_depth) - 1,
+                                    max_nodes=self.max_kept_nodes - req.width * g.branch)
                     grown = self.guarded(session, lambda: self.drive(self._grow(session.kv, g, req, t0)))
         return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=self.elapsed_ms(t0))
+
+    def _check_hints(self, g: DraftTree, req: GrowRequest) -> None:
+        """A GrowRequest's tree: valid, greedy and rooted at the round's root; else TreeError
+        (before anything changes)."""
+        validate_tree(req.tree, vocab_size=self.vocab_size, max_nodes=MAX_TREE_NODES, max_depth=MAX_TREE_DEPTH)
+        if req.tree.sampled:
+            raise TreeError("a growth hint is a greedy tree (no child distributions)")
+        if req.tree.token_ids[0] != g.tokens[0]:
+            raise TreeError(f"the hinted tree's root {req.tree.token_ids[0]} is not round {req.round}'s root "
+                            f"{g.tokens[0]}")
 
     def _grow(self, kv: SessionKV, g: DraftTree, req: GrowRequest, t0: float) -> Forwards[int]:
         depth_limit = 2 * max(1, g.max_depth)
@@ -240,19 +265,27 @@ class DraftEngine(Engine):
                 break
             if len(g) + req.width * g.branch > self.max_kept_nodes:
                 break
-            front = self._growth_front(g, depth_limit, req.width)
+            front = self._growth_front(g, depth_limit, req.width, self.tree_forward)
             if not front or kv.room() < len(front):
                 break
             yield from self._expand(kv, g, front)
         return len(g) - n0
 
     @staticmethod
-    def _growth_front(g: DraftTree, depth_limit: int, width: int) -> list[int]:
+    def _growth_front(g: DraftTree, depth_limit: int, width: int, tree_forward: bool = True) -> list[int]:
         """The ``width`` most probable of the unforwarded nodes and the spare siblings (each
-        expanded node's next one), the chosen spares added to the tree."""
+        expanded node's next one), the chosen spares added to the tree. A node whose parent is
+        unforwarded (a hinted chain's) goes only with its parent (``tree_forward``) or after it."""
         ranked = [(g.scores[i], -i, i) for i in g.candidates(depth_limit, -math.inf)]
         ranked += [(score, -len(g) - k, -1 - parent) for k, (score, parent) in enumerate(g.spare_candidates(depth_limit))]
-        return [i if i >= 0 else g.add_spare(-1 - i) for _, _, i in heapq.nlargest(width, ranked)]
+        chosen: list[int] = []
+        for _, _, i in sorted(ranked, reverse=True):
+            if len(chosen) == width:
+                break
+            if i >= 0 and g.slot[g.parents[i]] < 0 and not (tree_forward and g.parents[i] in chosen):
+                continue
+            chosen.append(i)
+        return [i if i >= 0 else g.add_spare(-1 - i) for i in chosen]
 
     # ---- sampled: level by level, cache cropped afterwards -----------------------------
     def _build(
@@ -308,13 +341,15 @@ class DraftEngine(Engine):
 
     def _nodes_segment(self, kv: SessionKV, g: DraftTree, nodes: list[int], pos: list[int]) -> Segment:
         """The forward of tree ``nodes`` appended to the cache: each sees the committed prefix,
-        its ancestors' cache slots (the root is the prefix's last entry) and itself; [F, V] logits."""
+        its ancestors' cache slots (the root is the prefix's last entry; an unforwarded ancestor
+        is in ``nodes`` too, its row of this forward) and itself; [F, V] logits."""
         f, base, dev = len(nodes), kv.length, self.device
+        here = {node: base + j for j, node in enumerate(nodes)}  # ancestors forwarded with them (hints)
         rows, cols = [], []
         for j, node in enumerate(nodes):
             for a in path_to(node, g.parents)[1:-1]:
                 rows.append(j)
-                cols.append(g.slot[a])
+                cols.append(g.slot[a] if g.slot[a] >= 0 else here[a])
             rows.append(j)
             cols.append(base + j)
         # built on the host and copied once (on a GPU, one copy for the zeros, the prefix and the

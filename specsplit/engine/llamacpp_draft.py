@@ -13,7 +13,7 @@ from specsplit.engine.draft import DraftEngine
 from specsplit.engine.draft_batch import batchable, draft_batch
 from specsplit.engine.llamacpp_kv import LlamaKV, _cache_miss, _LlamaEngineMixin
 from specsplit.engine.llamacpp_model import LlamaCppModel
-from specsplit.tree import DraftTree, subtree_nodes
+from specsplit.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
     the target verifies; sampled level by level) on a llama.cpp context."""
 
     role = "draft"
+    tree_forward = False  # a node's sequence copies its parent's cells: parents forwarded before
 
     def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  max_support: int = 64, steps_after_reuse: int | None = None, backend=None, window=None,
@@ -164,7 +165,7 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
             return None
         b = path[-1]
         b_seq, b_pos = kv.slots[g.slot[b]]
-        expanded = sorted((n for n in subtree_nodes(g.parents, b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
+        expanded = sorted((n for n in g.kept_subtree(b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
         self.lm.seq_cp(b_seq, kv.seq, g.prefix_len, b_pos + 1)  # the path joins the committed prefix
         new_prefix = g.prefix_len + len(path)
         keep = {g.slot[n] for n in expanded}
