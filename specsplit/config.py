@@ -262,6 +262,10 @@ class OrchestratorSettings(SessionLimitSettings):
     grow_fraction: float = Field(default=0.9, gt=0.0, le=4.0, description=(
         "How long a tree grows, as a fraction of the previous verify's time."))
     grow_width: int = Field(default=4, ge=1, le=32, description="Nodes a growing draft adds per forward.")
+    grow_chains: bool = Field(default=True, description=(
+        "Growth is told the nodes prompt lookup (and the n-gram cache) hung under the round's root, with the "
+        "cost model's estimate that each is accepted: the draft adds those its tree lacks and grows them with "
+        "its own, so a round after an accepted chain can start from the grown tree (docs/results.md)."))
     rpc_timeout_s: float = Field(default=60.0, gt=0, description=(
         "Seconds one orchestrator -> worker request may take before it is retried."))
     max_attempts: int = Field(default=8, ge=1, description=(

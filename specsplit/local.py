@@ -11,6 +11,7 @@ import time
 
 from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
+from specsplit.orchestrator.hints import growth_hint
 from specsplit.orchestrator.state import Candidates, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.base import EngineLimits
@@ -35,12 +36,14 @@ def generate(
     lookup_min_ngram: int = 3,
     cost_model: CostModel | None = None,
     specpv: SpecPVSpec | None = None,
+    grow_chains: bool = True,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
     result equals plain greedy decoding of ``target``. ``grow_budget_ms`` > 0 (greedy only) grows
     each draft tree before it is verified, as the fleet does while the target verifies (here it
-    runs in turn, so it exercises re-rooting rather than saving time). ``make_target_engine(target,
+    runs in turn, so it exercises re-rooting rather than saving time), told the lookup nodes
+    (``grow_chains``). ``make_target_engine(target,
     limits)`` builds the verifier (anything with ``handle(msg)``; the bench puts one in another
     process to measure what a process split alone costs; ``make_draft_engine(draft, limits)`` the
     drafter: the llama.cpp engines take a ``LlamaCppModel`` each). ``lookup_max_tokens`` > 0 (greedy)
@@ -83,10 +86,12 @@ def generate(
             _raise_if_error(d_reply)
             cur.after_draft()
             stats.reused_rounds += d_reply.reused_nodes > 0
-            if grow_budget_ms > 0 and sampling.greedy:
-                _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms)))
             plan = plan_round(d_reply.tree, cur.committed, spec, sampling, lookup_max_tokens=lookup_max_tokens,
                               lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens)
+            if grow_budget_ms > 0 and sampling.greedy:
+                hint, probs = growth_hint(plan, cost_model) if grow_chains else (None, [])
+                _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms,
+                                                         tree=hint, node_probs=probs)))
         verify_tree = plan.tree
         v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(),
                                              tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,

@@ -150,3 +150,4 @@ def test_spares_let_a_bonus_among_rejected_siblings_reuse_the_grown_tree():
             path = [reply.tree.token_ids[a] for a in path_to(reply.tree.parents[i], reply.tree.parents)[1:]]
             want = sequential_logprob(model, ctx + path, reply.tree.token_ids[i])
             assert abs(reply.tree.draft_logprobs[i] - want) < 2e-4
+

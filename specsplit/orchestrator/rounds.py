@@ -14,7 +14,7 @@ session's state with a test of its own (tests/test_rounds.py):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schemas import FlatTree, SamplingSpec, TreeSpec, VerifyReply
 from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
@@ -66,7 +66,7 @@ async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpe
             drafted = await p.propose(committed, Budget(rp.spec, 0), sampling, rp.rnd)
             base = drafted.tree
     if not sampling.greedy or rp.confirm:
-        return Candidates(base, {}, None, drafted, base)
+        return verifying(rp, Candidates(base, {}, None, drafted, base), sampling, cost)
     chains: list[tuple[str, Proposal]] = []
     if chain_tokens > 0 and rp.spec.max_depth >= 1:
         budget = Budget(rp.spec, min(chain_tokens, rp.spec.max_depth))
@@ -76,7 +76,17 @@ async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpe
                 if prop is not None and prop.chain:
                     chains.append((p.name, prop))
     tree, sources = merge(base, chains, rp.spec, chain_tokens)
-    return select(tree, sources, cost, sync_tokens=rp.sync_tokens, plain=rp.plain, drafted=drafted)
+    return verifying(rp, select(tree, sources, cost, sync_tokens=rp.sync_tokens, plain=rp.plain, drafted=drafted),
+                     sampling, cost)
+
+
+def verifying(rp: RoundPlan, cands: Candidates, sampling: SamplingSpec, cost: CostModel | None) -> Candidates:
+    """Tell the round's proposers what goes to the target (the draft grows its tree meanwhile);
+    the growth budget asked for joins the draft's proposal."""
+    grow_ms = sum(p.verifying(cands, rp.rnd, sampling, cost) for p in rp.proposers)
+    if grow_ms and cands.drafted is not None:
+        cands = replace(cands, drafted=replace(cands.drafted, grow_ms=grow_ms))
+    return cands
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,12 @@ class Proposer:
         """A chain proposer's chain, computed without I/O (None: nothing to propose)."""
         raise NotImplementedError
 
+    def verifying(self, cands: Any, rnd: int, sampling: SamplingSpec, cost: Any) -> float:
+        """Round ``rnd``'s tree is chosen and goes to the target (``cands``: the orchestrator's
+        ``Candidates``; ``cost``: its cost model or None). Returns the milliseconds of work this
+        proposer's worker was asked for meanwhile (the draft's growth; default: none)."""
+        return 0.0
+
     def learn(self, verdict: Verdict) -> None:
         """A verified round (default: nothing to learn)."""
 

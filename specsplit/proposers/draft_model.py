@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from schemas import DraftReply, DraftRequest, GrowRequest, SamplingSpec
+from schemas import DraftReply, DraftRequest, FlatTree, GrowRequest, SamplingSpec
+from specsplit.orchestrator.hints import growth_hint
 from specsplit.proposers.base import Budget, Proposal, Proposer, Verdict, register
 
 GROW_BUDGET_CAP_MS = 60_000.0  # a growth budget never exceeds a minute, however slow the last verify
@@ -39,21 +40,30 @@ class DraftModel(Proposer):
 
         reply: DraftReply = await s.call(s.draft_rpc, build, self._reset)
         s.cur.after_draft()
-        grow_ms = self._grow(rnd, sampling)
-        return Proposal(tree=reply.tree, draft_ms=reply.draft_ms, reused=reply.reused_nodes, grow_ms=grow_ms)
+        return Proposal(tree=reply.tree, draft_ms=reply.draft_ms, reused=reply.reused_nodes)
+
+    def verifying(self, cands, rnd: int, sampling: SamplingSpec, cost) -> float:
+        """Grow this round's tree while the target verifies it, told the other proposers' nodes
+        (``SPECSPLIT_GROW_CHAINS``)."""
+        if cands.drafted is None:
+            return 0.0
+        hint, probs = growth_hint(cands, cost) if self.shared.policy.grow_chains else (None, [])
+        return self._grow(rnd, sampling, hint, probs)
 
     def _reset(self) -> None:
         self.session.cur.draft_len = 0  # the worker's state is unknown: resend the whole context
 
-    def _grow(self, rnd: int, sampling: SamplingSpec) -> float:
+    def _grow(self, rnd: int, sampling: SamplingSpec, hint: FlatTree | None, probs: list[float]) -> float:
         """Let the draft worker grow this round's tree while the target verifies it (fire and
         forget: the next DraftRequest queues behind it on the same worker; failures only cost
-        the head start). Needs a previous verify time to size the budget; returns the budget."""
+        the head start), ``hint`` the tree verified when other proposers added nodes. Needs a
+        previous verify time to size the budget; returns the budget."""
         p, s = self.shared.policy, self.session
         if not (p.grow and sampling.greedy and self._last_verify_ms > 0):
             return 0.0
         budget = min(GROW_BUDGET_CAP_MS, p.grow_fraction * self._last_verify_ms)
-        req = GrowRequest(session_id=s.sid, round=rnd, budget_ms=budget, width=p.grow_width)
+        req = GrowRequest(session_id=s.sid, round=rnd, budget_ms=budget, width=p.grow_width, tree=hint,
+                          node_probs=probs)
         self.close()  # the previous round's grow has answered or is moot
         task = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid, timeout_s=p.rpc_timeout_s))
         task.add_done_callback(_swallow)
