@@ -14,6 +14,7 @@ from schemas import TreeSpec
 from specsplit.bench import growth
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
+from specsplit.orchestrator.costmodel import CostModel
 from tests.conftest import greedy_reference, tiny_model
 
 LIMITS = EngineLimits(max_sessions=4, max_session_tokens=512, max_tree_nodes=16, max_tree_depth=8)
@@ -62,12 +63,37 @@ def test_the_command_reads_prompts_from_session_records_and_writes_its_table(tmp
     out = tmp_path / "g.json"
     assert growth.main(["--trace", str(trace), "--preset", "tiny", "--spares", "0,2", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| spares | rounds |") and sum(ln.startswith("| ") for ln in table.splitlines()) == 3
+    assert table.startswith("| spares | chains | rounds |") and sum(ln.startswith("| ") for ln in table.splitlines()) == 3
     data = json.loads(out.read_text())
     assert data["sessions"] == 2 and [r["spares"] for r in data["rows"]] == [0, 2]
     for row in data["rows"]:
         assert row["sessions"] == 2 and row["rounds"] > 0 and 1.0 <= row["tokens_per_round"]
         assert 0.0 <= row["reuse"] <= 1.0 and row["modelled_vs_alone"] > 0
+
+
+def test_growth_told_the_lookup_chain_re_roots_after_the_target_accepts_it():
+    """A prompt that ends with the start of an earlier phrase, an output that goes on with the
+    phrase (prompt lookup's chain, which the random draft never drafts) and then with the draft's
+    own greedy tokens: the round after the chain is accepted re-roots a grown tree only when
+    growth was told the chain (its bonus a forwarded child of the chain's end)."""
+    model = tiny_model("llama", seed=21)
+    rng = random.Random(8)
+    phrase = [rng.randrange(128) for _ in range(12)]
+    prompt = [rng.randrange(128) for _ in range(5)] + phrase + [rng.randrange(128) for _ in range(4)] + phrase[:4]
+    chain = phrase[4:7]
+    rest, _ = greedy_reference(model, prompt + chain, 12)
+    output = chain + rest
+    spec = TreeSpec(max_nodes=4, max_depth=3, branch=2)
+    results = {}
+    for chains in (False, True):
+        engine = DraftEngine(model, LIMITS, steps_after_reuse=0, grow_spares=2)
+        counted, tally = growth.Counted(engine), growth.Tally(2, chains)
+        growth.replay_session(engine, counted, "s", prompt, output, spec, 3, 4, tally, lookup=3,
+                              cost=CostModel())
+        results[chains] = tally
+    told, untold = results[True], results[False]
+    assert untold.after_chain >= 1 and untold.after_chain_reused == 0, untold
+    assert told.after_chain >= 1 and told.after_chain_reused >= 1, told
 
 
 def test_a_trace_without_prompts_is_refused(tmp_path, capsys):

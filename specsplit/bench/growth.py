@@ -10,7 +10,11 @@ target forward. Per setting it reports rounds, tokens a round, the share of roun
 a grown tree, and the draft forwards a round that ran after a verdict (the draft's critical path:
 what a draft on its own device adds to a round), and a modelled speed-up over the target alone,
 a draft forward costing ``--draft-cost`` verify forwards and a verify costing as a 1-token
-forward (a GPU's flat verify cost). Prints a Markdown table; ``--json FILE`` writes it.
+forward (a GPU's flat verify cost). ``--lookup N`` hangs prompt lookup's chain under each root
+as the fleet does (the cross-session n-gram cache left out) and ``--chains 0,1`` compares growth
+without and with being told it (SPECSPLIT_GROW_CHAINS; a cost model learning from the verdicts
+estimates each chain node's acceptance, as the orchestrator's does). Prints a Markdown table;
+``--json FILE`` writes it.
 
     specsplit bench growth --trace tests/data/traces/humaneval0-9-qwen-coder-cpu2-spares.jsonl.gz \\
         --spares 0,2 --sessions 4 --max-tokens 150
@@ -25,19 +29,25 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from schemas import CacheSync, DraftRequest, EndSession, GrowRequest, TreeSpec
+from schemas import CacheSync, DraftRequest, EndSession, GrowRequest, SamplingSpec, TreeSpec
+from specsplit.orchestrator.costmodel import CostModel
+from specsplit.orchestrator.hints import growth_hint
 from specsplit.orchestrator.replay import read_trace
+from specsplit.orchestrator.state import plan_round
 
 
 @dataclass
 class Tally:
     spares: int
+    chains: bool = False  # growth told the lookup chains (SPECSPLIT_GROW_CHAINS)
     sessions: int = 0
     rounds: int = 0
     tokens: int = 0
     reused: int = 0
     after_verdict: int = 0  # draft forwards run after a verdict (not the prompt's round)
     nodes: int = 0
+    after_chain: int = 0  # rounds after a verdict that accepted a lookup node
+    after_chain_reused: int = 0  # ... that re-rooted a grown tree
 
     def row(self, draft_cost: float) -> dict:
         r = max(self.rounds, 1)
@@ -72,25 +82,38 @@ class Counted:
 
 
 def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output: list[int], spec: TreeSpec,
-                   grow_forwards: int, width: int, tally: Tally) -> None:
-    """One session: draft, judge by ``output``, grow ``grow_forwards`` forwards, re-root; until the
-    output is committed."""
+                   grow_forwards: int, width: int, tally: Tally, *, lookup: int = 0,
+                   cost: CostModel | None = None) -> None:
+    """One session: draft, hang prompt lookup's chain of up to ``lookup`` tokens under the root
+    (as the fleet does), judge by ``output``, grow ``grow_forwards`` forwards (told the chain
+    when ``tally.chains``, its nodes' acceptance estimated by ``cost``, which learns from every
+    verdict), re-root; until the output is committed."""
     base, append, root, done, rnd = 0, prompt[:-1], prompt[-1], 0, 0
+    after_chain = False
     while done < len(output) - 1:
         counted.n = 0
         reply = engine.handle(DraftRequest(session_id=sid, round=rnd, root=root, tree=spec,
                                            sync=CacheSync(base_len=base, append_token_ids=append)))
         if not hasattr(reply, "tree"):
             raise RuntimeError(f"session {sid} round {rnd}: {reply}")
-        forwards, tree = counted.n, reply.tree
-        node, accepted = 0, []
+        forwards = counted.n
+        cands = plan_round(reply.tree, prompt + output[:done], spec, SamplingSpec(), lookup_max_tokens=lookup)
+        tree = cands.tree
+        node, accepted, path = 0, [], []
         while done < len(output):
             node = next((i for i in range(node + 1, tree.num_nodes)
                          if tree.parents[i] == node and tree.token_ids[i] == output[done]), -1)
             if node < 0:
                 break
             accepted.append(output[done])
+            path.append(node)
             done += 1
+        if rnd > 0:
+            tally.after_chain += after_chain
+            tally.after_chain_reused += after_chain and reply.reused_nodes > 0
+        if cost is not None:
+            cost.observe_round(tree, path, sources=cands.sources)
+        after_chain = any(i in cands.sources for i in path)
         if done >= len(output):
             break
         bonus = output[done]
@@ -102,13 +125,15 @@ def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output
             return steps["n"] > grow_forwards
 
         engine.others_waiting = waiting
-        engine.handle(GrowRequest(session_id=sid, round=rnd, budget_ms=60_000.0, width=width))
+        hint, probs = growth_hint(cands, cost) if tally.chains else (None, [])
+        engine.handle(GrowRequest(session_id=sid, round=rnd, budget_ms=60_000.0, width=width, tree=hint,
+                                  node_probs=probs))
         if rnd > 0:  # the prompt's round drafts from scratch in any setting
             tally.rounds += 1
             tally.tokens += len(accepted) + 1
             tally.reused += reply.reused_nodes > 0
             tally.after_verdict += forwards
-            tally.nodes += tree.num_nodes
+            tally.nodes += reply.tree.num_nodes
         base, append, root, rnd = base + len(append) + 1, accepted, bonus, rnd + 1
     engine.others_waiting = lambda: False
     engine.handle(EndSession(session_id=sid))
@@ -120,6 +145,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", action="append", required=True, help="a round trace with prompts in its session records")
     p.add_argument("--preset", default=None, help="the draft's preset (default: SPECSPLIT_PRESET's)")
     p.add_argument("--spares", default="0,2", help="SPECSPLIT_DRAFT_GROW_SPARES values, comma-separated")
+    p.add_argument("--lookup", type=int, default=0,
+                   help="prompt-lookup tokens hung under each root (SPECSPLIT_LOOKUP_MAX_TOKENS; 0: none)")
+    p.add_argument("--chains", default="0", help="SPECSPLIT_GROW_CHAINS values (0, 1), comma-separated")
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=150, help="output tokens replayed per session")
     p.add_argument("--grow-forwards", type=int, default=3, help="draft forwards of growth per verify")
@@ -132,8 +160,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.spares = [int(s) for s in args.spares.split(",")]
+        args.chains = [bool(int(s)) for s in args.chains.split(",")]
     except ValueError:
-        p.error(f"--spares: comma-separated integers, got {args.spares!r}")
+        p.error(f"--spares, --chains: comma-separated integers, got {args.spares!r}, {args.chains!r}")
     return args
 
 
@@ -157,14 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = TreeSpec(max_nodes=args.max_nodes, max_depth=args.max_depth, branch=args.branch, min_path_prob=0.0)
     rows, t0 = [], time.perf_counter()
     for spares in args.spares:
-        engine.grow_spares, tally = spares, Tally(spares)
-        for i, (prompt, output) in enumerate(sessions):
-            replay_session(engine, counted, f"growth-{spares}-{i}", prompt, output, spec, args.grow_forwards,
-                           args.width, tally)
-        rows.append(tally.row(args.draft_cost))
-        print(f"spares {spares}: {rows[-1]}", file=sys.stderr, flush=True)
-    cols = ("spares", "rounds", "tokens_per_round", "reuse", "draft_forwards_after_verdict", "mean_nodes",
-            "modelled_vs_alone")
+        for chains in args.chains:
+            engine.grow_spares, tally, cost = spares, Tally(spares, chains), CostModel()
+            for i, (prompt, output) in enumerate(sessions):
+                replay_session(engine, counted, f"growth-{spares}-{int(chains)}-{i}", prompt, output, spec,
+                               args.grow_forwards, args.width, tally, lookup=args.lookup, cost=cost)
+            rows.append(tally.row(args.draft_cost))
+            print(f"spares {spares} chains {int(chains)}: {rows[-1]}", file=sys.stderr, flush=True)
+    cols = ("spares", "chains", "rounds", "tokens_per_round", "reuse", "draft_forwards_after_verdict", "mean_nodes",
+            "after_chain", "after_chain_reused", "modelled_vs_alone")
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
