@@ -8,6 +8,7 @@ import gzip
 import json
 import random
 
+import pytest
 import torch
 
 from schemas import TreeSpec
@@ -94,6 +95,42 @@ def test_growth_told_the_lookup_chain_re_roots_after_the_target_accepts_it():
     told, untold = results[True], results[False]
     assert untold.after_chain >= 1 and untold.after_chain_reused == 0, untold
     assert told.after_chain >= 1 and told.after_chain_reused >= 1, told
+
+
+def test_the_recorded_rounds_are_a_trace_the_device_replay_runs(tmp_path, monkeypatch):
+    """``--record-trace``: the replayed rounds as an orchestrator's trace lines (every node
+    verified, the accepted path and bonus the output's, the re-rooted rounds marked), which
+    ``specsplit bench replay`` reads and runs, draft included, committing what they committed."""
+    from specsplit.bench import replay
+    from specsplit.orchestrator.replay import read_trace
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    rng = random.Random(6)
+    prompt = [rng.randrange(100) for _ in range(10)]
+    lines = [{"kind": "header", "version": 1},
+             {"kind": "session", "session": "a", "prompt": prompt, "prompt_len": 10, "greedy": True,
+              "output": [rng.randrange(100) for _ in range(20)]}]
+    src, rec = tmp_path / "fleet.jsonl", tmp_path / "grown.jsonl.gz"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["--trace", str(src), "--preset", "tiny", "--spares", "2", "--chains", "1", "--lookup", "4"]
+    with pytest.raises(SystemExit):  # one setting a trace
+        growth.main([*args, "--chains", "0,1", "--record-trace", str(rec)])
+    assert growth.main([*args, "--record-trace", str(rec)]) == 0
+    records = read_trace(rec)
+    header, rounds = records[0], [r for r in records if r.get("kind") == "round"]
+    assert header["source"] == "specsplit bench growth" and header["tree"]["branch"] == 2
+    assert rounds and rounds[0]["context_len"] == 10 and rounds[0]["sync_tokens"] == 9
+    for a, b in zip(rounds, rounds[1:]):
+        assert b["context_len"] == a["context_len"] + len(a["accepted_nodes"]) + 1 and b["sync_tokens"] == 0
+    session = next(r for r in records if r.get("kind") == "session")
+    committed = [t for r in rounds for t in [*r["accepted_token_ids"], r["bonus_token_id"]]]
+    assert committed == session["output"][: len(committed)]
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", str(rec), "--preset", "tiny", "--device", "cpu", "--threads", "1", "--draft",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == len(rounds)
+    assert [r["context_len"] for r in data["rounds"]] == [r["context_len"] for r in rounds]
 
 
 def test_a_trace_without_prompts_is_refused(tmp_path, capsys):

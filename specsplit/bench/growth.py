@@ -23,6 +23,7 @@ estimates each chain node's acceptance, as the orchestrator's does). Prints a Ma
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -34,6 +35,7 @@ from specsplit.orchestrator.costmodel import CostModel
 from specsplit.orchestrator.hints import growth_hint
 from specsplit.orchestrator.replay import read_trace
 from specsplit.orchestrator.state import plan_round
+from specsplit.orchestrator.trace import TRACE_VERSION, tree_record
 
 
 @dataclass
@@ -83,15 +85,17 @@ class Counted:
 
 def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output: list[int], spec: TreeSpec,
                    grow_forwards: int, width: int, tally: Tally, *, lookup: int = 0,
-                   cost: CostModel | None = None) -> None:
+                   cost: CostModel | None = None, record=None) -> None:
     """One session: draft, hang prompt lookup's chain of up to ``lookup`` tokens under the root
     (as the fleet does), judge by ``output``, grow ``grow_forwards`` forwards (told the chain
     when ``tally.chains``, its nodes' acceptance estimated by ``cost``, which learns from every
-    verdict), re-root; until the output is committed."""
+    verdict), re-root; until the output is committed. ``record``: called with each round's and
+    the session's trace line (``round_line``)."""
     base, append, root, done, rnd = 0, prompt[:-1], prompt[-1], 0, 0
     after_chain = False
     while done < len(output) - 1:
         counted.n = 0
+        context_len = len(prompt) + done
         reply = engine.handle(DraftRequest(session_id=sid, round=rnd, root=root, tree=spec,
                                            sync=CacheSync(base_len=base, append_token_ids=append)))
         if not hasattr(reply, "tree"):
@@ -118,6 +122,8 @@ def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output
             break
         bonus = output[done]
         done += 1
+        if record is not None:
+            record(round_line(sid, rnd, prompt, context_len, spec, cands, reply, path, accepted, bonus))
         steps = {"n": 0}
 
         def waiting() -> bool:  # growth checks before each forward: it stops after grow_forwards
@@ -138,6 +144,27 @@ def replay_session(engine, counted: Counted, sid: str, prompt: list[int], output
     engine.others_waiting = lambda: False
     engine.handle(EndSession(session_id=sid))
     tally.sessions += 1
+    if record is not None:
+        record({"kind": "session", "session": sid, "prompt_len": len(prompt), "prompt": list(prompt),
+                "max_new_tokens": len(output), "greedy": True, "output": list(output[:done]), "finish": "length",
+                "rounds": rnd})
+
+
+def round_line(sid: str, rnd: int, prompt: list[int], context_len: int, spec: TreeSpec, cands, reply,
+               path: list[int], accepted: list[int], bonus: int) -> dict:
+    """A replayed round as an orchestrator's trace line (``specsplit.orchestrator.trace``), so
+    ``specsplit bench replay`` runs the rounds a draft growing ``--grow-forwards`` forwards a
+    verify would give: every node verified, no target measured (verify and wall ms 0), the
+    draft's ms this CPU's."""
+    tree = cands.tree
+    return {"kind": "round", "session": sid, "round": rnd, "prompt_len": len(prompt), "context_len": context_len,
+            "sync_tokens": len(prompt) - 1 if rnd == 0 else 0, "plain": False, "confirm": False, "greedy": True,
+            "max_depth": spec.max_depth, "min_path_prob": 0.0, "merged": tree_record(tree, cands.sources),
+            "drafted_nodes": reply.tree.num_nodes, "chosen": None, "expected_tokens": None, "expected_ms": None,
+            "verified_nodes": tree.num_nodes, "accepted_nodes": list(path), "accepted_token_ids": list(accepted),
+            "bonus_token_id": bonus, "draft_ms": round(reply.draft_ms, 3), "grow_ms": 0.0, "verify_ms": 0.0,
+            "wall_ms": 0.0, "reused": reply.reused_nodes, "batch_size": 1, "batch_tokens": tree.num_nodes,
+            "partial": False, "clean": rnd > 0, "active_sessions": 1}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -157,12 +184,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--branch", type=int, default=2)
     p.add_argument("--draft-cost", type=float, default=0.35, help="a draft forward in verify forwards (the model)")
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write the rounds as a round trace (one --spares and one --chains value), which "
+                        "`specsplit bench replay` runs on a device: the rounds of a draft with its own device")
     args = p.parse_args(argv)
     try:
         args.spares = [int(s) for s in args.spares.split(",")]
         args.chains = [bool(int(s)) for s in args.chains.split(",")]
     except ValueError:
         p.error(f"--spares, --chains: comma-separated integers, got {args.spares!r}, {args.chains!r}")
+    if args.record_trace and len(args.spares) * len(args.chains) != 1:
+        p.error("--record-trace records one setting: give one --spares and one --chains value")
     return args
 
 
@@ -185,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     counted = Counted(engine)
     spec = TreeSpec(max_nodes=args.max_nodes, max_depth=args.max_depth, branch=args.branch, min_path_prob=0.0)
     rows, t0 = [], time.perf_counter()
+    lines: list[dict] = []
     for spares in args.spares:
         for chains in args.chains:
             engine.grow_spares, tally, cost = spares, Tally(spares, chains), CostModel()
             for i, (prompt, output) in enumerate(sessions):
                 replay_session(engine, counted, f"growth-{spares}-{int(chains)}-{i}", prompt, output, spec,
-                               args.grow_forwards, args.width, tally, lookup=args.lookup, cost=cost)
+                               args.grow_forwards, args.width, tally, lookup=args.lookup, cost=cost,
+                               record=lines.append if args.record_trace else None)
             rows.append(tally.row(args.draft_cost))
             print(f"spares {spares} chains {int(chains)}: {rows[-1]}", file=sys.stderr, flush=True)
     cols = ("spares", "chains", "rounds", "tokens_per_round", "reuse", "draft_forwards_after_verdict", "mean_nodes",
@@ -198,9 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    if args.record_trace:
+        write_trace(args.record_trace, lines, {
+            "source": "specsplit bench growth", "traces": args.trace, "grow_forwards": args.grow_forwards,
+            "width": args.width, "spares": args.spares[0], "chains": args.chains[0], "lookup": args.lookup,
+            "tree": {"max_nodes": args.max_nodes, "max_depth": args.max_depth, "branch": args.branch},
+            "draft": described})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "draft": described,
                        "sessions": len(sessions), "seconds": round(time.perf_counter() - t0, 1), "rows": rows},
                       f, indent=1, default=str)
     return 0
+
+
+def write_trace(path: str, lines: list[dict], header: dict) -> None:
+    """A round trace (gzip-compressed when ``path`` ends in .gz): a header, then ``lines``."""
+    text = "".join(json.dumps(x, separators=(",", ":"), default=str) + "\n"
+                   for x in [{"kind": "header", "version": TRACE_VERSION, "time": time.time(), **header}, *lines])
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.write(text)
