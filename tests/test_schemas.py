@@ -20,6 +20,8 @@ SAMPLES = [
                  tree=TreeSpec(max_nodes=8, max_depth=3, branch=2, min_path_prob=0.25), sampling=SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, seed=5)),
     DraftReply(session_id="s", round=3, tree=TREE, draft_ms=1.5, reused_nodes=2),
     GrowRequest(session_id="s", round=3, budget_ms=250.0, width=4),
+    GrowRequest(session_id="s", round=3, budget_ms=250.0, width=4, tree=FlatTree(token_ids=[5, 6, 8], parents=[-1, 0, 1]),
+                node_probs=[1.0, 0.75, 0.5]),
     GrowReply(session_id="s", round=3, grown_nodes=12, grow_ms=240.0),
     VerifyRequest(session_id="s", round=3, sync=CacheSync(base_len=0), tree=TREE),
     VerifyReply(session_id="s", round=3, accepted_token_ids=[6], accepted_nodes=[1], bonus_token_id=2, cache_len=7, verify_ms=3.0,
@@ -63,6 +65,12 @@ def test_structural_schema_errors():
             decode(MsgKind.DRAFT_REPLY, msgpack.packb({"session_id": "s", "round": 0, "tree": body}))
     with pytest.raises(CodecError):
         decode(MsgKind.VERIFY_REQUEST, msgpack.packb({"session_id": "s"}))
+    grow = {"session_id": "s", "round": 0, "budget_ms": 5.0, "tree": {"token_ids": [1, 2], "parents": [-1, 0]}}
+    for probs in ([1.0], [1.0, 1.5], [1.0, -0.1], [1.0, float("nan")]):  # one per node, each in [0, 1]
+        with pytest.raises(CodecError):
+            decode(MsgKind.GROW_REQUEST, msgpack.packb({**grow, "node_probs": probs}))
+    with pytest.raises(CodecError):  # probabilities without a tree
+        decode(MsgKind.GROW_REQUEST, msgpack.packb({"session_id": "s", "round": 0, "budget_ms": 5.0, "node_probs": [1.0]}))
     with pytest.raises(CodecError):
         decode(0x7F, b"\x80")
     with pytest.raises(CodecError):

@@ -168,7 +168,9 @@ class Generator:
                                  sampling=self.sampling())
             verify = VerifyRequest(session_id=sid, round=rnd, sync=self.sync(), tree=self.flat_tree(),
                                    sampling=self.sampling())
-            main = [draft, GrowRequest(session_id=sid, round=rnd, budget_ms=g.choice([1.0, 5.0]), width=2)]
+            hint = self.flat_tree() if g.random() < 0.3 else None  # a verified tree to grow (greedy; any root)
+            main = [draft, GrowRequest(session_id=sid, round=rnd, budget_ms=g.choice([1.0, 5.0]), width=2, tree=hint,
+                                       node_probs=[g.random() for _ in range(hint.num_nodes)] if hint else [])]
             if lane.startswith("target"):
                 main = [verify, verify]
             if r < 0.75:
