@@ -166,8 +166,41 @@ def test_the_draft_replays_each_clean_round_at_its_context(trace, tmp_path, monk
     s = data["summary"][trace]
     assert s["replayed_draft_ms"] == pytest.approx(sum(r["draft_ms"] for r in clean), abs=0.01)
     assert 0 < s["with_replayed_draft_tok_s"] < s["verify_only_tok_s"]
-    assert s["grown_draft_ms"] == s["replayed_draft_ms"]  # no round of this trace reused a grown tree
+    # growth after every draft (0.9 of the verify); a round's draft waits for what outlasts it
+    assert all(r["grow_ms"] is not None and r["grow_ms"] >= 0 for r in clean)
+    want, before = 0.0, None
+    for r in data["rounds"]:
+        if r["clean"]:
+            follows = before is not None and (before["session"], before["round"]) == (r["session"], r["round"] - 1)
+            want += r["draft_ms"] + (max(0.0, before["grow_ms"] - before["verify_ms"])
+                                     if follows and before["grow_ms"] is not None else 0.0)
+        before = r
+    assert s["grown_draft_ms"] == pytest.approx(want, abs=0.01)
+    assert s["rerooted_rounds"] == s["recorded_reused_rounds"] == 0  # no round of this trace re-rooted
     assert data["config"]["draft"]["weights"] == "real"
+
+
+def test_a_round_the_trace_re_rooted_re_roots_the_replayed_growth(tmp_path, monkeypatch):
+    """A round recorded as re-rooting a grown tree: the replayed draft grows its tree after the
+    round before (as the fleet does while the target verifies) and the timed request follows a
+    forwarded path of it, so the draft engine re-roots (no draft from scratch); the rounds the
+    trace drafted from scratch draft from scratch."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    # a tiny draft's forward costs what a tiny target's verify does: a budget of 0.9 verify may
+    # not fit one forward, and then there is nothing to re-root at (which the replay reports)
+    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:  # rounds 2-4 re-rooted in the trace
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--draft",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    by_round = {r["round"]: r for r in data["rounds"]}
+    assert not by_round[1]["rerooted"] and all(by_round[k]["rerooted"] for k in (2, 3, 4))
+    s = data["summary"][path]
+    assert s["rerooted_rounds"] == s["recorded_reused_rounds"] == 3 and s["rerooted"] == "3 (3)"
 
 
 def test_a_grown_tree_s_draft_overlaps_the_verify_before_it():
@@ -184,6 +217,10 @@ def test_a_grown_tree_s_draft_overlaps_the_verify_before_it():
     s = replay_report.summarize(rounds, [])
     assert s["replayed_draft_ms"] == 82 and s["grown_draft_ms"] == 52
     assert s["grown_during_verify_tok_s"] == pytest.approx(1e3 * 10 / (105 + 52), abs=1e-3)
+    # replayed growth (grow_ms): the next round's draft waits for what of it outlasts the verify
+    grown = [replay.ReplayedRound("t", "a", k, 10, 3, 0, 1, 1, 0, 20.0, 20.0, 0.0, 0.0, 0.0, True, 1, draft, 0,
+                                  grow, False) for k, draft, grow in ((1, 30.0, 25.0), (2, 2.0, 10.0), (3, 3.0, None))]
+    assert replay_report.grown_draft_ms(grown) == 30 + (5 + 2) + (0 + 3)
 
 
 @pytest.mark.parametrize("corrupt, message", [

@@ -22,14 +22,18 @@ after that round (before it, every other round), so the machine's drift hits bot
 figures count the clean rounds (not the prompt's prefill round, nor resends): tokens (accepted
 + 1 each) over the replayed verify ms, and over replayed verify + the draft ms recorded on the
 trace's machine. With ``--draft`` (the preset's draft) or ``--draft-config DIR`` (random weights
-of DIR/config.json) the draft is replayed too, on the same device, after each clean round: one
-``DraftRequest`` at the round's context for a tree of the recorded size and depth (the header's
-branch, ``min_path_prob`` 0 so random weights build it whole), timed; "with replayed draft"
-adds those ms to the verify ms, a serial round's bound; "grown during verify" counts a round
-whose tree the trace says was grown during the previous round's verify (``reused``) as the
-fleet runs it with the draft on its own device: its draft overlaps that verify, only what
-outlasts it adds. Prints Markdown tables;
-``--json FILE`` writes every figure (``specsplit.bench.replay_report``).
+of DIR/config.json) the draft is replayed too, on the same device, after each clean round as the
+fleet runs it: one timed ``DraftRequest`` for a tree of the recorded size and depth (the header's
+branch, ``min_path_prob`` 0 so random weights build it whole), then a timed ``GrowRequest`` of
+0.9 of the round's verify, the growth the fleet runs during that verify. A round the trace says
+re-rooted a grown tree (``reused``) follows a forwarded path of the replayed growth (random
+weights build other trees than the real pair: the deepest forwarded node within the recorded
+verdict's length), so the draft re-roots as in the fleet; any other round, or one whose growth
+left no such path, drafts from scratch at the round's context. "with replayed draft" adds the
+draft's and the growth's ms to the verify ms, a serial round's bound; "grown during verify" is
+the fleet with the draft on its own device: the growth overlaps the verify, and a round's
+draft adds what of the growth outlasts the verify before it plus its own ms. Prints Markdown
+tables; ``--json FILE`` writes every figure (``specsplit.bench.replay_report``).
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
     specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target \
@@ -46,12 +50,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import CacheSync, DraftRequest, EndSession, ErrorReply, FlatTree, TreeSpec, VerifyReply, VerifyRequest
+from schemas import (
+    CacheSync,
+    DraftReply,
+    DraftRequest,
+    EndSession,
+    ErrorReply,
+    FlatTree,
+    GrowRequest,
+    TreeSpec,
+    VerifyReply,
+    VerifyRequest,
+)
 from specsplit.bench.replay_report import report
 from specsplit.openmp import set_worker_openmp
 from specsplit.orchestrator.costmodel import select_nodes
 from specsplit.orchestrator.replay import Record, TraceError, merged_tree, read_trace, segments
 from specsplit.tree import depths_of, path_to
+
+GROW_FRACTION, GROW_WIDTH = 0.9, 4  # the fleet's growth after a draft: SPECSPLIT_GROW_FRACTION, SPECSPLIT_GROW_WIDTH
 
 
 class ReplayError(RuntimeError):
@@ -176,6 +193,8 @@ class ReplayedRound:
     batch_size: int
     draft_ms: float | None = None  # the replayed draft's (None: not replayed)
     reused: int = 0  # recorded: its tree was grown during the previous round's verify
+    grow_ms: float | None = None  # the replayed growth after its draft (None: not replayed)
+    rerooted: bool = False  # the replayed draft re-rooted the tree grown during the verify before
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +214,7 @@ class Replayer:
         self.draft, self.branch = draft, branch  # a DraftEngine on the same device, or None
         self._round: dict[str, int] = {}
         self._draft_held: dict[str, int] = {}
+        self._grown: set[str] = set()  # draft sessions whose kept tree grew after their last request
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.engine.vocab_size) for _ in range(n)]
@@ -257,6 +277,7 @@ class Replayer:
         if self.draft is not None:
             self.draft.handle(EndSession(session_id=sid))
             self._draft_held.pop(sid, None)
+            self._grown.discard(sid)
         return rounds, steps
 
     def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
@@ -269,39 +290,81 @@ class Replayer:
         reply, wall = self.send(sid, CacheSync(base_len=base, append_token_ids=self.tokens(sync),
                                                prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0), r.parents)
         self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
-        draft_ms = self.draft_round(sid, r) if self.draft is not None and r.clean else None
+        draft_ms, grow_ms, rerooted = None, None, False
+        if self.draft is not None and r.clean:
+            before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
+            committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
+            draft_ms, rerooted = self.draft_round(sid, r, committed if r.reused else 0)
+            grow_ms = self.grow(sid, GROW_FRACTION * reply.verify_ms) if draft_ms else None
         out.append(ReplayedRound(
             s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
             catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size, draft_ms,
-            r.reused))
+            r.reused, grow_ms, rerooted))
         return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
 
-    def draft_round(self, sid: str, r: TracedRound) -> float:
-        """The draft's ms for round ``r``: its cache brought to the round's context (untimed), then
-        one timed request for a tree of the recorded size and depth (0 for a root-only round)."""
+    def grow(self, sid: str, budget_ms: float) -> float:
+        """The fleet's GrowRequest after a greedy draft, while the target verifies: the kept tree
+        grows for ``budget_ms`` (GROW_FRACTION of the verify). Its ms, timed."""
+        rnd = self._round.get(f"draft-{sid}", 0)
+        reply = self.draft.handle(GrowRequest(session_id=sid, round=rnd, budget_ms=max(budget_ms, 0.01),
+                                              width=GROW_WIDTH))
+        if isinstance(reply, ErrorReply):
+            raise ReplayError(f"draft session {sid} grow {rnd}: the engine answered {reply.code}: {reply.message}")
+        self._grown.add(sid)
+        return reply.grow_ms
+
+    def grown_path(self, sid: str, committed: int) -> list[int]:
+        """Tokens of a path of the draft's grown tree from its root to a forwarded node at most
+        ``committed`` deep (the deepest, then the most probable): the verdict a recorded re-rooted
+        round stands for, on weights whose trees are not the real pair's. [] when none."""
+        session = self.draft.store.get(sid)
+        g = getattr(session, "draft_tree", None) if sid in self._grown else None
+        if g is None or committed < 1:
+            return []
+        ends = [i for i in range(1, len(g.tokens)) if g.slot[i] >= 0 and g.depths[i] <= committed]
+        if not ends:
+            return []
+        end = max(ends, key=lambda i: (g.depths[i], g.scores[i], -i))
+        return [g.tokens[a] for a in path_to(end, g.parents)[1:]]
+
+    def draft_round(self, sid: str, r: TracedRound, reuse: int = 0) -> tuple[float, bool]:
+        """(ms, re-rooted) of the draft's request for round ``r`` (0 ms for a root-only round).
+        ``reuse`` > 0 (the round re-rooted in the trace, after a verdict committing ``reuse``
+        tokens): the timed request follows a path of the grown tree (``grown_path``), as the
+        fleet's re-rooting does; otherwise, or with no such path, the draft's cache is brought
+        to the round's context (untimed) and one timed request drafts a tree of the recorded
+        size and depth from scratch."""
         nodes, depth = len(r.drafted), max(depths_of(r.drafted))
         if nodes < 2 or depth < 1:
-            return 0.0
+            return 0.0, False
+        spec = TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
+        path = self.grown_path(sid, reuse) if reuse else []
+        self._grown.discard(sid)
+        if path:
+            held = self._draft_held[sid]
+            reply = self._request(sid, CacheSync(base_len=held, append_token_ids=path[:-1]), path[-1], spec)
+            return reply.draft_ms, reply.reused_nodes > 0
         held = self._draft_held.get(sid, 0)
         base = min(held, r.context_len - 1)
         if r.context_len - 1 - base > 1:  # untimed: all but one of the tokens it has not seen
             self._draft(sid, base, r.context_len - 2 - base, TreeSpec(max_nodes=1, max_depth=0))
             base = r.context_len - 2
-        spec = TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
         ms = self._draft(sid, base, r.context_len - 1 - base, spec)  # the reply's, as verify's: graph captures out
         self._draft_held[sid] = r.context_len
-        return ms
+        return ms, False
 
     def _draft(self, sid: str, base: int, append: int, spec: TreeSpec) -> float:
-        """One draft request; its reply's draft_ms."""
+        """One draft request of random tokens; its reply's draft_ms."""
+        sync = CacheSync(base_len=base, append_token_ids=self.tokens(append))
+        return self._request(sid, sync, self.tokens(1)[0], spec).draft_ms
+
+    def _request(self, sid: str, sync: CacheSync, root: int, spec: TreeSpec) -> DraftReply:
         rnd = self._round[f"draft-{sid}"] = self._round.get(f"draft-{sid}", -1) + 1
-        req = DraftRequest(session_id=sid, round=rnd, sync=CacheSync(base_len=base, append_token_ids=self.tokens(append)),
-                           root=self.tokens(1)[0], tree=spec)
-        reply = self.draft.handle(req)
+        reply = self.draft.handle(DraftRequest(session_id=sid, round=rnd, sync=sync, root=root, tree=spec))
         if isinstance(reply, ErrorReply):
             raise ReplayError(f"draft session {sid} request {rnd}: the engine answered {reply.code}: {reply.message}")
-        self._draft_held[sid] = base + append + 1
-        return reply.draft_ms
+        self._draft_held[sid] = sync.base_len + len(sync.append_token_ids) + 1
+        return reply
 
     def decode(self, sid: str, held: int, c: int, s: TracedSession, out: list[AloneStep]) -> int:
         """The target alone's step at context ``c`` (a plain round: root-only), timed into ``out``."""

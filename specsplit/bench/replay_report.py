@@ -41,8 +41,13 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
     replayed = [r.draft_ms for r in clean if r.draft_ms is not None]
     if clean and len(replayed) == len(clean):
         out["replayed_draft_ms"] = round(sum(replayed), 3)
-        out["with_replayed_draft_tok_s"] = _per_s(tokens, verify + sum(replayed))
+        out["replayed_grow_ms"] = round(sum(r.grow_ms or 0.0 for r in clean), 3)
+        # serially: every draft and growth after its verify
+        out["with_replayed_draft_tok_s"] = _per_s(tokens, verify + sum(replayed) + out["replayed_grow_ms"])
         out["grown_draft_ms"] = round(grown_draft_ms(rounds), 3)
+        out["recorded_reused_rounds"] = sum(1 for r in clean if r.reused > 0)
+        out["rerooted_rounds"] = sum(1 for r in clean if r.rerooted)
+        out["rerooted"] = f"{out['rerooted_rounds']} ({out['recorded_reused_rounds']})"
         out["grown_during_verify_tok_s"] = _per_s(tokens, verify + out["grown_draft_ms"])
     a = out["alone_tok_s"]
     if "replayed_draft_ms" in out:
@@ -56,15 +61,23 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
 
 def grown_draft_ms(rounds: Sequence[ReplayedRound]) -> float:
     """The replayed draft ms on the critical path of the clean rounds, the draft on its own
-    device as in the fleet: a round whose tree was grown during the previous round's verify
-    (``reused``, that round replayed just before it) adds only what its draft outlasts that
-    verify; any other round its whole draft."""
+    device as in the fleet. Where the growth after the previous round's draft was replayed
+    (``grow_ms``), it ran during that round's verify: a round's draft waits for what of it
+    outlasts that verify, then takes its own ms (a re-rooting request's where the trace's round
+    re-rooted and the replayed growth left a path to re-root at; else a draft from scratch).
+    Without replayed growth, a round whose tree was grown during the previous round's verify
+    (``reused``) adds only what its draft outlasts that verify; any other round its whole draft."""
     total, before = 0.0, None
     for r in rounds:
         if r.clean and r.draft_ms is not None:
-            overlapped = (r.reused > 0 and before is not None and before.round == r.round - 1
-                          and (before.trace, before.session) == (r.trace, r.session))
-            total += max(0.0, r.draft_ms - before.verify_ms) if overlapped else r.draft_ms
+            follows = (before is not None and before.round == r.round - 1
+                       and (before.trace, before.session) == (r.trace, r.session))
+            if follows and before.grow_ms is not None:
+                total += max(0.0, before.grow_ms - before.verify_ms) + r.draft_ms
+            elif follows and r.reused > 0:
+                total += max(0.0, r.draft_ms - before.verify_ms)
+            else:
+                total += r.draft_ms
         before = r
     return total
 
@@ -104,6 +117,7 @@ SUMMARY_COLUMNS = (("rounds", "rounds"), ("tokens", "tokens"), ("tokens/round", 
 
 DRAFT_COLUMNS = (("with replayed draft tok/s", "with_replayed_draft_tok_s"),
                  ("with replayed draft / alone", "with_replayed_draft_vs_alone"),
+                 ("re-rooted (recorded)", "rerooted"),
                  ("grown during verify tok/s", "grown_during_verify_tok_s"),
                  ("grown during verify / alone", "grown_during_verify_vs_alone"))
 
@@ -136,9 +150,10 @@ def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], r
     sizes = by_nodes(rounds, alone)
     print(markdown(summaries, sizes, args.device))
     print("with draft: replayed verify ms + the draft ms recorded on the trace's machine; with replayed draft: "
-          "+ the draft replayed here, serially; grown during verify: the replayed draft of a round whose tree the "
-          "trace grew during the previous verify overlaps that verify (the draft on its own device, as the fleet "
-          "runs it); figures over the clean rounds")
+          "+ the draft (and its growth) replayed here, serially; grown during verify: the draft on its own device, as the fleet "
+          "runs it: after each draft the replayed growth (0.9 of the verify) overlaps the verify, and a round "
+          "the trace re-rooted re-roots the grown tree (re-rooted: rounds that did here, of those recorded); "
+          "figures over the clean rounds")
     if args.json_path:
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         config = {k: v for k, v in vars(args).items() if k != "json_path"} | described | {
