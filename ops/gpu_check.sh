@@ -24,7 +24,7 @@
 #        the earlier H200 replays ran humaneval0-9-qwen-coder-cpu2-quiet), then the
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
 #        LOOKUP_S, and the rounds `specsplit bench growth --record-trace` gives a draft with 3 growth
-#        forwards a verify (GROWN_TRACE, draft too), GROWN_S;
+#        forwards a verify (GROWN_TRACE, draft too; GROWN_ROUNDS of it, 150: within GROWN_S eagerly too), GROWN_S;
 #     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
@@ -127,7 +127,7 @@ run)
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
       timeout "${GROWN_S:-40}" python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
       --trace "${GROWN_TRACE:-ops/results/trace-growth-humaneval0-9-grown3-chains-cpu2-amx.jsonl.gz}" \
-      --max-rounds "${REPLAY_ROUNDS:-300}" \
+      --max-rounds "${GROWN_ROUNDS:-150}" \
       --json "$OUT/gpu-replay-grown.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   python3 ops/gpu_summary.py "$OUT" | tee "$OUT/summary.md"  # every bar of this run in one table
