@@ -203,6 +203,18 @@ def test_a_round_the_trace_re_rooted_re_roots_the_replayed_growth(tmp_path, monk
     assert s["rerooted_rounds"] == s["recorded_reused_rounds"] == 3 and s["rerooted"] == "3 (3)"
 
 
+def test_max_seconds_stops_starting_rounds_and_still_reports(trace, tmp_path, monkeypatch):
+    """``--max-seconds``: past it no round starts (after the first few), and the figures of the
+    rounds replayed are written, as a run under an outer time limit needs."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", trace, "--preset", "tiny", "--device", "cpu", "--threads", "1",
+                        "--max-seconds", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rounds"]) == replay.MIN_ROUNDS  # of the trace's 9
+    assert data["summary"][trace]["rounds"] == replay.MIN_ROUNDS - 1  # the prefill round is not clean
+
+
 def test_a_grown_tree_s_draft_overlaps_the_verify_before_it():
     """"Grown during verify": a round whose tree was grown during the previous round's verify
     adds only the draft ms that outlast that verify; other rounds, and a reused round whose

@@ -69,6 +69,7 @@ from specsplit.orchestrator.replay import Record, TraceError, merged_tree, read_
 from specsplit.tree import depths_of, path_to
 
 GROW_FRACTION, GROW_WIDTH = 0.9, 4  # the fleet's growth after a draft: SPECSPLIT_GROW_FRACTION, SPECSPLIT_GROW_WIDTH
+MIN_ROUNDS = 3  # ``--max-seconds`` stops a replay only after this many rounds
 
 
 class ReplayError(RuntimeError):
@@ -215,6 +216,11 @@ class Replayer:
         self._round: dict[str, int] = {}
         self._draft_held: dict[str, int] = {}
         self._grown: set[str] = set()  # draft sessions whose kept tree grew after their last request
+        self.deadline: float | None = None  # perf_counter time past which no round starts (``--max-seconds``)
+        self.replayed = 0  # rounds replayed (the deadline cuts a run after MIN_ROUNDS)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and self.replayed >= MIN_ROUNDS and time.perf_counter() > self.deadline
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.engine.vocab_size) for _ in range(n)]
@@ -264,6 +270,9 @@ class Replayer:
         rounds: list[ReplayedRound] = []
         steps: list[AloneStep] = []
         for i, r in enumerate(s.rounds):
+            if self.out_of_time():
+                break
+            self.replayed += 1
             contexts = range(r.context_len, r.context_len + r.committed) if r.clean else range(0)
             if i % 2:
                 for c in contexts:
@@ -385,7 +394,12 @@ def run(replayer: Replayer, sessions: Sequence[TracedSession], *, warmup_rounds:
                          replayer.tokens(s.prompt_len), sid="warmup")
     rounds: list[ReplayedRound] = []
     alone: list[AloneStep] = []
+    replayer.replayed = 0
     for i, s in enumerate(sessions):
+        if replayer.out_of_time():
+            if progress:
+                progress(f"--max-seconds: stopped before session {i + 1}/{len(sessions)}")
+            break
         got, steps = replayer.session(s, replayer.tokens(s.prompt_len))
         rounds += got
         alone += steps
@@ -448,6 +462,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=None, metavar="N", help="replay the first N greedy sessions")
     p.add_argument("--max-rounds", type=int, default=None, metavar="N", help="replay N rounds in all (file order)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and tree tokens")
+    p.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                   help="start no round S seconds after the command started (model loads included) and "
+                        "report the rounds replayed: a run under an outer time limit still writes its figures")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write every figure as JSON to FILE")
     return p.parse_args(argv)
 
@@ -465,6 +482,7 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     set_worker_openmp()  # the engine here stands for a target worker: its OpenMP wait
     args = parse(argv)
     try:
@@ -479,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         draft, draft_described = build_draft(args)
         if draft is not None:
             described |= {"draft": draft_described | {"backend": draft.backend.describe()}}
-        rounds, alone = run(Replayer(engine, args.seed, draft, trace_branch(args.trace)), sessions, progress=_log)
+        replayer = Replayer(engine, args.seed, draft, trace_branch(args.trace))
+        if args.max_seconds is not None:
+            replayer.deadline = started + args.max_seconds
+        rounds, alone = run(replayer, sessions, progress=_log)
     except (OSError, TraceError, ReplayError) as exc:
         print(f"specsplit bench replay: {exc}", file=sys.stderr)
         return 1
