@@ -38,7 +38,8 @@
 # triton_gemm body a fourth cost run and a third probe (~+70 s), and since its GEMM tiles are
 # tuned at first use a few seconds per process (4 tiles x 5 kinds of product per model, each
 # compiled once): give the defaults one 590 s call
-# (each step stops at its own timeout); if it ran out, a second call with the finished steps'
+# (each step stops at its own timeout; the replays start no round 10 s before theirs, so they
+# still write their figures); if it ran out, a second call with the finished steps'
 # *_S=0 measures the rest. Add LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +69,10 @@ EOF
   ;;
 run)
   : "${OUT:?run this on the device machine (its \$OUT collects the results)}"
+  # every step's budget set here: under set -u, arithmetic on an unset one ends the whole run
+  # (with the defaults, the cost step's $((COST_S / 3)) did, and nothing after the tests ran)
+  : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=90}" "${LOOKUP_S:=40}"
+  : "${GROWN_S:=40}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -114,20 +119,21 @@ run)
         timeout "$((REPLAY_S / ${#runs[@]}))" \
         python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
         --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
-        --max-rounds "${REPLAY_ROUNDS:-300}" \
+        --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((REPLAY_S / ${#runs[@]} - 10))" \
         --json "$OUT/gpu-replay-pool$pool-$body.json" 2>&1 | grep -v "^replay: session" | head -4
     done
     # prompt lookup alone (no draft worker): the verify-only figure is the fleet's
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm timeout "${LOOKUP_S:-40}" \
       python3 -m specsplit bench replay --device cuda $cfg \
       --trace tests/data/traces/humaneval0-9-qwen-coder-lookup-cpu2-amx.jsonl.gz --max-rounds "${LOOKUP_ROUNDS:-1000}" \
+      --max-seconds "$((${LOOKUP_S:-40} - 10))" \
       --json "$OUT/gpu-replay-lookup.json" 2>&1 | grep -v "^replay: session" | head -4
     # the rounds a draft on its own device gives (3 growth forwards a verify, told the lookup
     # chains: `specsplit bench growth --record-trace`), the 2-core fleet's trace gets 1-2
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
       timeout "${GROWN_S:-40}" python3 -m specsplit bench replay --device cuda $cfg --draft-config .whl/cfg/draft \
       --trace "${GROWN_TRACE:-ops/results/trace-growth-humaneval0-9-grown3-chains-cpu2-amx.jsonl.gz}" \
-      --max-rounds "${GROWN_ROUNDS:-150}" \
+      --max-rounds "${GROWN_ROUNDS:-150}" --max-seconds "$((${GROWN_S:-40} - 10))" \
       --json "$OUT/gpu-replay-grown.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   python3 ops/gpu_summary.py "$OUT" | tee "$OUT/summary.md"  # every bar of this run in one table

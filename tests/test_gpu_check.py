@@ -1,0 +1,34 @@
+"""``ops/gpu_check.sh run``, dry: with python3, nvidia-smi and timeout stubbed, every step runs
+with its defaults. Device time is scarce (a session may be lent one once in many): a step that
+fails in the shell (under ``set -u``, arithmetic on an unset budget) costs a whole device call."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_step_runs_with_the_default_budgets(tmp_path):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name in ("python3", "nvidia-smi"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\n')
+    (bin_dir / "timeout").write_text('#!/bin/sh\necho "timeout $1" >> "' + str(calls) + '"\nshift\nexec "$@"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_S") and k not in ("LONGCTX", "BODIES")}
+    env |= {"OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:{env['PATH']}"}
+    run = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh"), "run"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "unbound variable" not in run.stdout + run.stderr, run.stderr[-2000:]
+    text = calls.read_text()
+    for step in ("-m pytest", "--no-cuda-graphs", "--context", "gpu_probe.py", "gpu-replay-pool",
+                 "gpu-replay-lookup", "gpu-replay-grown", "gpu_summary.py"):
+        assert step in text, f"the step with {step!r} did not run"
+    assert all(int(t) > 0 for t in re.findall(r"^timeout (\S+)$", text, re.M))
+    assert all(float(s) > 0 for s in re.findall(r"--max-seconds (\S+)", text))
