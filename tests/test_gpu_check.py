@@ -30,5 +30,5 @@ def test_every_step_runs_with_the_default_budgets(tmp_path):
     for step in ("-m pytest", "--no-cuda-graphs", "--context", "gpu_probe.py", "gpu-replay-pool",
                  "gpu-replay-lookup", "gpu-replay-grown", "gpu_summary.py"):
         assert step in text, f"the step with {step!r} did not run"
-    assert all(int(t) > 0 for t in re.findall(r"^timeout (\S+)$", text, re.M))
+    assert all(int(t) > 0 for t in re.findall(r"^timeout (\S+)$", text, re.MULTILINE))
     assert all(float(s) > 0 for s in re.findall(r"--max-seconds (\S+)", text))
