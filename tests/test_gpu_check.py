@@ -32,3 +32,16 @@ def test_every_step_runs_with_the_default_budgets(tmp_path):
         assert step in text, f"the step with {step!r} did not run"
     assert all(int(t) > 0 for t in re.findall(r"^timeout (\S+)$", text, re.MULTILINE))
     assert all(float(s) > 0 for s in re.findall(r"--max-seconds (\S+)", text))
+    # what each step is given: files that exist here (so they travel), flags its command takes
+    from specsplit.bench import gpu, replay
+
+    parsers = {"specsplit bench gpu": gpu.parse, "specsplit bench replay": replay.parse}
+    parsed = 0
+    for line in text.splitlines():
+        for path in re.findall(r"(?:tests|ops)/[\w./-]+\.(?:py|gz)", line):
+            assert (ROOT / path).exists(), f"{path}, named by: {line[:120]}"
+        for name, parse in parsers.items():
+            if f"-m {name} " in line:
+                parse(line.split(f"-m {name} ", 1)[1].split())  # SystemExit on a flag it does not take
+                parsed += 1
+    assert parsed >= 8
