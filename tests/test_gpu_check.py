@@ -9,10 +9,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_step_runs_with_the_default_budgets(tmp_path):
+@pytest.mark.parametrize("longctx", ["0", "1"])
+def test_every_step_runs_with_the_default_budgets(tmp_path, longctx):
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     for name in ("python3", "nvidia-smi"):
@@ -21,15 +24,19 @@ def test_every_step_runs_with_the_default_budgets(tmp_path):
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.endswith("_S") and k not in ("LONGCTX", "BODIES")}
-    env |= {"OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:{env['PATH']}"}
+    (tmp_path / "out").mkdir()
+    env |= {"OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:{env['PATH']}", "LONGCTX": longctx}
     run = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh"), "run"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "unbound variable" not in run.stdout + run.stderr, run.stderr[-2000:]
     text = calls.read_text()
-    for step in ("-m pytest", "--no-cuda-graphs", "--context", "gpu_probe.py", "gpu-replay-pool",
-                 "gpu-replay-lookup", "gpu-replay-grown", "gpu_summary.py"):
+    steps = ["-m pytest", "--no-cuda-graphs", "--context", "gpu_probe.py", "gpu-replay-pool", "gpu-replay-lookup",
+             "gpu-replay-grown", "gpu_summary.py"] + (["gpu_attention.py", "gpu_longctx.py"] if longctx == "1" else [])
+    for step in steps:
         assert step in text, f"the step with {step!r} did not run"
+    for script in re.findall(r"^python3 (gpu_\w+\.py)", text, re.MULTILINE):  # run from ops/
+        assert (ROOT / "ops" / script).exists(), script
     assert all(int(t) > 0 for t in re.findall(r"^timeout (\S+)$", text, re.MULTILINE))
     assert all(float(s) > 0 for s in re.findall(r"--max-seconds (\S+)", text))
     # what each step is given: files that exist here (so they travel), flags its command takes
