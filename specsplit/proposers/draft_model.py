@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from schemas import DraftReply, DraftRequest, FlatTree, GrowRequest, SamplingSpec
+from schemas import DraftReply, DraftRequest, GrowRequest, SamplingSpec
 from specsplit.orchestrator.hints import growth_hint
 from specsplit.proposers.base import Budget, Proposal, Proposer, Verdict, register
 
@@ -47,20 +47,20 @@ class DraftModel(Proposer):
         (``SPECSPLIT_GROW_CHAINS``)."""
         if cands.drafted is None:
             return 0.0
-        hint, probs = growth_hint(cands, cost) if self.shared.policy.grow_chains else (None, [])
-        return self._grow(rnd, sampling, hint, probs)
+        return self._grow(rnd, sampling, cands, cost)
 
     def _reset(self) -> None:
         self.session.cur.draft_len = 0  # the worker's state is unknown: resend the whole context
 
-    def _grow(self, rnd: int, sampling: SamplingSpec, hint: FlatTree | None, probs: list[float]) -> float:
+    def _grow(self, rnd: int, sampling: SamplingSpec, cands, cost) -> float:
         """Let the draft worker grow this round's tree while the target verifies it (fire and
         forget: the next DraftRequest queues behind it on the same worker; failures only cost
-        the head start), ``hint`` the tree verified when other proposers added nodes. Needs a
-        previous verify time to size the budget; returns the budget."""
+        the head start), told the tree verified when other proposers added nodes
+        (``growth_hint``). Needs a previous verify time to size the budget; returns the budget."""
         p, s = self.shared.policy, self.session
         if not (p.grow and sampling.greedy and self._last_verify_ms > 0):
             return 0.0
+        hint, probs = growth_hint(cands, cost) if p.grow_chains else (None, [])
         budget = min(GROW_BUDGET_CAP_MS, p.grow_fraction * self._last_verify_ms)
         req = GrowRequest(session_id=s.sid, round=rnd, budget_ms=budget, width=p.grow_width, tree=hint,
                           node_probs=probs)
