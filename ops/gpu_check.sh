@@ -25,7 +25,11 @@
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
 #        LOOKUP_S, and the rounds `specsplit bench growth --record-trace` gives a draft with 3 growth
 #        forwards a verify (GROWN_TRACE, draft too; GROWN_ROUNDS of it, 150: within GROWN_S eagerly too), GROWN_S;
-#     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
+#     4b. FLEET_S > 0: the HumanEval trace through the fleet's processes (`bench replay --fleet`: a
+#        router and a worker per role, both workers on the device, the growth beside each verify):
+#        the fleet's round trips and contention measured, not modelled (~30 s of it starting);
+#     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md, written before
+#     step 4b too);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -72,7 +76,7 @@ run)
   # every step's budget set here: under set -u, arithmetic on an unset one ends the whole run
   # (with the defaults, the cost step's $((COST_S / 3)) did, and nothing after the tests ran)
   : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=90}" "${LOOKUP_S:=40}"
-  : "${GROWN_S:=40}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
+  : "${GROWN_S:=40}" "${FLEET_S:=75}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -135,6 +139,14 @@ run)
       --trace "${GROWN_TRACE:-ops/results/trace-growth-humaneval0-9-grown3-chains-cpu2-amx.jsonl.gz}" \
       --max-rounds "${GROWN_ROUNDS:-150}" --max-seconds "$((${GROWN_S:-40} - 10))" \
       --json "$OUT/gpu-replay-grown.json" 2>&1 | grep -v "^replay: session" | head -4
+  fi
+  python3 ops/gpu_summary.py "$OUT" > "$OUT/summary.md"  # in case the call's own limit ends what follows
+  if [ "${FLEET_S:-75}" -gt 0 ]; then  # the same trace through the fleet's processes: two workers on one device
+    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
+      timeout "${FLEET_S:-75}" python3 -m specsplit bench replay --fleet --device cuda $cfg --draft-config .whl/cfg/draft \
+      --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
+      --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${FLEET_S:-75} - 10))" \
+      --json "$OUT/gpu-replay-fleet.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   python3 ops/gpu_summary.py "$OUT" | tee "$OUT/summary.md"  # every bar of this run in one table
   [ "${LONGCTX:-0}" = 1 ] || exit 0

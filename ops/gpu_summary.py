@@ -8,7 +8,8 @@ forward over the floor, 16 nodes over 1, 16 sessions x 4 over one session's), an
 milliseconds (and the GEMM tiles tuning chose, each with its speed-up over the default tile); per ``specsplit bench replay`` file: tokens a round and the fleet over the target
 alone (verify only; with the draft replayed serially; grown during verify, the fleet's case where
 the draft runs on its own device, judged against the bar; without a replayed draft, as for prompt
-lookup alone, verify only is the fleet's). Standard library only.
+lookup alone, verify only is the fleet's; through the fleet's processes, ``--fleet``, its measured
+rounds). Standard library only.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def replay_rows(path: Path) -> list[str]:
     for trace, s in data.get("summary", {}).items():
         # the fleet's figure: grown during verify where the draft was replayed; else (prompt lookup
         # alone: no draft worker) verify only. The others bound it.
-        fleet = "grown_during_verify_vs_alone" if "grown_during_verify_vs_alone" in s else "verify_only_vs_alone"
+        # Through the fleet's processes (``--fleet``) its measured rounds are the figure.
+        fleet = next(k for k in ("fleet_vs_alone", "grown_during_verify_vs_alone", "verify_only_vs_alone")
+                     if k in s or k == "verify_only_vs_alone")
         for name, key in (("verify only", "verify_only_vs_alone"),
                           ("with replayed draft", "with_replayed_draft_vs_alone"),
-                          ("grown during verify", "grown_during_verify_vs_alone")):
+                          ("grown during verify", "grown_during_verify_vs_alone"),
+                          ("fleet processes", "fleet_vs_alone"),
+                          ("fleet processes, alone via router", "fleet_vs_alone_wall")):
             if key in s:
                 value = s[key]
                 result = ("PASS" if value >= REPLAY_BAR else "FAIL") if key == fleet else "(bound)"

@@ -124,24 +124,29 @@ class Fleet:
     def addr(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"
 
-    def spawn(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """Start ``python -m specsplit ARGS`` (after ``prefix``, e.g. ``ip netns exec NS``, which
+    def spawn(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = (),
+              module: str = "specsplit") -> subprocess.Popen:
+        """Start ``python -m MODULE ARGS`` (after ``prefix``, e.g. ``ip netns exec NS``, which
         execs it: the pid stays the role's)."""
         env = dict(env or {})
         if self.metrics:  # a respawned name keeps its port
             port = self.metrics_ports.setdefault(name, free_ports(1)[0])
             env.setdefault("SPECSPLIT_METRICS_BIND_PORT", str(port))
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "specsplit", *args], env={**self.env, **env},
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env={**self.env, **env},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log.close()
         self.procs[name] = proc
         return proc
 
-    def start(self, drafts: int = 1, targets: int = 1) -> Fleet:
+    def start_routers(self) -> Fleet:
         self.spawn("router_draft", "router", "draft", "--frontend", self.addr("draft_fe"), "--backend", self.addr("draft_be"))
         self.spawn("router_target", "router", "target", "--frontend", self.addr("target_fe"), "--backend", self.addr("target_be"))
+        return self
+
+    def start(self, drafts: int = 1, targets: int = 1) -> Fleet:
+        self.start_routers()
         for i in range(drafts):
             self.spawn(f"draft{i}", "draft", env={"SPECSPLIT_WORKER_ID": f"draft-{i}"})
         for i in range(targets):

@@ -122,7 +122,10 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
 DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
-def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_settings=None) -> int:
+def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_settings=None,
+               build=build_engine) -> int:
+    """Serve ``service`` until SIGTERM; ``build(service, settings, model_settings)`` gives the
+    (engine, hello) (``specsplit bench replay --fleet``'s workers pass one of random weights)."""
     from specsplit.engine.base import PREFILL_TOKENS  # torch: never at this module's import (see build_engine)
 
     metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)  # None: metrics off
@@ -141,7 +144,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     # the model loads, and every forward runs, on one thread (specsplit.compute: libgomp stops
     # spinning once two threads of a process have started OpenMP teams on a small machine)
     compute = ComputeThread()
-    loading = compute.submit(lambda: build_engine(service, settings, model_settings))
+    loading = compute.submit(lambda: build(service, settings, model_settings))
     while loading.is_alive():  # a stop while the model loads ends the process now (daemon thread)
         if stop.wait(0.1):
             log.info("worker_stopped_while_loading")

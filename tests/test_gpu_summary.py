@@ -18,7 +18,8 @@ def test_the_summary_judges_each_bar(tmp_path):
     for src, name in (("gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-eager-same-call.json", "gpu-cost-eager.json"),
                       ("gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-graphs-host-verdict.json", "gpu-cost-fused.json"),
                       ("replay-humaneval0-9-qwen-coder-draft-grown-cpu2-amx.json", "gpu-replay-pool8-fused.json"),
-                      ("gpu-replay-h200-humaneval-qwen-coder-random-bf16-graphs.json", "gpu-replay-lookup.json")):
+                      ("gpu-replay-h200-humaneval-qwen-coder-random-bf16-graphs.json", "gpu-replay-lookup.json"),
+                      ("replay-fleet-humaneval0-9-spares-cpu2-amx.json", "gpu-replay-fleet.json")):
         shutil.copy(RESULTS / src, tmp_path / name)
     done = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu_summary.py"), str(tmp_path)], capture_output=True,
                           text=True, timeout=60, check=True)
@@ -32,6 +33,10 @@ def test_the_summary_judges_each_bar(tmp_path):
     assert replay[("gpu-replay-pool8-fused.json", "grown during verify / alone")] == "FAIL"
     assert replay[("gpu-replay-pool8-fused.json", "verify only / alone")] == "(bound)"
     assert replay[("gpu-replay-lookup.json", "verify only / alone")] == "PASS"
+    # through the fleet's processes (--fleet) the measured rounds are the fleet; the model bounds them
+    assert replay[("gpu-replay-fleet.json", "fleet processes / alone")] == "FAIL"  # 1.47x on a 2-core CPU
+    assert replay[("gpu-replay-fleet.json", "grown during verify / alone")] == "(bound)"
+    assert replay[("gpu-replay-fleet.json", "fleet processes, alone via router / alone")] == "(bound)"
 
 
 def test_the_summary_lists_the_tiles_tuning_chose(tmp_path):

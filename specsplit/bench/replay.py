@@ -32,8 +32,10 @@ verdict's length), so the draft re-roots as in the fleet; any other round, or on
 left no such path, drafts from scratch at the round's context. "with replayed draft" adds the
 draft's and the growth's ms to the verify ms, a serial round's bound; "grown during verify" is
 the fleet with the draft on its own device: the growth overlaps the verify, and a round's
-draft adds what of the growth outlasts the verify before it plus its own ms. Prints Markdown
-tables; ``--json FILE`` writes every figure (``specsplit.bench.replay_report``).
+draft adds what of the growth outlasts the verify before it plus its own ms. ``--fleet``: the
+same rounds through the fleet's processes on loopback, timed as the fleet runs them
+(``specsplit.bench.replay_fleet``). Prints Markdown tables; ``--json FILE`` writes every figure
+(``specsplit.bench.replay_report``).
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
     specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target \
@@ -98,6 +100,7 @@ class ReplayedRound:
     reused: int = 0  # recorded: its tree was grown during the previous round's verify
     grow_ms: float | None = None  # the replayed growth after its draft (None: not replayed)
     rerooted: bool = False  # the replayed draft re-rooted the tree grown during the verify before
+    fleet_ms: float | None = None  # through the fleet's processes (``--fleet``): the round's critical path
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +370,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None, metavar="S",
                    help="start no round S seconds after the command started (model loads included) and "
                         "report the rounds replayed: a run under an outer time limit still writes its figures")
+    p.add_argument("--fleet", action="store_true",
+                   help="replay through the fleet's processes on loopback: a router per role and its worker "
+                        "(specsplit.bench.replay_fleet)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write every figure as JSON to FILE")
     return p.parse_args(argv)
 
@@ -395,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging("WARNING")
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.fleet:
+            from specsplit.bench.replay_fleet import run_fleet
+
+            described, rounds, alone = run_fleet(args, sessions, started, _log)
+            report(args, described, sessions, rounds, alone)
+            return 0
         engine, described = build_target(args)
         draft, draft_described = build_draft(args)
         if draft is not None:

@@ -50,6 +50,14 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
         out["rerooted"] = f"{out['rerooted_rounds']} ({out['recorded_reused_rounds']})"
         out["grown_during_verify_tok_s"] = _per_s(tokens, verify + out["grown_draft_ms"])
     a = out["alone_tok_s"]
+    fleet = [r.fleet_ms for r in clean if r.fleet_ms is not None]
+    if clean and len(fleet) == len(clean):  # through the fleet's processes (``--fleet``)
+        alone_wall = sum(s.wall_ms for s in alone)
+        out |= {"fleet_ms": round(sum(fleet), 3), "fleet_tok_s": _per_s(tokens, sum(fleet)),
+                "alone_wall_ms": round(alone_wall, 3), "alone_wall_tok_s": _per_s(len(alone), alone_wall)}
+        out["fleet_vs_alone"] = round(out["fleet_tok_s"] / a, 3) if a else 0.0
+        w = out["alone_wall_tok_s"]
+        out["fleet_vs_alone_wall"] = round(out["fleet_tok_s"] / w, 3) if w else 0.0
     if "replayed_draft_ms" in out:
         out["with_replayed_draft_vs_alone"] = round(out["with_replayed_draft_tok_s"] / a, 3) if a else 0.0
         out["grown_during_verify_vs_alone"] = round(out["grown_during_verify_tok_s"] / a, 3) if a else 0.0
@@ -122,8 +130,13 @@ DRAFT_COLUMNS = (("with replayed draft tok/s", "with_replayed_draft_tok_s"),
                  ("grown during verify / alone", "grown_during_verify_vs_alone"))
 
 
+FLEET_COLUMNS = (("fleet tok/s", "fleet_tok_s"), ("fleet / alone", "fleet_vs_alone"),
+                 ("alone via router tok/s", "alone_wall_tok_s"), ("fleet / alone via router", "fleet_vs_alone_wall"))
+
+
 def markdown(summaries: dict[str, dict[str, Any]], sizes: list[dict[str, Any]], device: str) -> str:
     columns = SUMMARY_COLUMNS + (DRAFT_COLUMNS if all("replayed_draft_ms" in s for s in summaries.values()) else ())
+    columns += FLEET_COLUMNS if all("fleet_tok_s" in s for s in summaries.values()) else ()
     lines = ["| trace | device | " + " | ".join(h for h, _ in columns) + " |",
              "|---|---|" + "---:|" * len(columns)]
     for name, s in summaries.items():
@@ -154,6 +167,11 @@ def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], r
           "runs it: after each draft the replayed growth (0.9 of the verify) overlaps the verify, and a round "
           "the trace re-rooted re-roots the grown tree (re-rooted: rounds that did here, of those recorded); "
           "figures over the clean rounds")
+    if getattr(args, "fleet", False):
+        print("fleet: through the fleet's processes on loopback (a router and a worker per role), each round's "
+              "draft round trip + its verify's, with the growth sent beside the verify, + what of the growth "
+              "outlasts it; against the target alone's engine ms (alone) and its round trips through the same "
+              "router (alone via router)")
     if args.json_path:
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         config = {k: v for k, v in vars(args).items() if k != "json_path"} | described | {

@@ -1,0 +1,310 @@
+"""``specsplit bench replay --fleet``: a round trace replayed through the fleet's processes on
+loopback: a router per role and a target (and, with ``--draft``/``--draft-config``, a draft)
+worker, each its own process serving the real worker loop, sockets and codec, the replay
+process sending the requests as an orchestrator does (an authenticated client of each router).
+
+The workers are ``python -m specsplit.bench.replay_fleet ROLE``: ``specsplit draft``/``target``
+with the replay's engine (``specsplit.bench.gpu.load_engine``: the preset's weights where pulled,
+else random weights of a config.json, which real workers never serve) and its CUDA graphs warmed
+before the worker announces itself, as ``specsplit.workers.build_engine`` does.
+
+Each clean round runs as the fleet runs it: the draft request (re-rooting the grown tree where
+the trace did, as ``Replayer.draft_round``), then the verify with the round's growth sent at the
+same time (``GrowRequest``, 0.9 of the last verify's ms), both processes on one device at once.
+``fleet_ms`` is the draft's round trip plus the verify's, plus what of the growth outlasts the
+verify (the next draft would wait for it): the fleet's round without the orchestrator's own
+work. Untimed as in the in-process replay: the target's and the draft's catch-ups (random
+weights do not accept what the real pair did) and the target alone's steps, which run through
+the same router (their round trips are ``AloneStep.wall_ms``) while nothing else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from schemas import CacheSync, ErrorReply, FlatTree, GrowRequest, Message, VerifyReply, VerifyRequest
+from specsplit.bench import replay
+from specsplit.bench.replay import ReplayedRound, Replayer, ReplayError
+from specsplit.bench.replay_trace import TracedRound, TracedSession
+from specsplit.openmp import set_worker_openmp
+from specsplit.tree import path_to
+
+RPC_TIMEOUT_S = 300.0  # a request's longest wait (a first forward of a shape may compile kernels)
+READY_TIMEOUT_S = 600.0  # the workers' model loads and graph captures
+
+
+class RemoteEngine:
+    """A worker behind its router, as the Replayer's engine: ``handle`` sends a request and waits
+    for its reply, ``submit`` sends one and returns a future (the reply; ``.done_at`` the
+    perf_counter time it arrived). The client lives on an event loop in its own thread."""
+
+    store = None  # the engine's sessions are in another process
+
+    def __init__(self, addr: str, secret: bytes | None, name: str) -> None:
+        from specsplit.transport.rpc import AsyncRpcClient
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"replay-{name}", daemon=True)
+        self._thread.start()
+        self.client = AsyncRpcClient(addr, name=f"replay-{name}", secret=secret, default_timeout_s=RPC_TIMEOUT_S)
+        self.vocab_size = 0
+
+    def _run(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def _call(self, msg: Message, stamp: list[float]) -> Message:
+        reply = await self.client.call(msg, session_id=msg.session_id, timeout_s=RPC_TIMEOUT_S)
+        stamp.append(time.perf_counter())
+        return reply
+
+    def submit(self, msg: Message) -> concurrent.futures.Future:
+        stamp: list[float] = []
+        fut = self._run(self._call(msg, stamp))
+        fut.stamp = stamp  # filled when the reply arrives, before the future is done
+        return fut
+
+    def handle(self, msg: Message) -> Message:
+        return self.submit(msg).result(RPC_TIMEOUT_S + 10)
+
+    def wait_ready(self, timeout_s: float, alive=lambda: True) -> int:
+        """Until the router has an admitted worker (its ping names the vocabulary); the vocab size.
+        ReplayError when ``alive()`` turns false (the worker exited) or after ``timeout_s``."""
+        deadline, why = time.monotonic() + timeout_s, "no answer"
+        while time.monotonic() < deadline:
+            if not alive():
+                raise ReplayError(f"the worker behind {self.client.addr} exited before it was ready")
+            try:
+                beat = self._run(self.client.ping(timeout_s=2.0)).result(5.0)
+                if getattr(beat, "vocab_size", 0) > 0:
+                    self.vocab_size = beat.vocab_size
+                    return self.vocab_size
+                why = "the router has no worker yet"
+            except Exception as exc:  # noqa: BLE001 - not up yet (timeouts, the handshake): ask again
+                why = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.2)
+        raise ReplayError(f"no worker behind {self.client.addr} within {timeout_s:.0f}s ({why})")
+
+    def close(self) -> None:
+        try:
+            self._run(self.client.close()).result(10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+
+class FleetReplayer(Replayer):
+    """``Replayer`` over RemoteEngines: the rounds timed as the fleet runs them (module doc)."""
+
+    def __init__(self, engine: RemoteEngine, seed: int = 0, draft: RemoteEngine | None = None,
+                 branch: int = 2) -> None:
+        super().__init__(engine, seed, draft, branch)
+        self._trees: dict[str, FlatTree] = {}  # the draft's last tree per session (its reply's)
+        self._last_verify_ms = 0.0  # the device's latest verify: the next growth's budget
+
+    def expect(self, sid: str, reply: VerifyReply, want: int, what: str) -> None:
+        if reply.cache_len != want:
+            raise ReplayError(f"session {sid}, {what}: the target holds {reply.cache_len} tokens, "
+                              f"the recorded progression implies {want}")
+
+    def _request(self, sid, sync, root, spec):
+        t0 = time.perf_counter()
+        reply = super()._request(sid, sync, root, spec)
+        self.draft_wall_ms = (time.perf_counter() - t0) * 1e3
+        self._trees[sid] = reply.tree
+        return reply
+
+    def grown_path(self, sid: str, committed: int) -> list[int]:
+        """A path of the draft's last tree (its reply's: the growth's nodes stay in its process)
+        to a node at most ``committed`` deep, the deepest, then the most probable; the draft
+        re-roots there when its growth forwarded that node. [] when none."""
+        tree = self._trees.get(sid) if sid in self._grown else None
+        if tree is None or committed < 1:
+            return []
+        depth, score = [0] * len(tree.parents), [0.0] * len(tree.parents)
+        for i in range(1, len(tree.parents)):
+            p = tree.parents[i]
+            depth[i], score[i] = depth[p] + 1, score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
+        ends = [i for i in range(1, len(depth)) if depth[i] <= committed]
+        if not ends:
+            return []
+        end = max(ends, key=lambda i: (depth[i], score[i], -i))
+        return [tree.token_ids[a] for a in path_to(end, tree.parents)[1:]]
+
+    def decode(self, sid, held, c, s, out):
+        held = super().decode(sid, held, c, s, out)
+        self._last_verify_ms = out[-1].verify_ms
+        return held
+
+    def session(self, s: TracedSession, prompt: list[int], sid: str | None = None):
+        try:
+            return super().session(s, prompt, sid)
+        finally:
+            self._trees.pop(sid or s.session, None)
+
+    def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
+        sync = r.sync_tokens if r.clean else 0
+        base = r.context_len - 1 - sync
+        catchup = max(0, base - held)
+        if catchup:
+            held = self.catch_up(sid, held, base)
+        draft_ms, draft_wall, rerooted = None, 0.0, False
+        if self.draft is not None and r.clean:
+            before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
+            committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
+            draft_ms, rerooted = self.draft_round(sid, r, committed if r.reused else 0)  # untimed catch-up inside
+            draft_wall = self.draft_wall_ms if draft_ms else 0.0
+        rnd = self._round[sid] = self._round.get(sid, -1) + 1
+        req = VerifyRequest(session_id=sid, round=rnd, tree=FlatTree(token_ids=self.tokens(len(r.parents)),
+                                                                     parents=list(r.parents)),
+                            sync=CacheSync(base_len=base, append_token_ids=self.tokens(sync),
+                                           prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0))
+        growing = None
+        t0 = time.perf_counter()
+        verifying = self.engine.submit(req)
+        if draft_ms and self._last_verify_ms > 0:
+            rnd_d = self._round.get(f"draft-{sid}", 0)
+            growing = self.draft.submit(GrowRequest(session_id=sid, round=rnd_d, width=replay.GROW_WIDTH,
+                                                    budget_ms=replay.GROW_FRACTION * self._last_verify_ms))
+        reply = verifying.result(RPC_TIMEOUT_S + 10)
+        t1 = verifying.stamp[0]
+        if isinstance(reply, ErrorReply):
+            raise ReplayError(f"session {sid} request {rnd}: the target answered {reply.code}: {reply.message}")
+        grow_ms, overrun = None, 0.0
+        if growing is not None:
+            grown = growing.result(RPC_TIMEOUT_S + 10)
+            if isinstance(grown, ErrorReply):
+                raise ReplayError(f"draft session {sid} grow: the draft answered {grown.code}: {grown.message}")
+            self._grown.add(sid)
+            grow_ms, overrun = grown.grow_ms, max(0.0, growing.stamp[0] - t1) * 1e3
+        self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
+        if r.clean:
+            self._last_verify_ms = reply.verify_ms
+        out.append(ReplayedRound(
+            s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
+            catchup, reply.verify_ms, (t1 - t0) * 1e3, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size,
+            draft_ms, r.reused, grow_ms, rerooted, fleet_ms=draft_wall + (t1 - t0) * 1e3 + overrun))
+        return min(reply.cache_len, r.context_len + r.accepted)
+
+
+class ReplayFleet:
+    """Routers and workers (``specsplit.launch.Fleet``) for a replay, and a RemoteEngine per role."""
+
+    def __init__(self, args, tmp: Path, draft: bool) -> None:
+        from specsplit.launch import Fleet
+        from specsplit.models import ModelSettings
+
+        preset = self.preset = args.preset or ModelSettings().preset
+        self.fleet = Fleet.create(tmp, preset=preset, threads=args.threads or 1)
+        if not args.threads:  # each worker's threads as a worker's settings give them (the environment's)
+            for name in ("SPECSPLIT_THREADS", "SPECSPLIT_PREFILL_THREADS"):
+                self.fleet.env.pop(name)
+                if name in os.environ:
+                    self.fleet.env[name] = os.environ[name]
+        self.roles = ("target", "draft") if draft else ("target",)
+        self.engines: dict[str, RemoteEngine] = {}
+        self.fleet.start_routers()
+        for role in self.roles:
+            cfg = getattr(args, f"{role}_config")
+            self.fleet.spawn(role, role, "--device", args.device, *(["--preset", preset]),
+                             *(["--config", cfg] if cfg else []), *(["--random-weights"] if args.random_weights else []),
+                             *(["--dtype", args.dtype] if args.dtype and role == "target" else []),
+                             env={"SPECSPLIT_WORKER_ID": f"replay-{role}"}, module="specsplit.bench.replay_fleet")
+
+    def connect(self, timeout_s: float = READY_TIMEOUT_S) -> tuple[RemoteEngine, RemoteEngine | None]:
+        deadline = time.monotonic() + timeout_s
+        self.fleet.wait_log("router_target", "router_started", 1, 60.0)  # it writes the fleet secret first
+        secret = self.fleet.secret()
+        for role in self.roles:
+            self.engines[role] = RemoteEngine(self.fleet.addr(f"{role}_fe"), secret, role)
+            proc = self.fleet.procs[role]
+            try:
+                self.engines[role].wait_ready(max(1.0, deadline - time.monotonic()), lambda p=proc: p.poll() is None)
+            except ReplayError as exc:
+                raise ReplayError(f"{exc}; its log ends:\n{self.fleet.log(role)[-3000:]}") from None
+        return self.engines["target"], self.engines.get("draft")
+
+    def describe(self) -> dict[str, Any]:
+        return {"preset": self.preset, "processes": "a router and a worker per role on loopback",
+                "workers": list(self.roles)}
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.fleet.stop()
+
+
+def run_fleet(args, sessions, started: float, progress) -> tuple[dict[str, Any], list, list]:
+    """(description, rounds, alone steps) of the replay through the fleet's processes."""
+    from specsplit.bench.replay import run, trace_branch
+
+    draft = bool(args.draft or args.draft_config)
+    with tempfile.TemporaryDirectory(prefix="specsplit-replay-") as tmp:
+        fleet = ReplayFleet(args, Path(tmp), draft)
+        try:
+            left = READY_TIMEOUT_S if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
+            target, draft_engine = fleet.connect(min(READY_TIMEOUT_S, max(left, 1.0)))
+            progress(f"fleet ready in {time.perf_counter() - started:.0f}s")
+            replayer = FleetReplayer(target, args.seed, draft_engine, trace_branch(args.trace))
+            if args.max_seconds is not None:
+                replayer.deadline = started + args.max_seconds
+            rounds, alone = run(replayer, sessions, progress=progress)
+        finally:
+            fleet.close()
+    return fleet.describe(), rounds, alone
+
+
+# ---- the workers ---------------------------------------------------------------------------------
+
+def _build(args, service: str, settings, model_settings):
+    """(engine, hello) as ``specsplit.workers.build_engine``, by the replay's loader."""
+    from schemas import WorkerHello
+    from specsplit.bench.gpu import load_engine
+
+    ns = argparse.Namespace(device=args.device, dtype=args.dtype, random_weights=args.random_weights,
+                            target_config=args.config, draft_config=args.config)
+    engine, described = load_engine(service, ns, model_settings, settings)
+    if engine.graphs is not None:
+        engine.graphs.warm(compact=service == "target")
+    hello = WorkerHello(service=service, model_id=f"{described['weights']}:{described['source']}"[:1024],
+                        vocab_size=engine.vocab_size, tokenizer_hash="replay", pid=os.getpid())
+    return engine, hello
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    set_worker_openmp()  # before torch loads, as ``specsplit draft``/``target``
+    p = argparse.ArgumentParser(prog="python -m specsplit.bench.replay_fleet",
+                                description="A worker of `specsplit bench replay --fleet` (see its module doc).")
+    p.add_argument("role", choices=["target", "draft"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--config", default=None, metavar="DIR", help="random weights of DIR/config.json")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+    from functools import partial
+
+    from brokers.settings import MetricsSettings
+    from specsplit.config import WorkerSettings
+    from specsplit.logs import configure_logging
+    from specsplit.models import ModelSettings
+    from specsplit.workers import run_worker
+
+    settings = WorkerSettings()
+    configure_logging(settings.log_level, settings.log_json)
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}), **{f"{args.role}_device": args.device})
+    return run_worker(args.role, settings, ms, MetricsSettings(metrics_port=0), build=partial(_build, args))
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

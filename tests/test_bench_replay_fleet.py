@@ -1,0 +1,71 @@
+"""``specsplit bench replay --fleet`` on the tiny preset: a trace replayed through real router and
+worker processes on loopback (ZeroMQ, the codec, the worker loop), the draft's growth sent beside
+each verify; the figures against the target alone; a worker that dies before it serves is a clear
+error, and the processes never outlive the replay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench_replay import PLAN_A, PLAN_B, session_lines, write_trace
+
+from specsplit.bench import replay, replay_fleet
+
+
+@pytest.fixture
+def fleets(monkeypatch):
+    """Every ReplayFleet the replay starts (to check their processes once it returns)."""
+    started, init = [], replay_fleet.ReplayFleet.__init__
+
+    def spy(self, *args, **kw):
+        started.append(self)
+        init(self, *args, **kw)
+
+    monkeypatch.setattr(replay_fleet.ReplayFleet, "__init__", spy)
+    return started
+
+
+def test_the_fleet_replays_the_rounds_through_its_processes(tmp_path, monkeypatch, fleets):
+    """Every clean round through the routers: the draft's request, then the verify with the growth
+    beside it; the target's cache follows the recorded progression (checked on each reply, else the
+    replay fails); rounds the trace re-rooted re-root the grown tree; a round's fleet ms holds its
+    verify's and its draft's round trips; the target alone's steps through the same router."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)  # tiny models: growth that outlasts a verify
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:  # rounds 2-4 re-rooted in the trace
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines + session_lines("b", 33, PLAN_B))
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--fleet", "--draft",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    clean = [r for r in data["rounds"] if r["clean"]]
+    assert len(clean) == 7 and len(data["rounds"]) == 9
+    for r in clean:
+        assert r["fleet_ms"] >= r["wall_ms"] > r["verify_ms"] > 0  # a round trip holds the forward
+        assert r["fleet_ms"] > r["wall_ms"] + r["draft_ms"]  # the draft's round trip and the verify's
+        assert r["grow_ms"] is not None or r["round"] == 1  # growth from the second round (a verify's ms known)
+    by_round = {(r["session"], r["round"]): r for r in data["rounds"]}
+    assert all(by_round["a", k]["rerooted"] for k in (2, 3, 4)) and not by_round["a", 1]["rerooted"]
+    assert all(a["wall_ms"] >= a["verify_ms"] > 0 for a in data["alone"])
+    s = data["summary"][path]
+    assert s["fleet_ms"] == pytest.approx(sum(r["fleet_ms"] for r in clean), abs=0.01)
+    assert s["fleet_tok_s"] == pytest.approx(1e3 * s["tokens"] / s["fleet_ms"], rel=1e-3)
+    assert s["fleet_vs_alone"] == pytest.approx(s["fleet_tok_s"] / s["alone_tok_s"], rel=1e-2)
+    assert s["alone_wall_tok_s"] < s["alone_tok_s"]  # the router's round trips cost something
+    assert data["config"]["workers"] == ["target", "draft"] and data["config"]["preset"] == "tiny"
+    assert [p.poll() is not None for f in fleets for p in f.fleet.procs.values()] == [True] * 4
+
+
+def test_a_worker_that_dies_before_it_serves_is_a_clear_error(tmp_path, capsys, monkeypatch, fleets):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    path = write_trace(tmp_path / "t.jsonl", session_lines("b", 33, PLAN_B))
+    missing = tmp_path / "no-model"
+    missing.mkdir()
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--fleet",
+                        "--target-config", str(missing), "--max-seconds", "120"]) == 1
+    err = capsys.readouterr().err
+    assert "exited before it was ready" in err and "config.json" in err  # the worker's own error, from its log
+    assert all(p.poll() is not None for f in fleets for p in f.fleet.procs.values())
