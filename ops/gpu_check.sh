@@ -27,7 +27,9 @@
 #        forwards a verify (GROWN_TRACE, draft too; GROWN_ROUNDS of it, 150: within GROWN_S eagerly too), GROWN_S;
 #     4b. FLEET_S > 0: the HumanEval trace through the fleet's processes (`bench replay --fleet`: a
 #        router and a worker per role, both workers on the device, the growth beside each verify):
-#        the fleet's round trips and contention measured, not modelled (~30 s of it starting);
+#        the fleet's round trips and contention measured, not modelled (~30 s of it starting),
+#        after ops/fleet_cpu.py (FLEETCPU_S): the host's CPU ms a round per fleet process (tiny
+#        fleet on the CPUs), the orchestrator's being what the replay leaves out;
 #     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md, written before
 #     step 4b too);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
@@ -76,7 +78,7 @@ run)
   # every step's budget set here: under set -u, arithmetic on an unset one ends the whole run
   # (with the defaults, the cost step's $((COST_S / 3)) did, and nothing after the tests ran)
   : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=90}" "${LOOKUP_S:=40}"
-  : "${GROWN_S:=40}" "${FLEET_S:=75}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
+  : "${GROWN_S:=40}" "${FLEETCPU_S:=40}" "${FLEET_S:=75}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -141,6 +143,9 @@ run)
       --json "$OUT/gpu-replay-grown.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   python3 ops/gpu_summary.py "$OUT" > "$OUT/summary.md"  # in case the call's own limit ends what follows
+  # the host's CPU ms a round per fleet process (the tiny fleet, on this machine's CPUs): the
+  # orchestrator's is what the fleet replay below leaves out
+  timeout "${FLEETCPU_S:-40}" python3 ops/fleet_cpu.py --prompts 4 --json "$OUT/fleet-cpu.json" 2>&1 | tail -9
   if [ "${FLEET_S:-75}" -gt 0 ]; then  # the same trace through the fleet's processes: two workers on one device
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
       timeout "${FLEET_S:-75}" python3 -m specsplit bench replay --fleet --device cuda $cfg --draft-config .whl/cfg/draft \
