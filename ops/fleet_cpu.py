@@ -90,6 +90,16 @@ def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0) 
         return round(statistics.median(r[key] for r in rows), 3) if rows else 0.0
 
     other = [r["wall_ms"] - r["draft_ms"] - r["verify_ms"] for r in clean]
+
+    def mean(fn) -> float:
+        return round(statistics.fmean(fn(r) for r in clean), 3) if clean else 0.0
+
+    # a clean round's wall on the orchestrator's clock, in parts that add up (means)
+    split = {"draft (engine)": mean(lambda r: r["draft_ms"]),
+             "draft round trip, lookups, merge, select": mean(lambda r: r["propose_ms"] - r["draft_ms"]),
+             "verify (engine)": mean(lambda r: r["verify_ms"]),
+             "verify round trip": mean(lambda r: r["verify_rpc_ms"] - r["verify_ms"]),
+             "plan, commit, stream": mean(lambda r: r["wall_ms"] - r["propose_ms"] - r["verify_rpc_ms"])}
     return {
         "rounds": len(rounds), "clean_rounds": len(clean), "wall_s": round(wall_s, 3),
         "wall_ms_per_round": round(wall_s * 1e3 / len(rounds), 3),
@@ -97,6 +107,9 @@ def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0) 
         "cpu_ms_per_round": {name: round((after[name] - before[name]) / len(rounds), 3) for name in before},
         "trace_median_ms": {"wall": med("wall_ms"), "draft": med("draft_ms"), "verify": med("verify_ms"),
                             "other": round(statistics.median(other), 3) if other else 0.0},
+        "wall_split_mean_ms": split,
+        # learning, tracing and logging a round, and the sessions' starts and ends
+        "between_rounds_mean_ms": round(wall_s * 1e3 / len(rounds) - statistics.fmean(r["wall_ms"] for r in rounds), 3),
     }
 
 
@@ -115,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {ms:.2f} |")
     t = out["trace_median_ms"]
     print(f"trace medians: wall {t['wall']} ms = draft {t['draft']} + verify {t['verify']} + other {t['other']}")
+    print("| a clean round's wall (mean) | ms |\n|---|---:|")
+    for part, ms in out["wall_split_mean_ms"].items():
+        print(f"| {part} | {ms:.2f} |")
+    print(f"| (between rounds: learning, trace, log, sessions' ends) | {out['between_rounds_mean_ms']:.2f} |")
     if args.json_path:
         config = {"prompts": args.prompts, "tokens": args.tokens, "settings": settings, "cpus": os.cpu_count(),
                   "machine": platform.processor() or platform.machine(), "python": platform.python_version()}

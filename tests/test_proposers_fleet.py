@@ -55,3 +55,6 @@ def test_repeat_line_proposer_through_the_fleet_with_round_traces(tmp_path, tiny
     for r in rounds_:  # what was verified is what the cost model chose from the merged tree
         if r["chosen"] is not None:
             assert r["verified_nodes"] == len(r["chosen"]) and r["chosen"][0] == 0
+    for r in rounds_:  # the wall's parts on the orchestrator's clock hold the engines' own times
+        assert r["propose_ms"] >= r["draft_ms"] and r["verify_rpc_ms"] >= r["verify_ms"] > 0
+        assert r["wall_ms"] >= r["propose_ms"] + r["verify_rpc_ms"]

@@ -164,14 +164,16 @@ class SessionActor:
                              stop=stop, tree=self.tree, sampling=self.sampling, exact=self.exact,
                              proposers=self.proposers, cost=self.cost)
             self._set_drafting(any(p.model_cost for p in rp.proposers))
+            t_propose = time.perf_counter()
             cands = await rounds.propose(rp, self.cur.committed, self.sampling,
                                          chain_tokens=self.policy.lookup_max_tokens, cost=self.cost)
-            timing = rounds.Timing()
+            t_verify = time.perf_counter()
+            timing = rounds.Timing(propose_ms=(t_verify - t_propose) * 1e3)
             if cands.drafted is not None:
                 timing.draft_ms, timing.grow_ms = cands.drafted.draft_ms, cands.drafted.grow_ms
                 self.stats.reused_rounds += cands.drafted.reused > 0
             reply = await self._verify(rnd, cands.tree, rp.confirm)
-            timing.verify_ms = reply.verify_ms
+            timing.verify_ms, timing.verify_rpc_ms = reply.verify_ms, (time.perf_counter() - t_verify) * 1e3
             clean = rounds.is_clean(rnd, self._attempts, rp.sync_tokens, reply)
             got = rounds.commit(self.cur, self.out, self.stats, cands.tree, reply, prompt_len=prompt_len,
                                 max_new_tokens=self.req.max_new_tokens, stop=stop, exact=self.exact)

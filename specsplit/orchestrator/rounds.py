@@ -116,6 +116,10 @@ class Timing:
     grow_ms: float = 0.0  # the growth budget this round asked the draft worker for
     verify_ms: float = 0.0
     wall_ms: float = 0.0
+    # the wall's parts on the orchestrator's clock: the propose stage (the draft's round trip,
+    # lookups, merging, selecting) and the verify's round trip; the rest is planning and committing
+    propose_ms: float = 0.0
+    verify_rpc_ms: float = 0.0
 
 
 def learn(cost: CostModel | None, proposers: Sequence[Proposer], rp: RoundPlan, cands: Candidates,
