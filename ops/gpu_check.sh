@@ -16,22 +16,23 @@
 #     2b. LONG_S > 0: the target's 1- and 16-token forwards at LONG_CONTEXT cached tokens (65536)
 #        on graphs of each body: the full verification SpecPV's bar compares against, with the
 #        Triton body's attention reading the slot in place against the torch body's gather;
-#     3. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm triton fused"):
-#        request / runner / replay / kernels per shape;
-#     4. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
+#     3. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
 #        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly; REPLAY_TRACE
 #        default the fleet with growth's spare siblings, humaneval0-9-qwen-coder-spares-cpu2-amx;
 #        the earlier H200 replays ran humaneval0-9-qwen-coder-cpu2-quiet), then the
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
 #        LOOKUP_S, and the rounds `specsplit bench growth --record-trace` gives a draft with 3 growth
 #        forwards a verify (GROWN_TRACE, draft too; GROWN_ROUNDS of it, 150: within GROWN_S eagerly too), GROWN_S;
+#        then $OUT/summary.md (ops/gpu_summary.py), in case the call's limit ends what follows;
+#     4. ops/fleet_cpu.py (FLEETCPU_S): the host's CPU ms a round per fleet process and the round
+#        trips (the tiny fleet, on this machine's CPUs); the orchestrator's work is what step 4b
+#        leaves out;
 #     4b. FLEET_S > 0: the HumanEval trace through the fleet's processes (`bench replay --fleet`: a
 #        router and a worker per role, both workers on the device, the growth beside each verify):
-#        the fleet's round trips and contention measured, not modelled (~30 s of it starting),
-#        after ops/fleet_cpu.py (FLEETCPU_S): the host's CPU ms a round per fleet process (tiny
-#        fleet on the CPUs), the orchestrator's being what the replay leaves out;
-#     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md, written before
-#     step 4b too);
+#        the fleet's round trips and contention measured, not modelled (~30 s of it starting);
+#     4c. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm fused"):
+#        request / runner / replay / kernels per shape (diagnostics, last);
+#     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
 #     5. LONGCTX=1: one layer's attention (ops/gpu_attention.py, ATTN_S) and SpecPV's verify cost
 #        at long contexts (ops/gpu_longctx.py, LONGCTX_S) with each attention in ATTENTION
 #        (default "grouped sdpa"; grouped:N sets the values' chunk); CONTEXTS, MODES the sweep.
@@ -43,7 +44,8 @@
 # variant, ~20 variants per process; the GEMMs ~10 more) and step 2b (~90 s), and since the
 # triton_gemm body a fourth cost run and a third probe (~+70 s), and since its GEMM tiles are
 # tuned at first use a few seconds per process (4 tiles x 5 kinds of product per model, each
-# compiled once): give the defaults one 590 s call
+# compiled once), and since the fleet replay and fleet_cpu (~+100 s, one probe fewer): give the
+# defaults one 590 s call
 # (each step stops at its own timeout; the replays start no round 10 s before theirs, so they
 # still write their figures); if it ran out, a second call with the finished steps'
 # *_S=0 measures the rest. Add LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
@@ -111,12 +113,6 @@ run)
         --json "$OUT/gpu-cost-long-$body.json" 2>&1 | grep -v '^target {' | tail -6
     done
   fi
-  if [ "${PROBE_S:-40}" -gt 0 ]; then
-    for body in ${BODIES:-triton_gemm triton fused}; do
-      timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
-        --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels\|host top' | tail -9
-    done
-  fi
   if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
     runs=(${REPLAY_RUNS:-8:triton_gemm 8:fused})
     for run in "${runs[@]}"; do
@@ -145,13 +141,22 @@ run)
   python3 ops/gpu_summary.py "$OUT" > "$OUT/summary.md"  # in case the call's own limit ends what follows
   # the host's CPU ms a round per fleet process (the tiny fleet, on this machine's CPUs): the
   # orchestrator's is what the fleet replay below leaves out
-  timeout "${FLEETCPU_S:-40}" python3 ops/fleet_cpu.py --prompts 4 --json "$OUT/fleet-cpu.json" 2>&1 | tail -9
+  if [ "${FLEETCPU_S:-40}" -gt 0 ]; then
+    timeout "${FLEETCPU_S:-40}" python3 ops/fleet_cpu.py --prompts 4 --json "$OUT/fleet-cpu.json" 2>&1 | tail -16
+  fi
   if [ "${FLEET_S:-75}" -gt 0 ]; then  # the same trace through the fleet's processes: two workers on one device
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
       timeout "${FLEET_S:-75}" python3 -m specsplit bench replay --fleet --device cuda $cfg --draft-config .whl/cfg/draft \
       --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
       --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${FLEET_S:-75} - 10))" \
       --json "$OUT/gpu-replay-fleet.json" 2>&1 | grep -v "^replay: session" | head -4
+  fi
+  # diagnostics last: where one graphed forward's time goes, per body
+  if [ "${PROBE_S:-40}" -gt 0 ]; then
+    for body in ${BODIES:-triton_gemm fused}; do
+      timeout "$PROBE_S" python3 ops/gpu_probe.py $cfg --body "$body" --compile-shapes "${COMPILE:-}" \
+        --json "$OUT/gpu-probe-$body.json" 2>&1 | grep '^|\|top kernels\|host top' | tail -9
+    done
   fi
   python3 ops/gpu_summary.py "$OUT" | tee "$OUT/summary.md"  # every bar of this run in one table
   [ "${LONGCTX:-0}" = 1 ] || exit 0

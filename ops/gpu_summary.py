@@ -9,7 +9,8 @@ milliseconds (and the GEMM tiles tuning chose, each with its speed-up over the d
 alone (verify only; with the draft replayed serially; grown during verify, the fleet's case where
 the draft runs on its own device, judged against the bar; without a replayed draft, as for prompt
 lookup alone, verify only is the fleet's; through the fleet's processes, ``--fleet``, its measured
-rounds). Standard library only.
+rounds); from ``ops/fleet_cpu.py``'s file, the host's CPU and round trips a round. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def main(argv: list[str]) -> int:
     print("|---|---|---|---|---|---|---|")
     for path in sorted(out.glob("gpu-replay*.json")):
         print("\n".join(replay_rows(path)))
+    host = out / "fleet-cpu.json"
+    if host.exists():  # ops/fleet_cpu.py: what the fleet replay leaves out, on this machine's CPUs
+        data = json.loads(host.read_text())
+        print()
+        print("| fleet-cpu.json (tiny fleet, host CPUs) | ms a round |")
+        print("|---|---:|")
+        for name, ms in data.get("cpu_ms_per_round", {}).items():
+            print(f"| CPU of {name} | {ms} |")
+        for part, ms in data.get("wall_split_mean_ms", {}).items():
+            print(f"| wall: {part} | {ms} |")
     return 0
 
 

@@ -19,7 +19,8 @@ def test_the_summary_judges_each_bar(tmp_path):
                       ("gpu-cost-h200-qwen2.5-coder-1.5b-random-bf16-graphs-host-verdict.json", "gpu-cost-fused.json"),
                       ("replay-humaneval0-9-qwen-coder-draft-grown-cpu2-amx.json", "gpu-replay-pool8-fused.json"),
                       ("gpu-replay-h200-humaneval-qwen-coder-random-bf16-graphs.json", "gpu-replay-lookup.json"),
-                      ("replay-fleet-humaneval0-9-spares-cpu2-amx.json", "gpu-replay-fleet.json")):
+                      ("replay-fleet-humaneval0-9-spares-cpu2-amx.json", "gpu-replay-fleet.json"),
+                      ("fleet-cpu-tiny-cpu2-amx.json", "fleet-cpu.json")):
         shutil.copy(RESULTS / src, tmp_path / name)
     done = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu_summary.py"), str(tmp_path)], capture_output=True,
                           text=True, timeout=60, check=True)
@@ -37,6 +38,7 @@ def test_the_summary_judges_each_bar(tmp_path):
     assert replay[("gpu-replay-fleet.json", "fleet processes / alone")] == "FAIL"  # 1.47x on a 2-core CPU
     assert replay[("gpu-replay-fleet.json", "grown during verify / alone")] == "(bound)"
     assert replay[("gpu-replay-fleet.json", "fleet processes, alone via router / alone")] == "(bound)"
+    assert "| CPU of orchestrator | 1.42 |" in done.stdout and "| wall: verify round trip | 1.495 |" in done.stdout
 
 
 def test_the_summary_lists_the_tiles_tuning_chose(tmp_path):
