@@ -17,7 +17,7 @@
 #        on graphs of each body: the full verification SpecPV's bar compares against, with the
 #        Triton body's attention reading the slot in place against the torch body's gather;
 #     3. REPLAY_S > 0: the HumanEval trace replayed, draft too, per REPLAY_RUNS "POOL_GB:BODY ..."
-#        (default "8:triton_gemm 8:fused": graphs of each body; a pool of 0 runs eagerly; REPLAY_TRACE
+#        (default "8:triton_gemm": graphs of that body; a pool of 0 runs eagerly; REPLAY_TRACE
 #        default the fleet with growth's spare siblings, humaneval0-9-qwen-coder-spares-cpu2-amx;
 #        the earlier H200 replays ran humaneval0-9-qwen-coder-cpu2-quiet), then the
 #        prompt-lookup trace on the triton_gemm body (no draft: its verify-only figure is the fleet's),
@@ -30,6 +30,8 @@
 #     4b. FLEET_S > 0: the HumanEval trace through the fleet's processes (`bench replay --fleet`: a
 #        router and a worker per role, both workers on the device, the growth beside each verify):
 #        the fleet's round trips and contention measured, not modelled (~30 s of it starting);
+#        then OVERLAP_S > 0: the same with both engines in one process, each on its own thread and
+#        CUDA stream (`--overlap`: what a worker hosting both roles would give against two processes);
 #     4c. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm fused"):
 #        request / runner / replay / kernels per shape (diagnostics, last);
 #     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
@@ -44,8 +46,8 @@
 # variant, ~20 variants per process; the GEMMs ~10 more) and step 2b (~90 s), and since the
 # triton_gemm body a fourth cost run and a third probe (~+70 s), and since its GEMM tiles are
 # tuned at first use a few seconds per process (4 tiles x 5 kinds of product per model, each
-# compiled once), and since the fleet replay and fleet_cpu (~+100 s, one probe fewer): give the
-# defaults one 590 s call
+# compiled once), and since the fleet replay, the overlap replay and fleet_cpu (~+150 s; one probe
+# and the fused body's replay fewer, ~-70 s): give the defaults one 590 s call
 # (each step stops at its own timeout; the replays start no round 10 s before theirs, so they
 # still write their figures); if it ran out, a second call with the finished steps'
 # *_S=0 measures the rest. Add LONGCTX=1 only with LONGCTX_S, COST_S or REPLAY_S trimmed.
@@ -79,8 +81,8 @@ run)
   : "${OUT:?run this on the device machine (its \$OUT collects the results)}"
   # every step's budget set here: under set -u, arithmetic on an unset one ends the whole run
   # (with the defaults, the cost step's $((COST_S / 3)) did, and nothing after the tests ran)
-  : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=90}" "${LOOKUP_S:=40}"
-  : "${GROWN_S:=40}" "${FLEETCPU_S:=40}" "${FLEET_S:=75}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
+  : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=60}" "${LOOKUP_S:=40}"
+  : "${GROWN_S:=40}" "${FLEETCPU_S:=40}" "${FLEET_S:=75}" "${OVERLAP_S:=45}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -113,8 +115,8 @@ run)
         --json "$OUT/gpu-cost-long-$body.json" 2>&1 | grep -v '^target {' | tail -6
     done
   fi
-  if [ "${REPLAY_S:-90}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
-    runs=(${REPLAY_RUNS:-8:triton_gemm 8:fused})
+  if [ "${REPLAY_S:-60}" -gt 0 ]; then  # the real pair's recorded rounds, per POOL_GB:BODY (0: eager)
+    runs=(${REPLAY_RUNS:-8:triton_gemm})
     for run in "${runs[@]}"; do
       pool=${run%%:*} body=${run#*:}
       SPECSPLIT_TARGET_KV_POOL_GB=$pool SPECSPLIT_DRAFT_KV_POOL_GB=$pool SPECSPLIT_CUDA_GRAPH_BODY=$body \
@@ -150,6 +152,13 @@ run)
       --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
       --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${FLEET_S:-75} - 10))" \
       --json "$OUT/gpu-replay-fleet.json" 2>&1 | grep -v "^replay: session" | head -4
+  fi
+  if [ "${OVERLAP_S:-45}" -gt 0 ]; then  # the same with both engines in one process, each on its own stream
+    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
+      timeout "${OVERLAP_S:-45}" python3 -m specsplit bench replay --overlap --device cuda $cfg \
+      --draft-config .whl/cfg/draft --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
+      --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${OVERLAP_S:-45} - 10))" \
+      --json "$OUT/gpu-replay-overlap.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   # diagnostics last: where one graphed forward's time goes, per body
   if [ "${PROBE_S:-40}" -gt 0 ]; then

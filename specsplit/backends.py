@@ -278,7 +278,9 @@ class CudaBackend(AcceleratorBackend):
         return model
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        # this thread's stream only: an engine on its own thread and stream (``bench replay
+        # --overlap``) must not wait for another's work on the same device
+        torch.cuda.current_stream(self.device).synchronize()
 
     def describe(self) -> dict:
         return super().describe() | {"cudnn_attention": self.cudnn_attention, "attention": self.attention}

@@ -69,3 +69,46 @@ def test_a_worker_that_dies_before_it_serves_is_a_clear_error(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "exited before it was ready" in err and "config.json" in err  # the worker's own error, from its log
     assert all(p.poll() is not None for f in fleets for p in f.fleet.procs.values())
+
+
+def test_overlap_replays_both_engines_in_this_process_on_their_own_threads(tmp_path, monkeypatch):
+    """``--overlap``: the same rounds with the target and the draft of this process each served on
+    its own thread (on CUDA its own stream), the growth beside the verify: every request of an
+    engine runs on that engine's thread, and the figures are the fleet's."""
+    import threading
+
+    from specsplit.engine.draft import DraftEngine
+    from specsplit.engine.target import TargetEngine
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)
+    threads: dict[str, set[str]] = {"target": set(), "draft": set()}
+    for name, cls in (("target", TargetEngine), ("draft", DraftEngine)):
+        real = cls.handle
+
+        def spy(self, msg, real=real, name=name):
+            threads[name].add(threading.current_thread().name)
+            return real(self, msg)
+
+        monkeypatch.setattr(cls, "handle", spy)
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
+                        "--draft", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    clean = [r for r in data["rounds"] if r["clean"]]
+    assert len(clean) == 4 and all(r["fleet_ms"] >= r["wall_ms"] >= r["verify_ms"] > 0 for r in clean)
+    by_round = {r["round"]: r for r in data["rounds"]}
+    assert all(by_round[k]["rerooted"] for k in (2, 3, 4))
+    assert [len(t) for t in threads.values()] == [1, 1] and threads["target"] != threads["draft"]
+    assert all(t.startswith("replay-") for t in threads["target"] | threads["draft"])
+    assert data["config"]["processes"].startswith("one") and "fleet_vs_alone" in data["summary"][path]
+
+
+def test_overlap_needs_the_draft(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", session_lines("b", 33, PLAN_B))
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--overlap"]) == 1
+    assert "--draft" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def test_the_summary_judges_each_bar(tmp_path):
     # through the fleet's processes (--fleet) the measured rounds are the fleet; the model bounds them
     assert replay[("gpu-replay-fleet.json", "fleet processes / alone")] == "FAIL"  # 1.47x on a 2-core CPU
     assert replay[("gpu-replay-fleet.json", "grown during verify / alone")] == "(bound)"
-    assert replay[("gpu-replay-fleet.json", "fleet processes, alone via router / alone")] == "(bound)"
+    assert replay[("gpu-replay-fleet.json", "fleet processes, alone's round trips / alone")] == "(bound)"
     assert "| CPU of orchestrator | 1.42 |" in done.stdout and "| wall: verify round trip | 1.495 |" in done.stdout
 
 

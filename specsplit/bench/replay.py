@@ -34,7 +34,8 @@ draft's and the growth's ms to the verify ms, a serial round's bound; "grown dur
 the fleet with the draft on its own device: the growth overlaps the verify, and a round's
 draft adds what of the growth outlasts the verify before it plus its own ms. ``--fleet``: the
 same rounds through the fleet's processes on loopback, timed as the fleet runs them
-(``specsplit.bench.replay_fleet``). Prints Markdown tables; ``--json FILE`` writes every figure
+(``specsplit.bench.replay_fleet``; ``--overlap``: both engines in this process, on their own
+threads and streams). Prints Markdown tables; ``--json FILE`` writes every figure
 (``specsplit.bench.replay_report``).
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
@@ -100,7 +101,7 @@ class ReplayedRound:
     reused: int = 0  # recorded: its tree was grown during the previous round's verify
     grow_ms: float | None = None  # the replayed growth after its draft (None: not replayed)
     rerooted: bool = False  # the replayed draft re-rooted the tree grown during the verify before
-    fleet_ms: float | None = None  # through the fleet's processes (``--fleet``): the round's critical path
+    fleet_ms: float | None = None  # the round's critical path, measured (``--fleet``, ``--overlap``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,9 +371,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None, metavar="S",
                    help="start no round S seconds after the command started (model loads included) and "
                         "report the rounds replayed: a run under an outer time limit still writes its figures")
-    p.add_argument("--fleet", action="store_true",
+    arrangement = p.add_mutually_exclusive_group()
+    arrangement.add_argument("--fleet", action="store_true",
                    help="replay through the fleet's processes on loopback: a router per role and its worker "
                         "(specsplit.bench.replay_fleet)")
+    arrangement.add_argument("--overlap", action="store_true",
+                   help="with the draft: both engines in this process, each on its own thread and CUDA stream, "
+                        "the growth beside the verify, timed as --fleet times them")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write every figure as JSON to FILE")
     return p.parse_args(argv)
 
@@ -401,10 +406,10 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging("WARNING")
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if args.fleet:
-            from specsplit.bench.replay_fleet import run_fleet
+        if args.fleet or args.overlap:
+            from specsplit.bench.replay_fleet import run_fleet, run_overlap
 
-            described, rounds, alone = run_fleet(args, sessions, started, _log)
+            described, rounds, alone = (run_fleet if args.fleet else run_overlap)(args, sessions, started, _log)
             report(args, described, sessions, rounds, alone)
             return 0
         engine, described = build_target(args)

@@ -1,4 +1,4 @@
-"""``specsplit bench replay --fleet``: a round trace replayed through the fleet's processes on
+"""``specsplit bench replay --fleet`` (and ``--overlap``): a round trace replayed through the fleet's processes on
 loopback: a router per role and a target (and, with ``--draft``/``--draft-config``, a draft)
 worker, each its own process serving the real worker loop, sockets and codec, the replay
 process sending the requests as an orchestrator does (an authenticated client of each router).
@@ -13,7 +13,10 @@ the trace did, as ``Replayer.draft_round``), then the verify with the round's gr
 same time (``GrowRequest``, 0.9 of the last verify's ms), both processes on one device at once.
 ``fleet_ms`` is the draft's round trip plus the verify's, plus what of the growth outlasts the
 verify (the next draft would wait for it): the fleet's round without the orchestrator's own
-work. Untimed as in the in-process replay: the target's and the draft's catch-ups (random
+work. ``--overlap`` times the same rounds with both engines in this process instead, each on
+its own thread and (CUDA) stream: the growth beside the verify on one device without the
+processes, the sockets or a second CUDA context (a worker hosting both roles). Untimed as in the
+in-process replay: the target's and the draft's catch-ups (random
 weights do not accept what the real pair did) and the target alone's steps, which run through
 the same router (their round trips are ``AloneStep.wall_ms``) while nothing else runs.
 """
@@ -103,8 +106,44 @@ class RemoteEngine:
                 self.loop.close()
 
 
+class ThreadedEngine:
+    """An engine of this process behind its own thread and, on CUDA, its own stream, answering
+    futures as a RemoteEngine does (``--overlap``): the draft's growth runs beside the verify on
+    the device, in one process, as a worker hosting both roles would run them."""
+
+    def __init__(self, engine, name: str) -> None:
+        self.engine, self.store, self.vocab_size = engine, engine.store, engine.vocab_size
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"replay-{name}",
+                                                           initializer=self._own_stream)
+
+    def _own_stream(self) -> None:
+        import torch
+
+        if self.engine.device.type == "cuda":  # the current stream is the thread's
+            torch.cuda.set_stream(torch.cuda.Stream(self.engine.device))
+
+    def submit(self, msg: Message) -> concurrent.futures.Future:
+        stamp: list[float] = []
+
+        def run() -> Message:
+            reply = self.engine.handle(msg)
+            stamp.append(time.perf_counter())
+            return reply
+
+        fut = self._pool.submit(run)
+        fut.stamp = stamp
+        return fut
+
+    def handle(self, msg: Message) -> Message:
+        return self.submit(msg).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class FleetReplayer(Replayer):
-    """``Replayer`` over RemoteEngines: the rounds timed as the fleet runs them (module doc)."""
+    """``Replayer`` over engines that answer futures (RemoteEngines, ThreadedEngines): the rounds
+    timed as the fleet runs them (module doc)."""
 
     def __init__(self, engine: RemoteEngine, seed: int = 0, draft: RemoteEngine | None = None,
                  branch: int = 2) -> None:
@@ -262,6 +301,28 @@ def run_fleet(args, sessions, started: float, progress) -> tuple[dict[str, Any],
         finally:
             fleet.close()
     return fleet.describe(), rounds, alone
+
+
+def run_overlap(args, sessions, started: float, progress) -> tuple[dict[str, Any], list, list]:
+    """(description, rounds, alone steps) of the replay with both engines in this process, each
+    on its own thread and stream (``--overlap``), timed as ``run_fleet``'s."""
+    from specsplit.bench.replay import build_draft, build_target, run, trace_branch
+
+    target, described = build_target(args)
+    draft, draft_described = build_draft(args)
+    if draft is None:
+        raise ReplayError("--overlap replays the draft's growth beside the verify: add --draft or --draft-config")
+    engines = [ThreadedEngine(target, "target"), ThreadedEngine(draft, "draft")]
+    try:
+        replayer = FleetReplayer(engines[0], args.seed, engines[1], trace_branch(args.trace))
+        if args.max_seconds is not None:
+            replayer.deadline = started + args.max_seconds
+        rounds, alone = run(replayer, sessions, progress=progress)
+    finally:
+        for engine in engines:
+            engine.close()
+    return described | {"backend": target.backend.describe(), "processes": "one, an engine per thread and stream",
+                        "draft": draft_described | {"backend": draft.backend.describe()}}, rounds, alone
 
 
 # ---- the workers ---------------------------------------------------------------------------------

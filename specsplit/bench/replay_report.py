@@ -51,7 +51,7 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
         out["grown_during_verify_tok_s"] = _per_s(tokens, verify + out["grown_draft_ms"])
     a = out["alone_tok_s"]
     fleet = [r.fleet_ms for r in clean if r.fleet_ms is not None]
-    if clean and len(fleet) == len(clean):  # through the fleet's processes (``--fleet``)
+    if clean and len(fleet) == len(clean):  # measured with the growth beside the verify (``--fleet``, ``--overlap``)
         alone_wall = sum(s.wall_ms for s in alone)
         out |= {"fleet_ms": round(sum(fleet), 3), "fleet_tok_s": _per_s(tokens, sum(fleet)),
                 "alone_wall_ms": round(alone_wall, 3), "alone_wall_tok_s": _per_s(len(alone), alone_wall)}
@@ -167,7 +167,11 @@ def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], r
           "runs it: after each draft the replayed growth (0.9 of the verify) overlaps the verify, and a round "
           "the trace re-rooted re-roots the grown tree (re-rooted: rounds that did here, of those recorded); "
           "figures over the clean rounds")
-    if getattr(args, "fleet", False):
+    if getattr(args, "overlap", False):
+        print("fleet (--overlap): both engines in this process, each on its own thread and stream: each round's "
+              "draft + its verify with the growth beside it + what of the growth outlasts it; alone via router: "
+              "the target alone's steps through its thread")
+    elif getattr(args, "fleet", False):
         print("fleet: through the fleet's processes on loopback (a router and a worker per role), each round's "
               "draft round trip + its verify's, with the growth sent beside the verify, + what of the growth "
               "outlasts it; against the target alone's engine ms (alone) and its round trips through the same "
