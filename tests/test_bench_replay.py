@@ -10,7 +10,7 @@ import json
 import pytest
 
 from schemas import VerifyRequest
-from specsplit.bench import replay, replay_report
+from specsplit.bench import replay, replay_report, replayer
 from specsplit.orchestrator.replay import TraceError
 
 BRANCHY = [-1, 0, 0, 1, 1, 2, 3]  # merged: root -> {1, 2}, 1 -> {3, 4}, 2 -> 5, 3 -> 6
@@ -188,7 +188,7 @@ def test_a_round_the_trace_re_rooted_re_roots_the_replayed_growth(tmp_path, monk
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     # a tiny draft's forward costs what a tiny target's verify does: a budget of 0.9 verify may
     # not fit one forward, and then there is nothing to re-root at (which the replay reports)
-    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)
+    monkeypatch.setattr(replayer, "GROW_FRACTION", 50.0)
     lines = session_lines("a", 20, PLAN_A)
     for line in lines[2:5]:  # rounds 2-4 re-rooted in the trace
         line["reused"] = 3

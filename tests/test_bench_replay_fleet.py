@@ -10,7 +10,7 @@ import json
 import pytest
 from test_bench_replay import PLAN_A, PLAN_B, session_lines, write_trace
 
-from specsplit.bench import replay, replay_fleet
+from specsplit.bench import replay, replay_fleet, replayer
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_the_fleet_replays_the_rounds_through_its_processes(tmp_path, monkeypatc
     replay fails); rounds the trace re-rooted re-root the grown tree; a round's fleet ms holds its
     verify's and its draft's round trips; the target alone's steps through the same router."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)  # tiny models: growth that outlasts a verify
+    monkeypatch.setattr(replayer, "GROW_FRACTION", 50.0)  # tiny models: growth that outlasts a verify
     lines = session_lines("a", 20, PLAN_A)
     for line in lines[2:5]:  # rounds 2-4 re-rooted in the trace
         line["reused"] = 3
@@ -81,7 +81,7 @@ def test_overlap_replays_both_engines_in_this_process_on_their_own_threads(tmp_p
     from specsplit.engine.target import TargetEngine
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(replay, "GROW_FRACTION", 50.0)
+    monkeypatch.setattr(replayer, "GROW_FRACTION", 50.0)
     threads: dict[str, set[str]] = {"target": set(), "draft": set()}
     for name, cls in (("target", TargetEngine), ("draft", DraftEngine)):
         real = cls.handle

@@ -38,8 +38,8 @@ def _pipe_target_main(conn, threads: int) -> None:
     """The target engine of ``local_2proc``: (key, limits, request) in, reply out, until None."""
     import torch
 
-    from specsplit.models import ModelSettings, load_model, resolve_model_paths
     from specsplit.engine.target import TargetEngine
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
 
     torch.set_num_threads(threads)
     target, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny"), progress=False).target,
@@ -209,8 +209,8 @@ def run_fleet_vs_local(n_prompts: int = 8, max_new_tokens: int = 64, *, tree: Tr
     import torch
     from transformers.utils import logging as hf_logging
 
-    from specsplit.models import ModelSettings, load_model, resolve_model_paths
     from specsplit.engine.base import model_vocab_size
+    from specsplit.models import ModelSettings, load_model, resolve_model_paths
 
     hf_logging.disable_progress_bar()
     tree = tree or TreeSpec()

@@ -361,9 +361,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the fleet
     args = parse(argv)
     import_torch_as_users_run_it()  # the baselines' OpenMP wait; before anything imports torch
-    from specsplit.bench.fleetenv import environ_with, fleet_defaults, fleet_env
     from transformers.utils import logging as hf_logging
 
+    from specsplit.bench.fleetenv import environ_with, fleet_defaults, fleet_env
     from specsplit.config import WorkerSettings
     from specsplit.launch import Fleet
     from specsplit.logs import configure_logging

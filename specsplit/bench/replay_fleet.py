@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas import CacheSync, ErrorReply, FlatTree, GrowRequest, Message, VerifyReply, VerifyRequest
-from specsplit.bench import replay
-from specsplit.bench.replay import ReplayedRound, Replayer, ReplayError
+from specsplit.bench import replayer
 from specsplit.bench.replay_trace import TracedRound, TracedSession
+from specsplit.bench.replayer import ReplayedRound, Replayer, ReplayError
 from specsplit.openmp import set_worker_openmp
 from specsplit.tree import path_to
 
@@ -213,8 +213,8 @@ class FleetReplayer(Replayer):
         verifying = self.engine.submit(req)
         if draft_ms and self._last_verify_ms > 0:
             rnd_d = self._round.get(f"draft-{sid}", 0)
-            growing = self.draft.submit(GrowRequest(session_id=sid, round=rnd_d, width=replay.GROW_WIDTH,
-                                                    budget_ms=replay.GROW_FRACTION * self._last_verify_ms))
+            growing = self.draft.submit(GrowRequest(session_id=sid, round=rnd_d, width=replayer.GROW_WIDTH,
+                                                    budget_ms=replayer.GROW_FRACTION * self._last_verify_ms))
         reply = verifying.result(RPC_TIMEOUT_S + 10)
         t1 = verifying.stamp[0]
         if isinstance(reply, ErrorReply):
@@ -285,7 +285,7 @@ class ReplayFleet:
 
 def run_fleet(args, sessions, started: float, progress) -> tuple[dict[str, Any], list, list]:
     """(description, rounds, alone steps) of the replay through the fleet's processes."""
-    from specsplit.bench.replay import run, trace_branch
+    from specsplit.bench.replayer import run, trace_branch
 
     draft = bool(args.draft or args.draft_config)
     with tempfile.TemporaryDirectory(prefix="specsplit-replay-") as tmp:
@@ -306,7 +306,7 @@ def run_fleet(args, sessions, started: float, progress) -> tuple[dict[str, Any],
 def run_overlap(args, sessions, started: float, progress) -> tuple[dict[str, Any], list, list]:
     """(description, rounds, alone steps) of the replay with both engines in this process, each
     on its own thread and stream (``--overlap``), timed as ``run_fleet``'s."""
-    from specsplit.bench.replay import build_draft, build_target, run, trace_branch
+    from specsplit.bench.replayer import build_draft, build_target, run, trace_branch
 
     target, described = build_target(args)
     draft, draft_described = build_draft(args)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specsplit.bench.replay import AloneStep, ReplayedRound, TracedSession
+    from specsplit.bench.replay_trace import TracedSession
+    from specsplit.bench.replayer import AloneStep, ReplayedRound
 
 
 def _per_s(tokens: float, ms: float) -> float:
