@@ -47,7 +47,7 @@ READY_TIMEOUT_S = 600.0  # the workers' model loads and graph captures
 
 class RemoteEngine:
     """A worker behind its router, as the Replayer's engine: ``handle`` sends a request and waits
-    for its reply, ``submit`` sends one and returns a future (the reply; ``.done_at`` the
+    for its reply, ``submit`` sends one and returns a future (the reply; ``.stamp`` holds the
     perf_counter time it arrived). The client lives on an event loop in its own thread."""
 
     store = None  # the engine's sessions are in another process
@@ -135,7 +135,7 @@ class ThreadedEngine:
         return fut
 
     def handle(self, msg: Message) -> Message:
-        return self.submit(msg).result()
+        return self.submit(msg).result(RPC_TIMEOUT_S + 10)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -145,8 +145,8 @@ class FleetReplayer(Replayer):
     """``Replayer`` over engines that answer futures (RemoteEngines, ThreadedEngines): the rounds
     timed as the fleet runs them (module doc)."""
 
-    def __init__(self, engine: RemoteEngine, seed: int = 0, draft: RemoteEngine | None = None,
-                 branch: int = 2) -> None:
+    def __init__(self, engine: RemoteEngine | ThreadedEngine, seed: int = 0,
+                 draft: RemoteEngine | ThreadedEngine | None = None, branch: int = 2) -> None:
         super().__init__(engine, seed, draft, branch)
         self._trees: dict[str, FlatTree] = {}  # the draft's last tree per session (its reply's)
         self._last_verify_ms = 0.0  # the device's latest verify: the next growth's budget
