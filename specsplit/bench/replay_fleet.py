@@ -150,6 +150,7 @@ class FleetReplayer(Replayer):
         super().__init__(engine, seed, draft, branch)
         self._trees: dict[str, FlatTree] = {}  # the draft's last tree per session (its reply's)
         self._last_verify_ms = 0.0  # the device's latest verify: the next growth's budget
+        self.draft_wall_ms = 0.0  # the last draft request's round trip
 
     def expect(self, sid: str, reply: VerifyReply, want: int, what: str) -> None:
         if reply.cache_len != want:
@@ -255,7 +256,7 @@ class ReplayFleet:
         self.fleet.start_routers()
         for role in self.roles:
             cfg = getattr(args, f"{role}_config")
-            self.fleet.spawn(role, role, "--device", args.device, *(["--preset", preset]),
+            self.fleet.spawn(role, role, "--device", args.device, "--preset", preset,
                              *(["--config", cfg] if cfg else []), *(["--random-weights"] if args.random_weights else []),
                              *(["--dtype", args.dtype] if args.dtype and role == "target" else []),
                              env={"SPECSPLIT_WORKER_ID": f"replay-{role}"}, module="specsplit.bench.replay_fleet")
