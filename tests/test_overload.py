@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
@@ -76,11 +77,22 @@ def test_flood_from_one_client_loses_no_admitted_session_and_starves_no_one(tmp_
         # their answers all came after it (one connection, in order)
         not_started = share - 256
         assert max(done_when_refused) <= len(done) - not_started, (max(done_when_refused), len(done))
-        # not starved behind the flood: served before most of the flood's admitted sessions finished
-        assert other.finish_reason == "length" and done_before_other < len(done) * 3 // 4
-        print(f"flood: {len(done)} done, {len(done_when_refused)} refused (the last when {max(done_when_refused)} "
-              f"were done); the other producer served when {done_before_other} were")
+        # not starved behind the flood: done before most of the flood's admitted sessions were, on
+        # the orchestrator's clock (its log's order of last rounds). This process's count
+        # (done_before_other) is printed only: its loop may take the flood's answers, queued on
+        # the other connection, before the other producer's, however early that one came
+        # (seen on a loaded CI box: 768 of 768)
         log = fleet.log("orchestrator")
+        last_round: dict[str, int] = {}
+        for i, line in enumerate(log.splitlines()):
+            if "round_done" in line and (m := re.search(r"session_id=(\w+)", line)):
+                last_round[m.group(1)] = i
+        flood_done_before = sum(1 for r in done if last_round.get(r.session_id, -1) < last_round[other.session_id])
+        assert other.finish_reason == "length" and flood_done_before < len(done) * 3 // 4, (
+            flood_done_before, done_before_other)
+        print(f"flood: {len(done)} done, {len(done_when_refused)} refused (the last when {max(done_when_refused)} "
+              f"were done); the other producer done when {flood_done_before} were (this process saw "
+              f"{done_before_other})")
         assert "session_failed" not in log
 
         async def too_long():  # 4,000 + 200 tokens can never fit 4,096: refused before it starts
