@@ -22,6 +22,8 @@ MAX_SESSION_ID_LEN = 128
 MAX_TEXT_LEN = 1_000_000
 MAX_BATCH_SESSIONS = 4096  # sessions one verify forward may serve
 MAX_BATCH_TOKENS = 1 << 24  # new tokens one verify forward may carry (all its sessions)
+MAX_GROWN_NODES = 8 * MAX_TREE_NODES  # a grown tree (GrowReply.tree): growth keeps up to 4x a tree's nodes
+MAX_GROWN_DEPTH = 2 * MAX_TREE_DEPTH  # growth reaches twice a tree's depth
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
@@ -232,6 +234,7 @@ class GrowRequest(Message):
     tree: FlatTree | None = None
     node_probs: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list,
                                                                      max_length=MAX_TREE_NODES)
+    return_tree: bool = False  # answer with the grown tree (GrowReply.tree) where the draft can
 
     @model_validator(mode="after")
     def _probs(self) -> GrowRequest:
@@ -241,11 +244,55 @@ class GrowRequest(Message):
         return self
 
 
+class GrownTree(Message):
+    """A draft's kept tree of a greedy round after growth, all of it, so the orchestrator can
+    re-root it at the verdict's bonus token itself and send the next round's tree to the target
+    without waiting for the draft (the draft re-roots its own copy the same way meanwhile).
+
+    prefix_len        committed tokens the draft holds; the root is the last of them.
+    token_ids, parents, draft_logprobs
+                      as FlatTree's (topological order, node 0 the root).
+    expanded[i]       node i was forwarded: its children are the draft's (a node re-rooted at
+                      must be).
+    hinted[i]         node i came from another proposer (GrowRequest.tree): re-rooting drops it
+                      and its subtree unless it is on the path re-rooted along.
+    max_nodes, max_depth
+                      the draft's tree limits: the next round's tree is the ``max_nodes - 1``
+                      most probable nodes of the re-rooted tree within ``max_depth`` of the
+                      request's TreeSpec clamped to these, as the draft's reply would be."""
+
+    prefix_len: int = Field(ge=1, le=MAX_CONTEXT_TOKENS)
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_GROWN_NODES)
+    parents: list[int] = Field(min_length=1, max_length=MAX_GROWN_NODES)
+    draft_logprobs: list[float] = Field(min_length=1, max_length=MAX_GROWN_NODES)
+    expanded: list[bool] = Field(min_length=1, max_length=MAX_GROWN_NODES)
+    hinted: list[bool] = Field(min_length=1, max_length=MAX_GROWN_NODES)
+    max_nodes: int = Field(ge=1, le=MAX_TREE_NODES)
+    max_depth: int = Field(ge=1, le=MAX_TREE_DEPTH)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> GrownTree:
+        n = len(self.token_ids)
+        for name in ("parents", "draft_logprobs", "expanded", "hinted"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} nodes")
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+
 class GrowReply(Message):
+    """tree: the grown tree when the request asked for it (``return_tree``) and the draft can
+    give one its next DraftReply would re-root the same way (None: re-root through a
+    DraftRequest)."""
+
     session_id: SessionId
     round: Round
     grown_nodes: int = Field(default=0, ge=0)
     grow_ms: float = Field(default=0.0, ge=0.0)
+    tree: GrownTree | None = None
 
 
 class VerifyRequest(Message):

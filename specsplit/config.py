@@ -266,6 +266,10 @@ class OrchestratorSettings(SessionLimitSettings):
         "Growth is told the nodes prompt lookup (and the n-gram cache) hung under the round's root, with the "
         "cost model's estimate that each is accepted: the draft adds those its tree lacks and grows them with "
         "its own, so a round after an accepted chain can start from the grown tree (docs/results.md)."))
+    grow_reroot: bool = Field(default=True, description=(
+        "The draft answers growth with the grown tree and the orchestrator re-roots it at the bonus token itself: "
+        "a re-rooted round's tree goes to the target at once, the draft's request beside it, so the round waits "
+        "for no draft round trip (needs SPECSPLIT_DRAFT_STEPS_AFTER_REUSE=0, the default; docs/results.md)."))
     rpc_timeout_s: float = Field(default=60.0, gt=0, description=(
         "Seconds one orchestrator -> worker request may take before it is retried."))
     max_attempts: int = Field(default=8, ge=1, description=(

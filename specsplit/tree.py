@@ -14,14 +14,15 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from schemas import ErrorCode, FlatTree
+from schemas import MAX_GROWN_DEPTH, MAX_GROWN_NODES, ErrorCode, FlatTree, GrownTree, TreeSpec
 from specsplit.errors import SpecError, TreeError
 
 MIN_HINT_PROB = 1e-6  # a hinted node's probability is at least this (its score is a log)
 
 __all__ = [
     "DraftTree", "SpecError", "TreeError", "TreeLayout", "ancestor_pairs", "check_child_dists", "check_parents",
-    "check_token_ids", "depths_of", "path_to", "root_to_leaf_paths", "subtree", "subtree_nodes", "validate_tree",
+    "check_token_ids", "depths_of", "path_to", "reroot_grown", "root_to_leaf_paths", "subtree", "subtree_nodes",
+    "validate_tree",
 ]
 
 
@@ -307,6 +308,12 @@ class DraftTree:
             path.append(node)
         return path
 
+    def reroot_path(self, tokens: list[int]) -> list[int]:
+        """The nodes ``tokens`` spell from the root when the last of them was forwarded (its
+        children are the draft's): the path re-rooting along ``tokens`` takes; [] when it cannot."""
+        path = self.child_path(tokens)
+        return path if path and self.slot[path[-1]] >= 0 else []
+
     def rerooted(self, node: int, prefix_len: int, where: dict[int, int]) -> DraftTree:
         """The subtree under ``node`` as a new tree, its cache slots moved per ``where``
         (old slot -> new slot)."""
@@ -327,6 +334,28 @@ class DraftTree:
         chosen = [0, *sorted(sorted(eligible, key=lambda i: (-self.scores[i], i))[: max(keep, 0)])]
         return self.to_flat(chosen)
 
+    def to_grown(self, max_nodes: int, max_depth: int) -> GrownTree | None:
+        """This (greedy) tree, all of it, as a GrowReply carries it (None: over the wire's caps)."""
+        if len(self.tokens) > MAX_GROWN_NODES or max(self.depths) > MAX_GROWN_DEPTH:
+            return None
+        return GrownTree(prefix_len=self.prefix_len, token_ids=list(self.tokens), parents=list(self.parents),
+                         draft_logprobs=[float(lp) for lp in self.logps], expanded=[s >= 0 for s in self.slot],
+                         hinted=[i in self.hinted for i in range(len(self.tokens))], max_nodes=max_nodes,
+                         max_depth=max_depth)
+
+    @classmethod
+    def from_grown(cls, grown: GrownTree) -> DraftTree:
+        """A GrowReply's tree in memory (its structure checked: TreeError), an expanded node's
+        slot standing for its cache entry. Scores are its draft's but at hinted nodes and their
+        subtrees (the orchestrator's estimates, which re-rooting drops)."""
+        check_parents(grown.parents, max_nodes=MAX_GROWN_NODES, max_depth=MAX_GROWN_DEPTH)
+        g = cls(grown.token_ids[0], grown.prefix_len, branch=1)
+        for i in range(1, grown.num_nodes):
+            g.add(grown.parents[i], grown.token_ids[i], grown.draft_logprobs[i])
+            g.slot[i] = grown.prefix_len + i if grown.expanded[i] else -1
+        g.hinted = {i for i in range(1, grown.num_nodes) if grown.hinted[i]}
+        return g
+
     def to_flat(self, chosen: list[int] | None = None) -> FlatTree:
         """The FlatTree of ``chosen`` nodes (default: all), with sampled distributions if any."""
         chosen = list(range(len(self.tokens))) if chosen is None else chosen
@@ -342,6 +371,26 @@ class DraftTree:
             child_dist_ids=[list(self.dists[i][0]) if i in has_child else [] for i in chosen] if sampled else [],
             child_dist_probs=[list(self.dists[i][1]) if i in has_child else [] for i in chosen] if sampled else [],
         )
+
+
+def reroot_grown(grown: GrownTree, tokens: list[int], spec: TreeSpec) -> tuple[FlatTree, int] | None:
+    """What the draft answers a DraftRequest with after growing ``grown``, when the committed
+    tokens past its prefix are ``tokens`` (the verdict's accepted ones and bonus) and the round's
+    budget is ``spec``: the tree re-rooted along ``tokens`` and its ``max_nodes - 1`` most
+    probable nodes within ``max_depth`` (clamped to the draft's limits), with the nodes it
+    re-used; None where the draft would draft from scratch (the path leaves the tree, ends at
+    an unforwarded node, or keeps nothing). ``DraftEngine.draft_steps`` is the other half of
+    this rule; tests/test_reroot_local.py holds them to the same trees. TreeError: a malformed
+    ``grown``."""
+    g = DraftTree.from_grown(grown)
+    path = g.reroot_path(tokens)
+    if not path:
+        return None
+    new = g.rerooted(path[-1], grown.prefix_len + len(path), {s: s for s in g.slot if s >= 0})
+    if len(new) == 1:
+        return None
+    keep, depth = min(spec.max_nodes, grown.max_nodes) - 1, min(spec.max_depth, grown.max_depth)
+    return new.best_flat(keep, depth), len(new) - 1
 
 
 def lookup_continuation(context: list[int], *, max_tokens: int, min_ngram: int = 3, max_ngram: int = 8,

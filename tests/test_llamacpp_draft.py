@@ -159,3 +159,17 @@ def test_a_hinted_chain_grows_level_by_level_and_is_rerooted_at(lm_draft):
     assert not eng.store.get("h").draft_tree.hinted
     eng.handle(EndSession(session_id="h"))
     assert len(eng.pool) == free0
+
+
+def test_the_orchestrator_re_roots_a_grown_tree_as_the_llama_cpp_draft_does(lm_draft):
+    """``specsplit.tree.reroot_grown`` of a GrowReply's tree is the llama.cpp draft's next reply
+    too (its own re-rooting: sequences per node, the path joining the main sequence)."""
+    from tests.test_reroot_local import against_the_draft
+
+    eng = LlamaDraftEngine(lm_draft, EngineLimits(max_sessions=4, max_session_tokens=1024, max_tree_nodes=16),
+                           steps_after_reuse=0, grow_spares=2)
+    free0 = len(eng.pool)
+    seen = against_the_draft(eng, rounds=8)
+    assert seen["local"] >= 3 and seen["scratch"] >= 1, seen
+    eng.handle(EndSession(session_id="g"))
+    assert len(eng.pool) == free0

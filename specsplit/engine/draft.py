@@ -219,8 +219,8 @@ class DraftEngine(Engine):
         from the old root and the new root was forwarded; compacts the cache. None otherwise."""
         if g.prefix_len != sync.base_len or kv.length < g.prefix_len:
             return None
-        path = g.child_path([*sync.append_token_ids, root])
-        if not path or g.slot[path[-1]] < 0:
+        path = g.reroot_path([*sync.append_token_ids, root])
+        if not path:
             return None
         b = path[-1]
         expanded = sorted((n for n in g.kept_subtree(b)[1:] if g.slot[n] >= 0), key=lambda n: g.slot[n])
@@ -234,7 +234,7 @@ class DraftEngine(Engine):
         ``width`` per forward, while the budget lasts and no other request waits."""
         t0 = time.perf_counter()
         session = self.store.get(req.session_id)
-        grown = 0
+        grown, tree = 0, None
         if session is not None:
             with session.lock:
                 g = session.draft_tree
@@ -245,7 +245,17 @@ class DraftEngine(Engine):
                         g.add_hints(req.tree, req.node_probs, max_depth=2 * max(1, g.max_depth) - 1,
                                     max_nodes=self.max_kept_nodes - req.width * g.branch)
                     grown = self.guarded(session, lambda: self.drive(self._grow(session.kv, g, req, t0)))
-        return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=self.elapsed_ms(t0))
+                    tree = self._grown_tree(g) if req.return_tree else None
+        return GrowReply(session_id=req.session_id, round=req.round, grown_nodes=grown, grow_ms=self.elapsed_ms(t0),
+                         tree=tree)
+
+    def _grown_tree(self, g: DraftTree):
+        """The grown tree for the orchestrator to re-root itself (``specsplit.tree.reroot_grown``),
+        where the next DraftReply is that re-rooted tree and nothing more: no draft steps after
+        re-rooting (``steps_after_reuse`` 0). None otherwise."""
+        if self.steps_after_reuse != 0:
+            return None
+        return g.to_grown(self.limits.max_tree_nodes, self.limits.max_tree_depth)
 
     def _check_hints(self, g: DraftTree, req: GrowRequest) -> None:
         """A GrowRequest's tree: valid, greedy and rooted at the round's root; else TreeError

@@ -160,8 +160,8 @@ class LlamaDraftEngine(_LlamaEngineMixin, DraftEngine):
         root's expanded subtree keeps its sequences, the rest are freed."""
         if g.prefix_len != sync.base_len or kv.prefix != g.prefix_len:
             return None
-        path = g.child_path([*sync.append_token_ids, root])
-        if not path or g.slot[path[-1]] < 0:
+        path = g.reroot_path([*sync.append_token_ids, root])
+        if not path:
             return None
         b = path[-1]
         b_seq, b_pos = kv.slots[g.slot[b]]

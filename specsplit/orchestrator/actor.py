@@ -58,6 +58,7 @@ class ActorPolicy:
     grow_fraction: float = 0.9  # of the previous round's verify time
     grow_width: int = 4
     grow_chains: bool = True  # growth is told the chain proposers' nodes (specsplit.orchestrator.hints)
+    grow_reroot: bool = True  # re-root the grown tree here (GrowReply.tree): no draft round trip then
     specpv: SpecPVSpec | None = None  # the fleet's default for requests without their own (None: off)
     # no draft worker: every round is plain (its root, plus prompt-lookup nodes when greedy)
     lookup_only: bool = False

@@ -43,7 +43,7 @@ class Orchestrator:
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
-            grow_chains=settings.grow_chains,
+            grow_chains=settings.grow_chains, grow_reroot=settings.grow_reroot,
             specpv=settings.specpv_spec(), lookup_only=settings.speculator == "lookup",
             proposers=settings.proposer_names(),
         )

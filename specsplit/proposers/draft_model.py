@@ -1,16 +1,25 @@
 """The draft model as a proposer: a DraftRequest to the draft workers (through the session's
 recovering RPC call), which answer with a tree of the round's budget; while the target verifies
-it, the worker may grow that tree (a fire-and-forget GrowRequest) so the next round starts from
-it. The only tree proposer, and the only proposer a sampled session uses."""
+it, the worker may grow that tree (a GrowRequest) so the next round starts from it. The only
+tree proposer, and the only proposer a sampled session uses.
+
+Re-rooting without a round trip (``grow_reroot``): the GrowReply carries the grown tree, so when
+it is back before the verdict the next round re-roots it here (``specsplit.tree.reroot_grown``,
+the draft's own rule) and its tree goes to the target at once; the DraftRequest that re-roots the
+worker's copy goes beside it, its reply only checked at the next round. A round then waits for
+one worker, not two in turn: where forwards take a few milliseconds (GPUs), the draft's round
+trip was a large part of a round (docs/results.md, "host work in a round")."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 
-from schemas import DraftReply, DraftRequest, GrowRequest, SamplingSpec
+from schemas import DraftReply, DraftRequest, GrowReply, GrowRequest, SamplingSpec
+from specsplit.errors import SpecError
 from specsplit.orchestrator.hints import growth_hint
 from specsplit.proposers.base import Budget, Proposal, Proposer, Verdict, register
+from specsplit.tree import reroot_grown
 
 GROW_BUDGET_CAP_MS = 60_000.0  # a growth budget never exceeds a minute, however slow the last verify
 
@@ -29,10 +38,18 @@ class DraftModel(Proposer):
     def __init__(self, session, shared) -> None:
         super().__init__(session, shared)
         self._last_verify_ms = 0.0
-        self._grow_task: asyncio.Future | None = None  # the GrowRequest in flight
+        self._grow_task: asyncio.Future | None = None  # the GrowRequest in flight (or answered)
+        self._behind: asyncio.Future | None = None  # a DraftRequest sent beside a verify (``_reroot``)
 
     async def propose(self, committed: Sequence[int], budget: Budget, sampling: SamplingSpec, rnd: int) -> Proposal:
         s = self.session
+        await self._settle()
+        grown, self._grow_task = self._grow_task, None
+        local = self._reroot(grown, committed, budget, sampling, rnd)
+        if local is not None:
+            return local
+        if grown is not None and not grown.done():
+            grown.cancel()  # the DraftRequest below stops the growth (it yields to waiting requests)
 
         def build():
             return DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(), root=s.cur.committed[-1],
@@ -41,6 +58,56 @@ class DraftModel(Proposer):
         reply: DraftReply = await s.call(s.draft_rpc, build, self._reset)
         s.cur.after_draft()
         return Proposal(tree=reply.tree, draft_ms=reply.draft_ms, reused=reply.reused_nodes)
+
+    def _reroot(self, grown: asyncio.Future | None, committed: Sequence[int], budget: Budget,
+                sampling: SamplingSpec, rnd: int) -> Proposal | None:
+        """The grown tree re-rooted here when its GrowReply is back with the tree, the worker
+        holds the tree's prefix of ``committed`` and the committed tokens past it are a path of it
+        to an expanded node; the DraftRequest re-rooting the worker's copy is sent beside the
+        verify. None: ask the worker (a DraftRequest on the round's critical path)."""
+        s = self.session
+        if not (self.shared.policy.grow_reroot and sampling.greedy and grown is not None and grown.done()
+                and not grown.cancelled() and grown.exception() is None):
+            return None
+        reply = grown.result()
+        tree = reply.tree if isinstance(reply, GrowReply) else None
+        if tree is None or s.cur.draft_len != tree.prefix_len or len(committed) <= tree.prefix_len:
+            return None
+        try:
+            local = reroot_grown(tree, list(committed[tree.prefix_len:]), budget.spec)
+        except SpecError as exc:  # a malformed tree: the worker drafts as usual
+            s.log.warning("grown_tree_refused", error=str(exc))
+            return None
+        if local is None:
+            return None
+        req = DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(), root=committed[-1],
+                           tree=budget.spec, sampling=sampling)
+        s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
+        self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
+                                                              timeout_s=self.shared.policy.rpc_timeout_s))
+        self._behind.add_done_callback(_swallow)
+        return Proposal(tree=local[0], draft_ms=0.0, reused=local[1])
+
+    async def _settle(self) -> None:
+        """The DraftRequest sent beside the last verify: answered (it normally is, long since),
+        or its worker's state is unknown and the next request resends the whole context."""
+        task, self._behind = self._behind, None
+        if task is None:
+            return
+        if not task.done():
+            await asyncio.wait({task}, timeout=self.shared.policy.rpc_timeout_s)
+        ok = (task.done() and not task.cancelled() and task.exception() is None
+              and isinstance(task.result(), DraftReply))
+        if not ok:
+            if not task.done():
+                why = "timeout"
+            elif task.cancelled():
+                why = "cancelled"
+            else:
+                why = repr(task.exception() or task.result())[:200]
+            task.cancel()
+            self._reset()
+            self.session.log.info("draft_behind_failed", reason=why)
 
     def verifying(self, cands, rnd: int, sampling: SamplingSpec, cost) -> float:
         """Grow this round's tree while the target verifies it, told the other proposers' nodes
@@ -63,8 +130,9 @@ class DraftModel(Proposer):
         hint, probs = growth_hint(cands, cost) if p.grow_chains else (None, [])
         budget = min(GROW_BUDGET_CAP_MS, p.grow_fraction * self._last_verify_ms)
         req = GrowRequest(session_id=s.sid, round=rnd, budget_ms=budget, width=p.grow_width, tree=hint,
-                          node_probs=probs)
-        self.close()  # the previous round's grow has answered or is moot
+                          node_probs=probs, return_tree=p.grow_reroot)
+        if self._grow_task is not None:  # an earlier round's grow has answered or is moot
+            self._grow_task.cancel()
         task = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid, timeout_s=p.rpc_timeout_s))
         task.add_done_callback(_swallow)
         self._grow_task = task  # a reference, so it is neither collected nor left behind
@@ -74,6 +142,7 @@ class DraftModel(Proposer):
         self._last_verify_ms = verdict.verify_ms
 
     def close(self) -> None:
-        if self._grow_task is not None and not self._grow_task.done():
-            self._grow_task.cancel()
-        self._grow_task = None
+        for task in (self._grow_task, self._behind):
+            if task is not None and not task.done():
+                task.cancel()
+        self._grow_task = self._behind = None
