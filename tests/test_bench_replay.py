@@ -5,6 +5,7 @@ whatever the engine's own verdict; malformed traces fail with a clear message.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -233,6 +234,11 @@ def test_a_grown_tree_s_draft_overlaps_the_verify_before_it():
     grown = [replay.ReplayedRound("t", "a", k, 10, 3, 0, 1, 1, 0, 20.0, 20.0, 0.0, 0.0, 0.0, True, 1, draft, 0,
                                   grow, False) for k, draft, grow in ((1, 30.0, 25.0), (2, 2.0, 10.0), (3, 3.0, None))]
     assert replay_report.grown_draft_ms(grown) == 30 + (5 + 2) + (0 + 3)
+    # a round that re-rooted growth that ended within the verify before it: the orchestrator
+    # re-roots the tree itself (the draft's request beside the verify); after an overrun it waits
+    rerooted = [dataclasses.replace(r, rerooted=True) if r.round > 1 else r for r in grown]
+    assert replay_report.grown_draft_ms(rerooted) == 30 + (5 + 2) + 0
+    assert replay_report.grown_draft_ms(rerooted, local=False) == 30 + (5 + 2) + (0 + 3)
 
 
 @pytest.mark.parametrize("corrupt, message", [

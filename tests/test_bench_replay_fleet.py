@@ -112,3 +112,45 @@ def test_overlap_needs_the_draft(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", session_lines("b", 33, PLAN_B))
     assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--overlap"]) == 1
     assert "--draft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft_reroots", [False, True])
+def test_a_round_after_growth_that_answered_first_sends_its_draft_beside_the_verify(tmp_path, monkeypatch,
+                                                                                   draft_reroots):
+    """Where the growth answered before its verify (a verify slower than the growth: a target
+    slowed by 150 ms here), the rounds the trace re-rooted re-root the GrowReply's tree in the
+    replay, as the orchestrator does: their DraftRequest goes beside the verify and their fleet
+    ms is the verify's round trip alone; the draft still re-roots its copy. ``--draft-reroots``
+    (SPECSPLIT_GROW_REROOT off): they ask the draft first, as before."""
+    import time
+
+    from schemas import VerifyRequest
+    from specsplit.engine.target import TargetEngine
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(replayer, "GROW_FRACTION", 5.0)
+    real = TargetEngine.handle
+
+    def slow(self, msg):
+        if isinstance(msg, VerifyRequest):
+            time.sleep(0.15)
+        return real(self, msg)
+
+    monkeypatch.setattr(TargetEngine, "handle", slow)
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
+                        "--draft", "--json", str(out), *(["--draft-reroots"] if draft_reroots else [])]) == 0
+    data = json.loads(out.read_text())
+    by_round = {r["round"]: r for r in data["rounds"]}
+    assert all(by_round[k]["rerooted"] for k in (2, 3, 4)) and not by_round[1]["beside"]
+    if draft_reroots:
+        assert not any(r["beside"] for r in data["rounds"]) and data["summary"][path]["beside_rounds"] == 0
+        assert all(by_round[k]["fleet_ms"] > by_round[k]["wall_ms"] + by_round[k]["draft_ms"] for k in (2, 3, 4))
+    else:
+        assert all(by_round[k]["beside"] for k in (2, 3, 4)) and data["summary"][path]["beside_rounds"] == 3
+        for k in (2, 3, 4):  # the verify's round trip (the growth beside it ended first)
+            assert by_round[k]["fleet_ms"] == pytest.approx(by_round[k]["wall_ms"], abs=0.01)

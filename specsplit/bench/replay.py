@@ -98,6 +98,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     arrangement.add_argument("--overlap", action="store_true",
                    help="with the draft: both engines in this process, each on its own thread and CUDA stream, "
                         "the growth beside the verify, timed as --fleet times them")
+    p.add_argument("--draft-reroots", action="store_true",
+                   help="--fleet/--overlap: every re-rooting round asks the draft first (SPECSPLIT_GROW_REROOT off); "
+                        "default: the orchestrator re-roots the grown tree and the draft's request goes beside the verify")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write every figure as JSON to FILE")
     return p.parse_args(argv)
 

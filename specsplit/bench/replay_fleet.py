@@ -34,12 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import CacheSync, ErrorReply, FlatTree, GrowRequest, Message, VerifyReply, VerifyRequest
+from schemas import (
+    CacheSync, DraftReply, DraftRequest, ErrorReply, FlatTree, GrownTree, GrowReply, GrowRequest, Message, VerifyReply,
+    VerifyRequest,
+)
 from specsplit.bench import replayer
 from specsplit.bench.replay_trace import TracedRound, TracedSession
 from specsplit.bench.replayer import ReplayedRound, Replayer, ReplayError
 from specsplit.openmp import set_worker_openmp
-from specsplit.tree import path_to
+from specsplit.tree import DraftTree, reroot_grown
 
 RPC_TIMEOUT_S = 300.0  # a request's longest wait (a first forward of a shape may compile kernels)
 READY_TIMEOUT_S = 600.0  # the workers' model loads and graph captures
@@ -146,9 +149,11 @@ class FleetReplayer(Replayer):
     timed as the fleet runs them (module doc)."""
 
     def __init__(self, engine: RemoteEngine | ThreadedEngine, seed: int = 0,
-                 draft: RemoteEngine | ThreadedEngine | None = None, branch: int = 2) -> None:
+                 draft: RemoteEngine | ThreadedEngine | None = None, branch: int = 2, local_reroot: bool = True) -> None:
         super().__init__(engine, seed, draft, branch)
-        self._trees: dict[str, FlatTree] = {}  # the draft's last tree per session (its reply's)
+        self.local_reroot = local_reroot  # the orchestrator re-roots grown trees (SPECSPLIT_GROW_REROOT)
+        self._grown_trees: dict[str, GrownTree] = {}  # the last GrowReply's tree per session
+        self._grew_first: dict[str, bool] = {}  # the last growth answered before its verify
         self._last_verify_ms = 0.0  # the device's latest verify: the next growth's budget
         self.draft_wall_ms = 0.0  # the last draft request's round trip
 
@@ -161,25 +166,13 @@ class FleetReplayer(Replayer):
         t0 = time.perf_counter()
         reply = super()._request(sid, sync, root, spec)
         self.draft_wall_ms = (time.perf_counter() - t0) * 1e3
-        self._trees[sid] = reply.tree
         return reply
 
     def grown_path(self, sid: str, committed: int) -> list[int]:
-        """A path of the draft's last tree (its reply's: the growth's nodes stay in its process)
-        to a node at most ``committed`` deep, the deepest, then the most probable; the draft
-        re-roots there when its growth forwarded that node. [] when none."""
-        tree = self._trees.get(sid) if sid in self._grown else None
-        if tree is None or committed < 1:
-            return []
-        depth, score = [0] * len(tree.parents), [0.0] * len(tree.parents)
-        for i in range(1, len(tree.parents)):
-            p = tree.parents[i]
-            depth[i], score[i] = depth[p] + 1, score[p] + (tree.draft_logprobs[i] if tree.draft_logprobs else 0.0)
-        ends = [i for i in range(1, len(depth)) if depth[i] <= committed]
-        if not ends:
-            return []
-        end = max(ends, key=lambda i: (depth[i], score[i], -i))
-        return [tree.token_ids[a] for a in path_to(end, tree.parents)[1:]]
+        """A path of the last GrowReply's tree (the draft's, in its process) to a forwarded node
+        at most ``committed`` deep, as ``Replayer.grown_path`` picks it. [] when none."""
+        grown = self._grown_trees.get(sid) if sid in self._grown else None
+        return replayer.forwarded_path(DraftTree.from_grown(grown), committed) if grown is not None else []
 
     def decode(self, sid, held, c, s, out):
         held = super().decode(sid, held, c, s, out)
@@ -190,7 +183,24 @@ class FleetReplayer(Replayer):
         try:
             return super().session(s, prompt, sid)
         finally:
-            self._trees.pop(sid or s.session, None)
+            self._grown_trees.pop(sid or s.session, None)
+            self._grew_first.pop(sid or s.session, None)
+
+    def _beside(self, sid: str, r: TracedRound, reuse: int) -> DraftRequest | None:
+        """The DraftRequest the orchestrator sends beside round ``r``'s verify, having re-rooted
+        the grown tree itself (``specsplit.proposers.draft_model``): where the trace's round
+        re-rooted, the last growth answered before its verify and its tree re-roots along the
+        path taken (``reroot_grown``). None: the round asks the draft first."""
+        spec = self.draft_spec(r)
+        if not (self.local_reroot and reuse and spec is not None and self._grew_first.get(sid)):
+            return None
+        path = self.grown_path(sid, reuse)
+        if not path or reroot_grown(self._grown_trees[sid], path, spec) is None:
+            return None
+        self._grown.discard(sid)
+        rnd = self._round[f"draft-{sid}"] = self._round.get(f"draft-{sid}", -1) + 1
+        sync = CacheSync(base_len=self._draft_held[sid], append_token_ids=path[:-1])
+        return DraftRequest(session_id=sid, round=rnd, sync=sync, root=path[-1], tree=spec)
 
     def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
         sync = r.sync_tokens if r.clean else 0
@@ -198,42 +208,60 @@ class FleetReplayer(Replayer):
         catchup = max(0, base - held)
         if catchup:
             held = self.catch_up(sid, held, base)
-        draft_ms, draft_wall, rerooted = None, 0.0, False
+        draft_ms, draft_wall, rerooted, beside = None, 0.0, False, None
         if self.draft is not None and r.clean:
             before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
             committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
-            draft_ms, rerooted = self.draft_round(sid, r, committed if r.reused else 0)  # untimed catch-up inside
-            draft_wall = self.draft_wall_ms if draft_ms else 0.0
+            reuse = committed if r.reused else 0
+            beside = self._beside(sid, r, reuse)
+            if beside is None:
+                draft_ms, rerooted = self.draft_round(sid, r, reuse)  # untimed catch-up inside
+                draft_wall = self.draft_wall_ms if draft_ms else 0.0
         rnd = self._round[sid] = self._round.get(sid, -1) + 1
         req = VerifyRequest(session_id=sid, round=rnd, tree=FlatTree(token_ids=self.tokens(len(r.parents)),
                                                                      parents=list(r.parents)),
                             sync=CacheSync(base_len=base, append_token_ids=self.tokens(sync),
                                            prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0))
-        growing = None
+        growing = drafting = None
         t0 = time.perf_counter()
         verifying = self.engine.submit(req)
-        if draft_ms and self._last_verify_ms > 0:
+        if beside is not None:
+            drafting = self.draft.submit(beside)
+        if (draft_ms or beside is not None) and self._last_verify_ms > 0:
             rnd_d = self._round.get(f"draft-{sid}", 0)
             growing = self.draft.submit(GrowRequest(session_id=sid, round=rnd_d, width=replayer.GROW_WIDTH,
-                                                    budget_ms=replayer.GROW_FRACTION * self._last_verify_ms))
+                                                    budget_ms=replayer.GROW_FRACTION * self._last_verify_ms,
+                                                    return_tree=True))
         reply = verifying.result(RPC_TIMEOUT_S + 10)
         t1 = verifying.stamp[0]
         if isinstance(reply, ErrorReply):
             raise ReplayError(f"session {sid} request {rnd}: the target answered {reply.code}: {reply.message}")
+        if drafting is not None:
+            drafted = drafting.result(RPC_TIMEOUT_S + 10)
+            if not isinstance(drafted, DraftReply):
+                raise ReplayError(f"draft session {sid} request {beside.round}: the draft answered {drafted!r}"[:300])
+            self._draft_held[sid] = beside.sync.base_len + len(beside.sync.append_token_ids) + 1
+            draft_ms, rerooted = drafted.draft_ms, drafted.reused_nodes > 0
         grow_ms, overrun = None, 0.0
         if growing is not None:
             grown = growing.result(RPC_TIMEOUT_S + 10)
-            if isinstance(grown, ErrorReply):
-                raise ReplayError(f"draft session {sid} grow: the draft answered {grown.code}: {grown.message}")
+            if not isinstance(grown, GrowReply):
+                raise ReplayError(f"draft session {sid} grow: the draft answered {grown!r}"[:300])
             self._grown.add(sid)
+            if grown.tree is not None:
+                self._grown_trees[sid] = grown.tree
+            else:
+                self._grown_trees.pop(sid, None)
             grow_ms, overrun = grown.grow_ms, max(0.0, growing.stamp[0] - t1) * 1e3
+            self._grew_first[sid] = overrun == 0.0
         self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
         if r.clean:
             self._last_verify_ms = reply.verify_ms
         out.append(ReplayedRound(
             s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
             catchup, reply.verify_ms, (t1 - t0) * 1e3, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size,
-            draft_ms, r.reused, grow_ms, rerooted, fleet_ms=draft_wall + (t1 - t0) * 1e3 + overrun))
+            draft_ms, r.reused, grow_ms, rerooted, fleet_ms=draft_wall + (t1 - t0) * 1e3 + overrun,
+            beside=beside is not None))
         return min(reply.cache_len, r.context_len + r.accepted)
 
 
@@ -295,7 +323,8 @@ def run_fleet(args, sessions, started: float, progress) -> tuple[dict[str, Any],
             left = READY_TIMEOUT_S if args.max_seconds is None else args.max_seconds - (time.perf_counter() - started)
             target, draft_engine = fleet.connect(min(READY_TIMEOUT_S, max(left, 1.0)))
             progress(f"fleet ready in {time.perf_counter() - started:.0f}s")
-            replayer = FleetReplayer(target, args.seed, draft_engine, trace_branch(args.trace))
+            replayer = FleetReplayer(target, args.seed, draft_engine, trace_branch(args.trace),
+                                     local_reroot=not args.draft_reroots)
             if args.max_seconds is not None:
                 replayer.deadline = started + args.max_seconds
             rounds, alone = run(replayer, sessions, progress=progress)
@@ -315,7 +344,8 @@ def run_overlap(args, sessions, started: float, progress) -> tuple[dict[str, Any
         raise ReplayError("--overlap replays the draft's growth beside the verify: add --draft or --draft-config")
     engines = [ThreadedEngine(target, "target"), ThreadedEngine(draft, "draft")]
     try:
-        replayer = FleetReplayer(engines[0], args.seed, engines[1], trace_branch(args.trace))
+        replayer = FleetReplayer(engines[0], args.seed, engines[1], trace_branch(args.trace),
+                                 local_reroot=not args.draft_reroots)
         if args.max_seconds is not None:
             replayer.deadline = started + args.max_seconds
         rounds, alone = run(replayer, sessions, progress=progress)

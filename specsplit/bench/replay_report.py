@@ -50,11 +50,15 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
         out["rerooted_rounds"] = sum(1 for r in clean if r.rerooted)
         out["rerooted"] = f"{out['rerooted_rounds']} ({out['recorded_reused_rounds']})"
         out["grown_during_verify_tok_s"] = _per_s(tokens, verify + out["grown_draft_ms"])
+        # the same with the draft re-rooting every grown tree on the round's critical path (GROW_REROOT off)
+        out["grown_draft_ms_draft_reroots"] = round(grown_draft_ms(rounds, local=False), 3)
+        out["grown_during_verify_draft_reroots_tok_s"] = _per_s(tokens, verify + out["grown_draft_ms_draft_reroots"])
     a = out["alone_tok_s"]
     fleet = [r.fleet_ms for r in clean if r.fleet_ms is not None]
     if clean and len(fleet) == len(clean):  # measured with the growth beside the verify (``--fleet``, ``--overlap``)
         alone_wall = sum(s.wall_ms for s in alone)
         out |= {"fleet_ms": round(sum(fleet), 3), "fleet_tok_s": _per_s(tokens, sum(fleet)),
+                "beside_rounds": sum(1 for r in clean if r.beside),
                 "alone_wall_ms": round(alone_wall, 3), "alone_wall_tok_s": _per_s(len(alone), alone_wall)}
         out["fleet_vs_alone"] = round(out["fleet_tok_s"] / a, 3) if a else 0.0
         w = out["alone_wall_tok_s"]
@@ -68,21 +72,25 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
     return out
 
 
-def grown_draft_ms(rounds: Sequence[ReplayedRound]) -> float:
+def grown_draft_ms(rounds: Sequence[ReplayedRound], local: bool = True) -> float:
     """The replayed draft ms on the critical path of the clean rounds, the draft on its own
     device as in the fleet. Where the growth after the previous round's draft was replayed
-    (``grow_ms``), it ran during that round's verify: a round's draft waits for what of it
-    outlasts that verify, then takes its own ms (a re-rooting request's where the trace's round
-    re-rooted and the replayed growth left a path to re-root at; else a draft from scratch).
-    Without replayed growth, a round whose tree was grown during the previous round's verify
-    (``reused``) adds only what its draft outlasts that verify; any other round its whole draft."""
+    (``grow_ms``), it ran during that round's verify: a round that re-rooted the grown tree
+    after growth that ended within that verify adds nothing (``local``: the orchestrator
+    re-roots the GrowReply's tree itself, SPECSPLIT_GROW_REROOT, the draft's request beside the
+    verify); otherwise its draft waits for what of the growth outlasts that verify, then takes
+    its own ms (a re-rooting request's where the trace's round re-rooted and the replayed growth
+    left a path to re-root at; else a draft from scratch). Without replayed growth, a round whose
+    tree was grown during the previous round's verify (``reused``) adds only what its draft
+    outlasts that verify; any other round its whole draft."""
     total, before = 0.0, None
     for r in rounds:
         if r.clean and r.draft_ms is not None:
             follows = (before is not None and before.round == r.round - 1
                        and (before.trace, before.session) == (r.trace, r.session))
             if follows and before.grow_ms is not None:
-                total += max(0.0, before.grow_ms - before.verify_ms) + r.draft_ms
+                if not (local and r.rerooted and before.grow_ms <= before.verify_ms):
+                    total += max(0.0, before.grow_ms - before.verify_ms) + r.draft_ms
             elif follows and r.reused > 0:
                 total += max(0.0, r.draft_ms - before.verify_ms)
             else:
@@ -131,7 +139,7 @@ DRAFT_COLUMNS = (("with replayed draft tok/s", "with_replayed_draft_tok_s"),
                  ("grown during verify / alone", "grown_during_verify_vs_alone"))
 
 
-FLEET_COLUMNS = (("fleet tok/s", "fleet_tok_s"), ("fleet / alone", "fleet_vs_alone"),
+FLEET_COLUMNS = (("draft beside verify", "beside_rounds"), ("fleet tok/s", "fleet_tok_s"), ("fleet / alone", "fleet_vs_alone"),
                  ("alone via router tok/s", "alone_wall_tok_s"), ("fleet / alone via router", "fleet_vs_alone_wall"))
 
 

@@ -26,7 +26,7 @@ from schemas import (
 )
 from specsplit.bench.replay_trace import TracedRound, TracedSession
 from specsplit.orchestrator.replay import read_trace, segments
-from specsplit.tree import depths_of, path_to
+from specsplit.tree import DraftTree, depths_of, path_to
 
 GROW_FRACTION, GROW_WIDTH = 0.9, 4  # the fleet's growth after a draft: SPECSPLIT_GROW_FRACTION, SPECSPLIT_GROW_WIDTH
 MIN_ROUNDS = 3  # ``--max-seconds`` stops a replay only after this many rounds
@@ -59,6 +59,7 @@ class ReplayedRound:
     grow_ms: float | None = None  # the replayed growth after its draft (None: not replayed)
     rerooted: bool = False  # the replayed draft re-rooted the tree grown during the verify before
     fleet_ms: float | None = None  # the round's critical path, measured (``--fleet``, ``--overlap``)
+    beside: bool = False  # its draft request went beside the verify: the grown tree re-rooted by the orchestrator
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +192,7 @@ class Replayer:
         round stands for, on weights whose trees are not the real pair's. [] when none."""
         session = self.draft.store.get(sid)
         g = getattr(session, "draft_tree", None) if sid in self._grown else None
-        if g is None or committed < 1:
-            return []
-        ends = [i for i in range(1, len(g.tokens)) if g.slot[i] >= 0 and g.depths[i] <= committed]
-        if not ends:
-            return []
-        end = max(ends, key=lambda i: (g.depths[i], g.scores[i], -i))
-        return [g.tokens[a] for a in path_to(end, g.parents)[1:]]
+        return forwarded_path(g, committed) if g is not None else []
 
     def draft_round(self, sid: str, r: TracedRound, reuse: int = 0) -> tuple[float, bool]:
         """(ms, re-rooted) of the draft's request for round ``r`` (0 ms for a root-only round).
@@ -206,10 +201,9 @@ class Replayer:
         fleet's re-rooting does; otherwise, or with no such path, the draft's cache is brought
         to the round's context (untimed) and one timed request drafts a tree of the recorded
         size and depth from scratch."""
-        nodes, depth = len(r.drafted), max(depths_of(r.drafted))
-        if nodes < 2 or depth < 1:
+        spec = self.draft_spec(r)
+        if spec is None:
             return 0.0, False
-        spec = TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
         path = self.grown_path(sid, reuse) if reuse else []
         self._grown.discard(sid)
         if path:
@@ -224,6 +218,14 @@ class Replayer:
         ms = self._draft(sid, base, r.context_len - 1 - base, spec)  # the reply's, as verify's: graph captures out
         self._draft_held[sid] = r.context_len
         return ms, False
+
+    def draft_spec(self, r: TracedRound) -> TreeSpec | None:
+        """The budget of round ``r``'s draft request: the recorded tree's size and depth
+        (``min_path_prob`` 0, so random weights build it whole); None for a root-only round."""
+        nodes, depth = len(r.drafted), max(depths_of(r.drafted))
+        if nodes < 2 or depth < 1:
+            return None
+        return TreeSpec(max_nodes=nodes, max_depth=depth, branch=self.branch, min_path_prob=0.0)
 
     def _draft(self, sid: str, base: int, append: int, spec: TreeSpec) -> float:
         """One draft request of random tokens; its reply's draft_ms."""
@@ -246,6 +248,16 @@ class Replayer:
         self.expect(sid, reply, c, f"decoding at context {c}")
         out.append(AloneStep(s.trace, s.session, c, reply.verify_ms, wall))
         return c
+
+
+def forwarded_path(g: DraftTree, committed: int) -> list[int]:
+    """Tokens of a path of ``g`` from its root to a forwarded node at most ``committed`` deep (the
+    deepest, then the most probable, then the first); [] when none."""
+    ends = [i for i in range(1, len(g.tokens)) if g.slot[i] >= 0 and g.depths[i] <= committed]
+    if not ends:
+        return []
+    end = max(ends, key=lambda i: (g.depths[i], g.scores[i], -i))
+    return [g.tokens[a] for a in path_to(end, g.parents)[1:]]
 
 
 def run(replayer: Replayer, sessions: Sequence[TracedSession], *, warmup_rounds: int = 3,
