@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from schemas import (
-    CacheSync, DraftReply, DraftRequest, ErrorReply, FlatTree, GrownTree, GrowReply, GrowRequest, Message, VerifyReply,
+    CacheSync,
+    DraftReply,
+    DraftRequest,
+    ErrorReply,
+    FlatTree,
+    GrownTree,
+    GrowReply,
+    GrowRequest,
+    Message,
+    VerifyReply,
     VerifyRequest,
 )
 from specsplit.bench import replayer
