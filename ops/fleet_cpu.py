@@ -100,8 +100,14 @@ def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0) 
              "verify (engine)": mean(lambda r: r["verify_ms"]),
              "verify round trip": mean(lambda r: r["verify_rpc_ms"] - r["verify_ms"]),
              "plan, commit, stream": mean(lambda r: r["wall_ms"] - r["propose_ms"] - r["verify_rpc_ms"])}
+    drafted = [r for r in clean if r["drafted_nodes"] > 0]
     return {
         "rounds": len(rounds), "clean_rounds": len(clean), "wall_s": round(wall_s, 3),
+        # clean rounds that drafted; re-rooted a grown tree here (SPECSPLIT_GROW_REROOT: no draft round trip,
+        # draft_ms 0) or in the draft (its reply's ms)
+        "drafted_rounds": len(drafted),
+        "rerooted_here": sum(1 for r in drafted if r["reused"] > 0 and r["draft_ms"] == 0),
+        "rerooted_by_draft": sum(1 for r in drafted if r["reused"] > 0 and r["draft_ms"] > 0),
         "wall_ms_per_round": round(wall_s * 1e3 / len(rounds), 3),
         "tokens_per_round": round(statistics.fmean(len(r["accepted_token_ids"]) + 1 for r in clean), 3) if clean else 0,
         "cpu_ms_per_round": {name: round((after[name] - before[name]) / len(rounds), 3) for name in before},
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(s.split("=", 1) for s in args.settings)
     out = measure(args.prompts, args.tokens, settings)
     print(f"{out['rounds']} rounds, {out['tokens_per_round']} tokens a round, {out['wall_ms_per_round']} ms a round")
+    print(f"{out['drafted_rounds']} clean drafted rounds: {out['rerooted_here']} re-rooted here (no draft round trip), "
+          f"{out['rerooted_by_draft']} by the draft")
     print("| process | CPU ms a round |\n|---|---:|")
     for name, ms in out["cpu_ms_per_round"].items():
         print(f"| {name} | {ms:.2f} |")
