@@ -52,6 +52,7 @@ def replay_rows(path: Path) -> list[str]:
         for name, key in (("verify only", "verify_only_vs_alone"),
                           ("with replayed draft", "with_replayed_draft_vs_alone"),
                           ("grown during verify", "grown_during_verify_vs_alone"),
+                          ("grown during verify, the draft re-rooting first", "grown_during_verify_draft_reroots_vs_alone"),
                           (measured, "fleet_vs_alone"),
                           (f"{measured}, alone's round trips", "fleet_vs_alone_wall")):
             if key in s:

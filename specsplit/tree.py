@@ -379,18 +379,41 @@ def reroot_grown(grown: GrownTree, tokens: list[int], spec: TreeSpec) -> tuple[F
     budget is ``spec``: the tree re-rooted along ``tokens`` and its ``max_nodes - 1`` most
     probable nodes within ``max_depth`` (clamped to the draft's limits), with the nodes it
     re-used; None where the draft would draft from scratch (the path leaves the tree, ends at
-    an unforwarded node, or keeps nothing). ``DraftEngine.draft_steps`` is the other half of
-    this rule; tests/test_reroot_local.py holds them to the same trees. TreeError: a malformed
-    ``grown``."""
-    g = DraftTree.from_grown(grown)
-    path = g.reroot_path(tokens)
-    if not path:
+    an unforwarded node, or keeps nothing). The draft's rule (``DraftTree.reroot_path``,
+    ``rerooted``, ``best_flat``) on the wire's lists, without building the tree: the orchestrator
+    runs it on a round's critical path (~0.1 ms for 256 nodes). tests/test_reroot_local.py holds
+    the two to the same trees. TreeError: a malformed ``grown``."""
+    layout = check_parents(grown.parents, max_nodes=MAX_GROWN_NODES, max_depth=MAX_GROWN_DEPTH)
+    ids, parents, logps, hinted = grown.token_ids, grown.parents, grown.draft_logprobs, grown.hinted
+    node = 0
+    for tok in tokens:  # the first child spelling each token, as ``child_path``
+        node = next((c for c in layout.children[node] if ids[c] == tok), -1)
+        if node < 0:
+            return None
+    if not tokens or not grown.expanded[node]:
         return None
-    new = g.rerooted(path[-1], grown.prefix_len + len(path), {s: s for s in g.slot if s >= 0})
-    if len(new) == 1:
+    # the kept subtree (``kept_subtree``: hinted nodes and theirs dropped), re-indexed in order
+    index, kept = {node: 0}, [node]
+    scores, depths = [0.0], [0]
+    for i in range(node + 1, len(parents)):
+        p = index.get(parents[i])
+        if p is not None and not hinted[i]:
+            index[i] = len(kept)
+            kept.append(i)
+            scores.append(scores[p] + logps[i])
+            depths.append(depths[p] + 1)
+    if len(kept) == 1:
         return None
-    keep, depth = min(spec.max_nodes, grown.max_nodes) - 1, min(spec.max_depth, grown.max_depth)
-    return new.best_flat(keep, depth), len(new) - 1
+    keep, max_depth = min(spec.max_nodes, grown.max_nodes) - 1, min(spec.max_depth, grown.max_depth)
+    eligible = [j for j in range(1, len(kept)) if depths[j] <= max_depth]
+    chosen = [0, *sorted(sorted(eligible, key=lambda j: (-scores[j], j))[: max(keep, 0)])]
+    at = {j: k for k, j in enumerate(chosen)}
+    new_parents = [-1] + [at.get(index[parents[kept[j]]], -1) for j in chosen[1:]]
+    if -1 in new_parents[1:]:  # a child outranked its parent: a log-probability above 0 (or NaN)
+        raise TreeError("the grown tree's best nodes leave out a parent of one of them")
+    tree = FlatTree(token_ids=[ids[kept[j]] for j in chosen], parents=new_parents,
+                    draft_logprobs=[0.0] + [logps[kept[j]] for j in chosen[1:]])
+    return tree, len(kept) - 1
 
 
 def lookup_continuation(context: list[int], *, max_tokens: int, min_ngram: int = 3, max_ngram: int = 8,

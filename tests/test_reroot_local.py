@@ -138,6 +138,11 @@ def test_a_malformed_grown_tree_is_refused():
     for bad in [{"parents": [-1, 2, 0]}, {"parents": [-1, 0, 7]}, {"parents": [0, 0, 1]}]:
         with pytest.raises(TreeError):
             reroot_grown(GrownTree(**{**ok, **bad}), [5], spec)
+    # a child that outranks its parent (log-probs are never above 0): no tree that drops the parent
+    chain = dict(ok, token_ids=[4, 5, 6, 7], parents=[-1, 0, 1, 2], draft_logprobs=[0.0, -0.1, -5.0, 10.0],
+                 expanded=[True, True, False, False], hinted=[False] * 4)
+    with pytest.raises(TreeError):
+        reroot_grown(GrownTree(**chain), [5], TreeSpec(max_nodes=2, max_depth=4, branch=2))
     for bad in [{"expanded": [True]}, {"hinted": [False] * 4}, {"draft_logprobs": [0.0, 1]}, {"max_nodes": 0},
                 {"prefix_len": 0}, {"token_ids": [4, 5, -6]}]:
         with pytest.raises(ValidationError):

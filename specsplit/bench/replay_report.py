@@ -66,6 +66,8 @@ def summarize(rounds: Sequence[ReplayedRound], alone: Sequence[AloneStep]) -> di
     if "replayed_draft_ms" in out:
         out["with_replayed_draft_vs_alone"] = round(out["with_replayed_draft_tok_s"] / a, 3) if a else 0.0
         out["grown_during_verify_vs_alone"] = round(out["grown_during_verify_tok_s"] / a, 3) if a else 0.0
+        out["grown_during_verify_draft_reroots_vs_alone"] = (
+            round(out["grown_during_verify_draft_reroots_tok_s"] / a, 3) if a else 0.0)
     out["verify_only_vs_alone"] = round(out["verify_only_tok_s"] / a, 3) if a else 0.0
     out["with_draft_vs_alone"] = round(out["with_draft_tok_s"] / a, 3) if a else 0.0
     out["paired_median_vs_alone"] = paired_median(clean, alone)

@@ -8,7 +8,7 @@ it is back before the verdict the next round re-roots it here (``specsplit.tree.
 the draft's own rule) and its tree goes to the target at once; the DraftRequest that re-roots the
 worker's copy goes beside it, its reply only checked at the next round. A round then waits for
 one worker, not two in turn: where forwards take a few milliseconds (GPUs), the draft's round
-trip was a large part of a round (docs/results.md, "host work in a round")."""
+trip was a large part of a round (docs/results.md, `ops/fleet_cpu.py`)."""
 
 from __future__ import annotations
 
