@@ -212,25 +212,17 @@ class FleetReplayer(Replayer):
         return DraftRequest(session_id=sid, round=rnd, sync=sync, root=path[-1], tree=spec)
 
     def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
-        sync = r.sync_tokens if r.clean else 0
-        base = r.context_len - 1 - sync
-        catchup = max(0, base - held)
-        if catchup:
-            held = self.catch_up(sid, held, base)
+        sync, catchup, held = self.place(sid, held, r)
         draft_ms, draft_wall, rerooted, beside = None, 0.0, False, None
         if self.draft is not None and r.clean:
-            before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
-            committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
-            reuse = committed if r.reused else 0
+            reuse = self.reuse(r, s, out)
             beside = self._beside(sid, r, reuse)
             if beside is None:
                 draft_ms, rerooted = self.draft_round(sid, r, reuse)  # untimed catch-up inside
                 draft_wall = self.draft_wall_ms if draft_ms else 0.0
         rnd = self._round[sid] = self._round.get(sid, -1) + 1
-        req = VerifyRequest(session_id=sid, round=rnd, tree=FlatTree(token_ids=self.tokens(len(r.parents)),
-                                                                     parents=list(r.parents)),
-                            sync=CacheSync(base_len=base, append_token_ids=self.tokens(sync),
-                                           prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0))
+        req = VerifyRequest(session_id=sid, round=rnd, sync=self.round_sync(r, s, sync),
+                            tree=FlatTree(token_ids=self.tokens(len(r.parents)), parents=list(r.parents)))
         growing = drafting = None
         t0 = time.perf_counter()
         verifying = self.engine.submit(req)
@@ -266,11 +258,8 @@ class FleetReplayer(Replayer):
         self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
         if r.clean:
             self._last_verify_ms = reply.verify_ms
-        out.append(ReplayedRound(
-            s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
-            catchup, reply.verify_ms, (t1 - t0) * 1e3, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size,
-            draft_ms, r.reused, grow_ms, rerooted, fleet_ms=draft_wall + (t1 - t0) * 1e3 + overrun,
-            beside=beside is not None))
+        out.append(self.row(r, s, sync, catchup, reply, (t1 - t0) * 1e3, draft_ms, grow_ms, rerooted,
+                            fleet_ms=draft_wall + (t1 - t0) * 1e3 + overrun, beside=beside is not None))
         return min(reply.cache_len, r.context_len + r.accepted)
 
 

@@ -155,25 +155,47 @@ class Replayer:
 
     def replay_round(self, sid: str, held: int, r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
         """Round ``r`` timed, its row appended to ``out``; the committed tokens the cache then holds."""
+        sync, catchup, held = self.place(sid, held, r)
+        reply, wall = self.send(sid, self.round_sync(r, s, sync), r.parents)
+        self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
+        draft_ms, grow_ms, rerooted = None, None, False
+        if self.draft is not None and r.clean:
+            draft_ms, rerooted = self.draft_round(sid, r, self.reuse(r, s, out))
+            grow_ms = self.grow(sid, GROW_FRACTION * reply.verify_ms) if draft_ms else None
+        out.append(self.row(r, s, sync, catchup, reply, wall, draft_ms, grow_ms, rerooted))
+        return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
+
+    def place(self, sid: str, held: int, r: TracedRound) -> tuple[int, int, int]:
+        """(sync tokens the timed forward carries, tokens an untimed catch-up appended first, the
+        tokens the cache then holds) for round ``r`` on a cache of ``held``."""
         sync = r.sync_tokens if r.clean else 0  # a prefill / resend round's sync: the prefill did it
         base = r.context_len - 1 - sync
         catchup = max(0, base - held)
         if catchup:
             held = self.catch_up(sid, held, base)
-        reply, wall = self.send(sid, CacheSync(base_len=base, append_token_ids=self.tokens(sync),
-                                               prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0), r.parents)
-        self.expect(sid, reply, r.context_len + len(reply.accepted_nodes), f"round {r.round}")
-        draft_ms, grow_ms, rerooted = None, None, False
-        if self.draft is not None and r.clean:
-            before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
-            committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
-            draft_ms, rerooted = self.draft_round(sid, r, committed if r.reused else 0)
-            grow_ms = self.grow(sid, GROW_FRACTION * reply.verify_ms) if draft_ms else None
-        out.append(ReplayedRound(
+        return sync, catchup, held
+
+    def round_sync(self, r: TracedRound, s: TracedSession, sync: int) -> CacheSync:
+        """Round ``r``'s CacheSync: ``sync`` random tokens after the recorded context's base."""
+        base = r.context_len - 1 - sync
+        return CacheSync(base_len=base, append_token_ids=self.tokens(sync),
+                         prompt_len=s.prompt_len if base < s.prompt_len - 1 else 0)
+
+    @staticmethod
+    def reuse(r: TracedRound, s: TracedSession, out: list[ReplayedRound]) -> int:
+        """The tokens the verdict before round ``r`` committed where the trace's round re-rooted a
+        grown tree (the depth its re-rooting path may reach); 0 otherwise."""
+        before = out[-1] if out and (out[-1].trace, out[-1].session) == (s.trace, s.session) else None
+        committed = before.accepted + 1 if before is not None and before.round == r.round - 1 else 0
+        return committed if r.reused else 0
+
+    @staticmethod
+    def row(r: TracedRound, s: TracedSession, sync: int, catchup: int, reply, wall: float, draft_ms, grow_ms,
+            rerooted: bool, **fleet) -> ReplayedRound:
+        return ReplayedRound(
             s.trace, s.session, r.round, r.context_len, len(r.parents), sync, r.accepted, len(reply.accepted_nodes),
             catchup, reply.verify_ms, wall, r.verify_ms, r.draft_ms, r.wall_ms, r.clean, r.batch_size, draft_ms,
-            r.reused, grow_ms, rerooted))
-        return min(reply.cache_len, r.context_len + r.accepted)  # what the recorded round committed
+            r.reused, grow_ms, rerooted, **fleet)
 
     def grow(self, sid: str, budget_ms: float) -> float:
         """The fleet's GrowRequest after a greedy draft, while the target verifies: the kept tree
