@@ -27,9 +27,17 @@ LONG = {"prompt": [5, 17, 99, 3, 250], "max_tokens": 2900, "temperature": 0, "st
 
 
 def metrics_base() -> int:
-    """A base port whose target and draft metrics ports (base + 300 / 400, instances 1-2) are free."""
+    """A base port whose target and draft metrics ports (base + 300 / 400, instances 1-2) are free,
+    all below the kernel's ephemeral range: a port in it may become a connection's local port
+    between this check and the worker's bind ~15 s later (seen in CI: the draft's metrics port
+    taken, its scrape refused)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(low - 500, 10500)
     for _ in range(100):
-        base = random.randrange(20000, 40000)
+        base = random.randrange(10000, top)
         if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):
             return base
     raise RuntimeError("no free metrics ports")
