@@ -27,7 +27,10 @@ class EngineRpc:
 
     async def call(self, msg, *, session_id: str, timeout_s: float | None = None):
         self.requests.append(msg)
-        await asyncio.sleep(0)  # yield like a socket would, so concurrent calls interleave
+        # yield like a socket would (a reply takes more than one turn of the loop), so concurrent calls
+        # interleave: what the actor sends once a verify has left (its growth request) goes out before the reply
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
         return self.engine.handle(msg)
 
 

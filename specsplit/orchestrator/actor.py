@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import structlog
@@ -76,6 +77,19 @@ class ActorPolicy:
         return tuple(names)
 
 
+@dataclass
+class _Sent:
+    """A round's candidates and the work that waits for its verify request to leave."""
+
+    cands: object
+    run: Callable[[], object]
+    ran: bool = False
+    dropped: bool = False  # the session ended first: no growth is asked for
+
+    def result(self):
+        return self.run()
+
+
 class SessionActor:
     """Runs one GenerateRequest to completion; ``emit`` streams TokenChunk/GenerateDone."""
 
@@ -109,6 +123,8 @@ class SessionActor:
         self.first_token_ms: float | None = None  # from the request's arrival (queueing included)
         self._t0 = time.perf_counter()
         self.log = get_logger("specsplit.orchestrator")
+        self._sent: _Sent | None = None  # the round whose verify is under way (``_once_sent``)
+        self._later: Callable[[], None] | None = None  # the last round's trace and log lines, not yet written
 
     async def run(self) -> GenerateDone:
         t0 = self._t0 = time.perf_counter()
@@ -154,7 +170,15 @@ class SessionActor:
 
     async def _rounds(self) -> str:
         """plan -> propose -> verify -> commit and emit -> learn, until the generation ends
-        (``specsplit.orchestrator.rounds``)."""
+        (``specsplit.orchestrator.rounds``). What the round's wait need not hold runs once its
+        verify request is sent (``_once_sent``): the proposers told what goes to the target (the
+        draft's growth request), the previous round's trace line and log line."""
+        try:
+            return await self._round_loop()
+        finally:
+            self._flush()
+
+    async def _round_loop(self) -> str:
         stop = set(self.req.stop_token_ids)
         prompt_len = len(self.req.prompt_token_ids)
         rnd = 0
@@ -170,11 +194,13 @@ class SessionActor:
                                          chain_tokens=self.policy.lookup_max_tokens, cost=self.cost)
             t_verify = time.perf_counter()
             timing = rounds.Timing(propose_ms=(t_verify - t_propose) * 1e3)
+            sent = self._once_sent(rp, cands)
+            reply = await self._verify(rnd, cands.tree, rp.confirm)
+            timing.verify_ms, timing.verify_rpc_ms = reply.verify_ms, (time.perf_counter() - t_verify) * 1e3
+            cands = sent.result()
             if cands.drafted is not None:
                 timing.draft_ms, timing.grow_ms = cands.drafted.draft_ms, cands.drafted.grow_ms
                 self.stats.reused_rounds += cands.drafted.reused > 0
-            reply = await self._verify(rnd, cands.tree, rp.confirm)
-            timing.verify_ms, timing.verify_rpc_ms = reply.verify_ms, (time.perf_counter() - t_verify) * 1e3
             clean = rounds.is_clean(rnd, self._attempts, rp.sync_tokens, reply)
             got = rounds.commit(self.cur, self.out, self.stats, cands.tree, reply, prompt_len=prompt_len,
                                 max_new_tokens=self.req.max_new_tokens, stop=stop, exact=self.exact)
@@ -191,17 +217,50 @@ class SessionActor:
             self.predicted_tokens += tokens
             self.predicted_ms += ms
             self._set_drafting(False)
-            if self.trace is not None:
-                self.trace.round(self, rp, cands, reply, timing, clean)
-            self._log_round(rp, cands, reply, timing)
+            self._later = partial(self._record_round, rp, cands, reply, timing, clean, rnd)
             if got.done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
 
+    def _once_sent(self, rp: rounds.RoundPlan, cands: rounds.Candidates) -> _Sent:
+        """Runs ``rounds.verifying`` and the last round's record right after the verify request
+        leaves (a loop callback: the actor's send happens before it next yields); ``result()``:
+        the candidates with the growth asked for (run then if not yet)."""
+        later, self._later = self._later, None
+
+        def run() -> rounds.Candidates:
+            if not sent.ran:
+                sent.ran = True
+                if not sent.dropped:
+                    sent.cands = rounds.verifying(rp, cands, self.sampling, self.cost)
+                if later is not None:
+                    later()
+            return sent.cands
+
+        sent = self._sent = _Sent(cands, run)
+        asyncio.get_running_loop().call_soon(run)
+        return sent
+
+    def _flush(self) -> None:
+        """The session is over (or failed): what waited for a send runs now, growth excepted."""
+        if self._sent is not None:
+            self._sent.dropped = True
+            self._sent.run()
+            self._sent = None
+        if self._later is not None:
+            later, self._later = self._later, None
+            later()
+
+    def _record_round(self, rp: rounds.RoundPlan, cands: rounds.Candidates, reply: VerifyReply,
+                      timing: rounds.Timing, clean: bool, rnd: int) -> None:
+        if self.trace is not None:
+            self.trace.round(self, rp, cands, reply, timing, clean)
+        self._log_round(rp, cands, reply, timing, rnd)
+
     def _log_round(self, rp: rounds.RoundPlan, cands: rounds.Candidates, reply: VerifyReply,
-                   timing: rounds.Timing) -> None:
+                   timing: rounds.Timing, rnd: int) -> None:
         drafted = cands.drafted
-        self.log.info("round_done", accepted=len(reply.accepted_token_ids), drafted=cands.tree.num_nodes - 1,
+        self.log.info("round_done", round=rnd, accepted=len(reply.accepted_token_ids), drafted=cands.tree.num_nodes - 1,
                       tree_nodes=cands.tree.num_nodes, plain=rp.plain, batch_size=reply.batch_size,
                       batch_tokens=reply.batch_tokens,
                       draft_ms=round(timing.draft_ms, 2), verify_ms=round(timing.verify_ms, 2),

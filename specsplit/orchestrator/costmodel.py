@@ -256,9 +256,9 @@ class CostModel:
         need = self.batch_rate() * (self.draft_ms_per_node() + self.verify_line()[1])
         if need <= 0.0:
             return spec.model_copy(update={"min_path_prob": 0.0})
-        grid = [k / THRESHOLD_STEPS for k in range(THRESHOLD_STEPS + 1)]
-        paying = [p for p in grid if self.accept_prob(p) >= need]  # the lowest path probability that pays
-        return spec.model_copy(update={"min_path_prob": paying[0] if paying else 1.0})
+        grid = (k / THRESHOLD_STEPS for k in range(THRESHOLD_STEPS + 1))
+        paying = next((p for p in grid if self.accept_prob(p) >= need), 1.0)  # the lowest path probability that pays
+        return spec.model_copy(update={"min_path_prob": paying})
 
     def verify_ms(self, tokens: float, explore: bool | None = None) -> float:
         """Expected ms of a verify forward of ``tokens`` tokens (fractional: an average load,

@@ -59,14 +59,15 @@ async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpe
                   cost: CostModel | None) -> Candidates:
     """Ask the round's proposers (the tree proposer first), merge and select. Sampled rounds keep
     the drawn tree as it is (dropping drawn children by value would bias the output); a round
-    without proposers (confirming) verifies its root alone."""
+    without proposers (confirming) verifies its root alone. Its caller tells the proposers what
+    goes to the target (``verifying``) once the verify request is sent."""
     base, drafted = root_only(committed[-1]), None
     for p in rp.proposers:
         if p.kind == "tree":
             drafted = await p.propose(committed, Budget(rp.spec, 0), sampling, rp.rnd)
             base = drafted.tree
     if not sampling.greedy or rp.confirm:
-        return verifying(rp, Candidates(base, {}, None, drafted, base), sampling, cost)
+        return Candidates(base, {}, None, drafted, base)
     chains: list[tuple[str, Proposal]] = []
     if chain_tokens > 0 and rp.spec.max_depth >= 1:
         budget = Budget(rp.spec, min(chain_tokens, rp.spec.max_depth))
@@ -76,13 +77,13 @@ async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpe
                 if prop is not None and prop.chain:
                     chains.append((p.name, prop))
     tree, sources = merge(base, chains, rp.spec, chain_tokens)
-    return verifying(rp, select(tree, sources, cost, sync_tokens=rp.sync_tokens, plain=rp.plain, drafted=drafted),
-                     sampling, cost)
+    return select(tree, sources, cost, sync_tokens=rp.sync_tokens, plain=rp.plain, drafted=drafted)
 
 
 def verifying(rp: RoundPlan, cands: Candidates, sampling: SamplingSpec, cost: CostModel | None) -> Candidates:
     """Tell the round's proposers what goes to the target (the draft grows its tree meanwhile);
-    the growth budget asked for joins the draft's proposal."""
+    the growth budget asked for joins the draft's proposal. Called once the verify request is
+    sent (``SessionActor``): the growth's request and its hint are no part of the round's wait."""
     grow_ms = sum(p.verifying(cands, rp.rnd, sampling, cost) for p in rp.proposers)
     if grow_ms and cands.drafted is not None:
         cands = replace(cands, drafted=replace(cands.drafted, grow_ms=grow_ms))
