@@ -125,6 +125,7 @@ class SessionActor:
         self.log = get_logger("specsplit.orchestrator")
         self._sent: _Sent | None = None  # the round whose verify is under way (``_once_sent``)
         self._later: Callable[[], None] | None = None  # the last round's trace and log lines, not yet written
+        self._scheduled: Callable[[], None] | None = None  # ... handed to the loop (``_run_scheduled``)
 
     async def run(self) -> GenerateDone:
         t0 = self._t0 = time.perf_counter()
@@ -223,30 +224,40 @@ class SessionActor:
             rnd += 1
 
     def _once_sent(self, rp: rounds.RoundPlan, cands: rounds.Candidates) -> _Sent:
-        """Runs ``rounds.verifying`` and the last round's record right after the verify request
-        leaves (a loop callback: the actor's send happens before it next yields); ``result()``:
-        the candidates with the growth asked for (run then if not yet)."""
+        """Runs ``rounds.verifying`` right after the verify request leaves (a loop callback: the
+        actor's send happens before it next yields), then, after the growth request it makes has
+        left too, the last round's record; ``result()``: the candidates with the growth asked for
+        (run then if not yet)."""
         later, self._later = self._later, None
+        loop = asyncio.get_running_loop()
 
         def run() -> rounds.Candidates:
             if not sent.ran:
                 sent.ran = True
                 if not sent.dropped:
                     sent.cands = rounds.verifying(rp, cands, self.sampling, self.cost)
-                if later is not None:
-                    later()
+                if later is not None:  # behind the growth request's first step (FIFO)
+                    self._scheduled = later
+                    loop.call_soon(self._run_scheduled)
             return sent.cands
 
         sent = self._sent = _Sent(cands, run)
-        asyncio.get_running_loop().call_soon(run)
+        loop.call_soon(run)
         return sent
+
+    def _run_scheduled(self) -> None:
+        later, self._scheduled = self._scheduled, None
+        if later is not None:
+            later()
 
     def _flush(self) -> None:
         """The session is over (or failed): what waited for a send runs now, growth excepted."""
+        self._run_scheduled()
         if self._sent is not None:
             self._sent.dropped = True
             self._sent.run()
             self._sent = None
+        self._run_scheduled()
         if self._later is not None:
             later, self._later = self._later, None
             later()
