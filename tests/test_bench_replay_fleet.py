@@ -71,6 +71,19 @@ def test_a_worker_that_dies_before_it_serves_is_a_clear_error(tmp_path, capsys, 
     assert all(p.poll() is not None for f in fleets for p in f.fleet.procs.values())
 
 
+def overlap_replay(tmp_path, *args: str) -> tuple[str, dict]:
+    """(trace path, JSON figures) of ``--overlap --draft`` over session a, its rounds 2-4
+    recorded as re-rooting a grown tree."""
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
+                        "--draft", "--json", str(out), *args]) == 0
+    return path, json.loads(out.read_text())
+
+
 def test_overlap_replays_both_engines_in_this_process_on_their_own_threads(tmp_path, monkeypatch):
     """``--overlap``: the same rounds with the target and the draft of this process each served on
     its own thread (on CUDA its own stream), the growth beside the verify: every request of an
@@ -91,14 +104,7 @@ def test_overlap_replays_both_engines_in_this_process_on_their_own_threads(tmp_p
             return real(self, msg)
 
         monkeypatch.setattr(cls, "handle", spy)
-    lines = session_lines("a", 20, PLAN_A)
-    for line in lines[2:5]:
-        line["reused"] = 3
-    path = write_trace(tmp_path / "grown.jsonl", lines)
-    out = tmp_path / "replay.json"
-    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
-                        "--draft", "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
+    path, data = overlap_replay(tmp_path)
     clean = [r for r in data["rounds"] if r["clean"]]
     assert len(clean) == 4 and all(r["fleet_ms"] >= r["wall_ms"] >= r["verify_ms"] > 0 for r in clean)
     by_round = {r["round"]: r for r in data["rounds"]}
@@ -137,14 +143,7 @@ def test_a_round_after_growth_that_answered_first_sends_its_draft_beside_the_ver
         return real(self, msg)
 
     monkeypatch.setattr(TargetEngine, "handle", slow)
-    lines = session_lines("a", 20, PLAN_A)
-    for line in lines[2:5]:
-        line["reused"] = 3
-    path = write_trace(tmp_path / "grown.jsonl", lines)
-    out = tmp_path / "replay.json"
-    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
-                        "--draft", "--json", str(out), *(["--draft-reroots"] if draft_reroots else [])]) == 0
-    data = json.loads(out.read_text())
+    path, data = overlap_replay(tmp_path, *(["--draft-reroots"] if draft_reroots else []))
     by_round = {r["round"]: r for r in data["rounds"]}
     assert all(by_round[k]["rerooted"] for k in (2, 3, 4)) and not by_round[1]["beside"]
     if draft_reroots:
