@@ -46,3 +46,38 @@ def test_generate_with_lookup_equals_plain_greedy(models):
         assert generate(rarely, target, prompt, lookup_max_tokens=8, stats=with_stats, **kw) == want
         assert generate(rarely, target, prompt, stats=without_stats, **kw) == want
     assert with_stats.drafted > without_stats.drafted  # lookup added nodes
+
+
+def _lookup_by_scan(context, max_tokens, min_ngram=3, max_ngram=8, window=4096):
+    """``lookup_continuation`` as first written: one Python pass over the window, most recent first."""
+    if max_tokens <= 0 or len(context) <= min_ngram:
+        return []
+    ctx = context[-window:]
+    n_ctx, last = len(ctx), ctx[-1]
+    best_k, best_p = 0, -1
+    for p in range(n_ctx - 1, min_ngram - 1, -1):
+        if ctx[p - 1] != last:
+            continue
+        k = 1
+        while k < max_ngram and k < p and ctx[p - 1 - k] == ctx[n_ctx - 1 - k]:
+            k += 1
+        if k > best_k:
+            best_k, best_p = k, p
+            if k == max_ngram:
+                break
+    return ctx[best_p:best_p + max_tokens] if best_k >= min_ngram else []
+
+
+def test_lookup_finds_what_a_scan_of_the_window_finds():
+    """The lookup finds where the last token recurs with list.index; over random contexts (small
+    vocabularies: many recurrences, long matches; windows cutting the context) it returns what a
+    plain scan of the window does."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        vocab, n = rng.choice([2, 3, 5, 20, 500]), rng.randrange(1, 300)
+        ctx = [rng.randrange(vocab) for _ in range(n)]
+        kw = {"max_tokens": rng.randrange(0, 10), "min_ngram": rng.randrange(1, 6), "max_ngram": rng.randrange(1, 10),
+              "window": rng.choice([4096, 50, 7])}
+        assert lookup_continuation(ctx, **kw) == _lookup_by_scan(ctx, **kw), (ctx, kw)

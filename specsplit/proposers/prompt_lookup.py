@@ -16,5 +16,5 @@ class PromptLookup(Proposer):
 
     def suggest(self, committed: Sequence[int], budget: Budget) -> Proposal | None:
         min_ngram = getattr(self.shared.policy, "lookup_min_ngram", 3)
-        chain = lookup_continuation(list(committed), max_tokens=budget.chain_tokens, min_ngram=min_ngram)
+        chain = lookup_continuation(committed, max_tokens=budget.chain_tokens, min_ngram=min_ngram)
         return Proposal(chain=chain, keys=[0] * len(chain)) if chain else None
