@@ -103,11 +103,11 @@ def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0) 
     drafted = [r for r in clean if r["drafted_nodes"] > 0]
     return {
         "rounds": len(rounds), "clean_rounds": len(clean), "wall_s": round(wall_s, 3),
-        # clean rounds that drafted; re-rooted a grown tree here (SPECSPLIT_GROW_REROOT: no draft round trip,
-        # draft_ms 0) or in the draft (its reply's ms)
+        # clean rounds that drafted; re-rooted a grown tree here (SPECSPLIT_GROW_REROOT: no draft round trip)
+        # or in the draft
         "drafted_rounds": len(drafted),
-        "rerooted_here": sum(1 for r in drafted if r["reused"] > 0 and r["draft_ms"] == 0),
-        "rerooted_by_draft": sum(1 for r in drafted if r["reused"] > 0 and r["draft_ms"] > 0),
+        "rerooted_here": sum(1 for r in drafted if r["reused"] > 0 and r["rerooted_here"]),
+        "rerooted_by_draft": sum(1 for r in drafted if r["reused"] > 0 and not r["rerooted_here"]),
         "wall_ms_per_round": round(wall_s * 1e3 / len(rounds), 3),
         "tokens_per_round": round(statistics.fmean(len(r["accepted_token_ids"]) + 1 for r in clean), 3) if clean else 0,
         "cpu_ms_per_round": {name: round((after[name] - before[name]) / len(rounds), 3) for name in before},

@@ -63,6 +63,9 @@ class OrchestratorMetrics:
         self.rolled_back = Counter("specsplit:spec_decode_rolled_back_tokens",
                                    "Provisional tokens a full verification dropped (exact SpecPV)", registry=r)
         self.rounds = Counter("specsplit:rounds", "Verified rounds (each commits accepted + 1 tokens)", registry=r)
+        self.rerooted = Counter("specsplit:rounds_rerooted", "Rounds whose tree was the one grown during the verify "
+                                "before, by where it was re-rooted: the orchestrator (no draft call on the round's path, "
+                                "SPECSPLIT_GROW_REROOT) or the draft worker", ["where"], registry=r)
         self.generated = Counter("specsplit:generation_tokens", "Tokens streamed to producers", registry=r)
         self.round_seconds = Histogram("specsplit:round_seconds", "Wall time of one draft -> verify round",
                                        buckets=_LATENCY_BUCKETS, registry=r)
@@ -97,6 +100,9 @@ class OrchestratorMetrics:
         """A round's n-gram cache candidates: verified, and accepted of those."""
         self.cache_draft_tokens.inc(proposed)
         self.cache_accepted_tokens.inc(accepted)
+
+    def observe_reroot(self, here: bool) -> None:
+        self.rerooted.labels(where="orchestrator" if here else "draft").inc()
 
     def observe_round(self, count: RoundCount, rolled_back: int, wall_s: float) -> None:
         self.rounds.inc()

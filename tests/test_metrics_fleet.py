@@ -76,6 +76,11 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     assert orch["specsplit:spec_decode_num_draft_tokens_total"] == sum(r.drafted_tokens for r in results)
     assert total(orch, "specsplit:spec_decode_num_accepted_tokens_per_pos_total") == accepted
     assert 0 < orch["specsplit:spec_decode_num_drafts_total"] <= rounds
+    # rounds that started from a grown tree, re-rooted here or by the draft (each once; the cost model may
+    # still send such a round's root alone, so not a bound by the drafts counted above)
+    assert total(orch, "specsplit:rounds_rerooted_total") <= rounds
+    assert {k for k in orch if k.startswith("specsplit:rounds_rerooted_total{")} <= {
+        'specsplit:rounds_rerooted_total{where="orchestrator"}', 'specsplit:rounds_rerooted_total{where="draft"}'}
     # the n-gram cache holds the finished sessions' answers; its candidates are among the drafted
     assert orch["specsplit:lookup_cache_ngrams"] > 0
     assert (orch["specsplit:lookup_cache_accepted_tokens_total"] <= orch["specsplit:lookup_cache_draft_tokens_total"]
@@ -96,6 +101,9 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     assert sum(m[t]['specsplit:worker_rounds_total{service="target"}'] for t in TARGETS) == rounds
     # at most one draft per round: a round may skip it (plain decoding under load, CostModel.plain_pays)
     assert 0 < m["draft0"]['specsplit:worker_requests_total{kind="DraftRequest",service="draft"}'] <= rounds
+    # a round re-rooted here still sends the draft its DraftRequest (beside the verify)
+    assert (total(orch, "specsplit:rounds_rerooted_total")
+            <= m["draft0"]['specsplit:worker_requests_total{kind="DraftRequest",service="draft"}'])
     # a verify forwards its tree (root included) after the sync tokens
     fwd = sum(m[t]['specsplit:worker_forward_tokens_sum{service="target"}'] for t in TARGETS)
     assert fwd >= orch["specsplit:spec_decode_num_draft_tokens_total"] + rounds

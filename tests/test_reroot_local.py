@@ -31,6 +31,7 @@ from schemas.codec import decode, encode, kind_of
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.target import TargetEngine
 from specsplit.errors import TreeError
+from specsplit.metrics import OrchestratorMetrics
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from specsplit.tree import path_to, reroot_grown
 from tests.conftest import greedy_reference, tiny_model
@@ -177,8 +178,9 @@ def run_session(draft, target, prompt, n, fail=None, **policy):
     out: list = []
     req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=ACTOR_SPEC)
     # growth of several forwards a verify (as on a GPU, or a CPU where the draft is much smaller)
+    metrics = OrchestratorMetrics()
     actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=ACTOR_SPEC, grow=True, grow_fraction=20.0, **policy),
-                         out.append)
+                         out.append, metrics=metrics)
     done = asyncio.run(actor.run())
     assert isinstance(out[-1], GenerateDone)
     assert all(getattr(p, "_grow_task", None) is None and getattr(p, "_behind", None) is None
@@ -187,6 +189,11 @@ def run_session(draft, target, prompt, n, fail=None, **policy):
     verifies = {m.round: (i, m) for i, m, _ in log if isinstance(m, VerifyRequest)}
     drafts = {m.round: (i, r) for i, m, r in log if isinstance(m, DraftRequest)}
     local = [rnd for rnd, (i, _) in drafts.items() if rnd in verifies and verifies[rnd][0] < i]
+    # the metric counts those rounds as re-rooted here, and the draft's re-rootings of the others
+    by_draft = sum(1 for rnd, (_, r) in drafts.items() if rnd not in local and getattr(r, "reused_nodes", 0) > 0)
+    count = metrics.registry.get_sample_value
+    assert (count("specsplit:rounds_rerooted_total", {"where": "orchestrator"}) or 0) == len(local)
+    assert (count("specsplit:rounds_rerooted_total", {"where": "draft"}) or 0) == by_draft
     return done, log, verifies, drafts, local
 
 

@@ -202,6 +202,8 @@ class SessionActor:
             if cands.drafted is not None:
                 timing.draft_ms, timing.grow_ms = cands.drafted.draft_ms, cands.drafted.grow_ms
                 self.stats.reused_rounds += cands.drafted.reused > 0
+                if cands.drafted.reused > 0 and self.metrics is not None:
+                    self.metrics.observe_reroot(cands.drafted.rerooted_here)
             clean = rounds.is_clean(rnd, self._attempts, rp.sync_tokens, reply)
             got = rounds.commit(self.cur, self.out, self.stats, cands.tree, reply, prompt_len=prompt_len,
                                 max_new_tokens=self.req.max_new_tokens, stop=stop, exact=self.exact)

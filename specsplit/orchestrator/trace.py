@@ -74,6 +74,7 @@ class TraceWriter:
             "verify_ms": round(timing.verify_ms, 3), "wall_ms": round(timing.wall_ms, 3),
             "propose_ms": round(timing.propose_ms, 3), "verify_rpc_ms": round(timing.verify_rpc_ms, 3),
             "reused": drafted.reused if drafted is not None else 0,
+            "rerooted_here": drafted.rerooted_here if drafted is not None else False,
             "batch_size": reply.batch_size, "batch_tokens": reply.batch_tokens, "partial": reply.partial,
             "clean": clean, "active_sessions": actor.cost.active_sessions if actor.cost is not None else None,
         })

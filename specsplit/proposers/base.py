@@ -49,6 +49,7 @@ class Proposal:
     draft_ms: float = 0.0
     reused: int = 0
     grow_ms: float = 0.0  # the growth budget asked of the draft worker while the target verifies
+    rerooted_here: bool = False  # the grown tree re-rooted by the orchestrator: no draft call on the round's path
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,7 +86,7 @@ class DraftModel(Proposer):
         self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
                                                               timeout_s=self.shared.policy.rpc_timeout_s))
         self._behind.add_done_callback(_swallow)
-        return Proposal(tree=local[0], draft_ms=0.0, reused=local[1])
+        return Proposal(tree=local[0], draft_ms=0.0, reused=local[1], rerooted_here=True)
 
     async def _settle(self) -> None:
         """The DraftRequest sent beside the last verify: answered (it normally is, long since),
