@@ -242,17 +242,22 @@ def create_fleets(args, model_settings, systems: list[str], tmp: Path) -> dict:
     fleets = {}
     if args.record_trace and "specsplit" in systems:
         Path(args.record_trace).parent.mkdir(parents=True, exist_ok=True)
+    taken: set[int] = set()
     for name in (n for n in R.FLEETS if n in systems):
         ref = name == "specsplit_ref"
-        fleets[name] = Fleet.create(tmp / name, preset=model_settings.preset, threads=1, **fleet_env(args, model_settings),
-                                    **(checkout_env(Path(args.ref_source)) if ref else {}))
+        for _ in range(20):  # each fleet picks free ports on its own, none bound yet: draw again on a clash
+            fleet = Fleet.create(tmp / name, preset=model_settings.preset, threads=1, **fleet_env(args, model_settings),
+                                 **(checkout_env(Path(args.ref_source)) if ref else {}))
+            if not taken & set(fleet.ports.values()):
+                break
+        else:
+            raise SystemExit(f"specsplit bench: no free ports for {name} apart from the other fleets'; run it again")
+        taken |= set(fleet.ports.values())
+        fleets[name] = fleet
         if ref:
             fleets[name].env.pop(TRACE_ENV, None)  # fleet_env's, or one the shell set
             found = require_checkout(Path(args.ref_source), fleets[name].env)
             log(f"specsplit_ref runs {args.ref_source}: {', '.join(found.values())}")
-    ports = [p for f in fleets.values() for p in f.ports.values()]
-    if len(set(ports)) != len(ports):  # each fleet picked free ports on its own, none bound yet
-        raise SystemExit(f"specsplit bench: the fleets drew the same free port ({sorted(ports)}); run it again")
     return fleets
 
 
