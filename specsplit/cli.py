@@ -2,6 +2,7 @@
 
     specsplit router draft|target     a session-hash router (brokers)
     specsplit draft | target          a worker (loads its model)
+    specsplit pair                    a draft and a target worker in one process (one GPU)
     specsplit orchestrator            the asyncio orchestrator
     specsplit api                     the OpenAI-compatible HTTP API (127.0.0.1:8000 by default)
     specsplit produce PROMPT...       push prompts, stream answers
@@ -60,7 +61,7 @@ def _role(cmd: str, rest: list[str]) -> int:
         from brokers.__main__ import main as router_main  # each role loads its own stack only
 
         return router_main(rest)
-    if cmd in ("draft", "target"):
+    if cmd in ("draft", "target", "pair"):
         return _worker(cmd, rest)
     if cmd == "api":
         from specsplit.api.run import api_main  # each role loads its own stack only
@@ -72,6 +73,9 @@ def _role(cmd: str, rest: list[str]) -> int:
 ROLE_HELP = {
     "draft": "A draft worker: loads the draft model and proposes token trees for the sessions its router sends.",
     "target": "A target worker: loads the target model, keeps each session's KV cache, verifies trees.",
+    "pair": "A draft and a target worker in one process, each with its own compute thread, router connection, "
+            "metrics port and (CUDA) stream: on one GPU, the draft's growth then runs beside the target's verify "
+            "instead of taking turns with it (two processes' kernels do; docs/hardware.md).",
     "orchestrator": "The orchestrator: runs the draft -> verify rounds of every session on one asyncio loop; "
                     "producers and the HTTP API connect to it.",
 }
@@ -106,11 +110,13 @@ def _worker(service: str, argv: list[str]) -> int:
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
-    from specsplit.workers import run_worker
+    from specsplit import workers
 
     settings = WorkerSettings()
     configure_logging(settings.log_level, settings.log_json)
-    return run_worker(service, settings, ModelSettings(), MetricsSettings())
+    if service == "pair":
+        return workers.run_pair(settings, ModelSettings(), MetricsSettings())
+    return workers.run_worker(service, settings, ModelSettings(), MetricsSettings())
 
 
 def _orchestrator(argv: list[str]) -> int:
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from specsplit.config import SupervisorSettings, check_removed_settings  # zmq: not for `specsplit --help`
 
     check_removed_settings()
-    if cmd in ("router", "draft", "target", "orchestrator", "api"):
+    if cmd in ("router", "draft", "target", "pair", "orchestrator", "api"):
         if "-h" in rest or "--help" in rest or (cmd != "router" and rest):
             return _role_usage(cmd, rest)  # usage (or a usage error): nothing supervised, nothing started
         rc = supervise(argv, SupervisorSettings())  # None: this process is the supervised child (or unsupervised)

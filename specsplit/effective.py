@@ -9,7 +9,7 @@ from brokers.settings import SERVICES, MetricsSettings, RouterSettings
 from specsplit.config import ApiSettings, OrchestratorSettings, ProducerSettings, WorkerSettings
 from specsplit.models.settings import ModelSettings, model_dtype
 
-ROLES = ("router", "draft", "target", "orchestrator", "produce", "api")
+ROLES = ("router", "draft", "target", "pair", "orchestrator", "produce", "api")
 
 
 def effective_settings(role: str) -> dict:
@@ -19,6 +19,8 @@ def effective_settings(role: str) -> dict:
     if role == "router":
         return {service: {**RouterSettings(service=service).model_dump(mode="json"),
                           **metrics_effective(f"router_{service}")} for service in SERVICES}
+    if role == "pair":  # a draft and a target worker in one process: each one's view
+        return {service: effective_settings(service) for service in ("draft", "target")}
     if role in ("draft", "target"):
         from specsplit.backends import build_backend  # torch: only this role's report loads it
 

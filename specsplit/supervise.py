@@ -1,4 +1,4 @@
-"""Crash-only roles: ``specsplit router|draft|target|orchestrator`` run as a small supervising
+"""Crash-only roles: ``specsplit router|draft|target|pair|orchestrator`` run as a small supervising
 parent and one child that does the role's work.
 
 honcho stops the whole fleet when any process exits, so supervision lives inside each role's

@@ -1,4 +1,5 @@
-"""An engine behind a worker loop: ``specsplit draft`` and ``specsplit target``.
+"""An engine behind a worker loop: ``specsplit draft``, ``specsplit target``, and both in one
+process, ``specsplit pair`` (``run_pair``).
 
 Loads the role's model strictly offline, builds the engine, announces a WorkerHello (model id,
 vocab size, tokenizer fingerprint) to the service's router and serves until SIGTERM, which
@@ -122,87 +123,187 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
 DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
+class _Role:
+    """One role of a worker process, loaded and ready to serve: its engine on its own compute
+    thread, its WorkerLoop to its router, its metrics (``serve``, then ``finish``)."""
+
+    def __init__(self, service: str, settings: WorkerSettings, model_settings, metrics_settings, build,
+                 stop: threading.Event, log) -> None:
+        self.service, self.settings, self.log, self.stop = service, settings, log, stop
+        self.metrics_settings = metrics_settings
+        self.metrics = WorkerMetrics(service)
+        self.served: Counter[str] = Counter()
+        # the model loads, and every forward runs, on one thread (specsplit.compute: libgomp stops
+        # spinning once two threads of a process have started OpenMP teams on a small machine)
+        self.compute = ComputeThread(f"specsplit-{service}")
+        self.loading = self.compute.submit(lambda: build(service, settings, model_settings))
+        self.engine = self.loop = self.stream = None
+
+    def wait_loaded(self) -> bool:
+        """Whether the model loaded (False: a stop came first; a failure raises)."""
+        while self.loading.is_alive():  # a stop while the model loads ends the process now (daemon thread)
+            if self.stop.wait(0.1):
+                self.log.info("worker_stopped_while_loading")
+                return False
+        self.engine, self.hello = self.loading.result()
+        return True
+
+    def own_stream(self) -> None:
+        """This role's forwards on a CUDA stream of their own (a process hosting both roles,
+        ``run_pair``): set on its compute thread here and on its socket thread by ``serve``."""
+        import torch  # loaded with the model (see build_engine)
+
+        if self.engine.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.engine.device)
+            self.compute.call(torch.cuda.set_stream, self.stream)
+
+    def prepare(self) -> None:
+        """The WorkerLoop, and the metrics served on the service's port of this instance, after
+        ``wait_loaded``."""
+        from specsplit.engine.base import PREFILL_TOKENS  # torch: never at this module's import (see build_engine)
+
+        settings, service, engine, log = self.settings, self.service, self.engine, self.log
+        self.metrics.watch_forwards(engine.backend)
+        count_restarts(self.metrics.registry, self.metrics_settings)
+        identity = settings.identity(service)
+        # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)
+        inline = settings.inline if settings.inline is not None else engine.backend.inline_safe
+        log_loaded(log, engine, identity=identity, inline=inline, model=self.hello.model_id, vocab=self.hello.vocab_size)
+        metrics, served = self.metrics, self.served
+
+        def device_failed(exc: DeviceFailure):  # never a reply: end, so the router fails the sessions over
+            log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
+            sys.stderr.flush()
+            os._exit(DEVICE_FAILURE_EXIT)
+
+        def handle(msg):
+            served[type(msg).__name__] += 1
+            t0 = time.perf_counter()
+            try:
+                reply = engine.handle(msg)
+                metrics.observe(msg, reply, time.perf_counter() - t0)
+                return reply
+            except DeviceFailure as exc:
+                device_failed(exc)
+
+        batch = engine.verify_batch if service == "target" else engine.draft_batch
+
+        def handle_batch(msgs):
+            served.update(type(m).__name__ for m in msgs)
+            t0 = time.perf_counter()
+            try:
+                replies = batch(msgs)
+            except DeviceFailure as exc:
+                device_failed(exc)
+            for m, r in zip(msgs, replies):
+                metrics.observe(m, r, time.perf_counter() - t0, batch=len(msgs))
+            return replies
+
+        max_batch_tokens = getattr(settings, f"{service}_max_batch_tokens")
+        self.loop = loop = WorkerLoop(
+            settings.backend(service), identity.encode(), self.hello, handle,
+            heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
+            # socket-thread fast path: tree-sized forwards only, never prefills or growth
+            may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if inline else None,
+            curve=self.curve, secret=self.secret, compute=self.compute,
+            # the requests queued when a forward starts share its forwards
+            batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
+            batch_cost=verify_tokens if service == "target" else draft_tokens,
+            batch_hold=settings.batch_hold)
+        if hasattr(engine, "others_waiting"):
+            engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
+        metrics.watch(engine.store, loop.queue_depth)
+        serve_metrics(metrics.registry, self.metrics_settings, service, log)
+
+    def serve(self) -> int:
+        """Serve until the stop event; the loop's return code (logged with what it served)."""
+        if self.stream is not None:
+            import torch
+
+            torch.cuda.set_stream(self.stream)  # the socket thread's inline forwards too
+        loop, engine = self.loop, self.engine
+        rc = loop.run(self.stop)
+        self.log.info("worker_exit", rc=rc, served=dict(self.served), sessions=len(engine.store),
+                      kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests,
+                      holds=loop.gather.holds if loop.gather else 0,
+                      held_s=round(loop.gather.held_s, 3) if loop.gather else 0.0,
+                      **{k: v for k, v in engine.backend.describe().items() if k.startswith("trim")})
+        return rc
+
+
+def _keys(settings: WorkerSettings, log):
+    """(curve, secret) of a worker process, read before any model loads (a bad key or an
+    unreadable fleet secret fails in a second); None when the CURVE keys are refused (logged)."""
+    try:
+        curve = settings.curve_keys(client=True)
+    except CurveError as exc:
+        log.error("worker_curve_refused", error=str(exc))
+        return None
+    return curve, settings.secret()
+
+
 def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_settings=None,
                build=build_engine) -> int:
     """Serve ``service`` until SIGTERM; ``build(service, settings, model_settings)`` gives the
     (engine, hello) (``specsplit bench replay --fleet``'s workers pass one of random weights)."""
-    from specsplit.engine.base import PREFILL_TOKENS  # torch: never at this module's import (see build_engine)
-
     metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)  # None: metrics off
-
     log = get_logger("specsplit.worker", service=service)
     stop = threading.Event()
     set_on_stop_signals(stop)
-    try:
-        curve = settings.curve_keys(client=True)  # before the model loads: a bad key fails in a second
-    except CurveError as exc:
-        log.error("worker_curve_refused", error=str(exc))
+    keys = _keys(settings, log)
+    if keys is None:
         return 2
-    secret = settings.secret()  # before the model loads: a fleet secret that cannot be read is fatal at once
-    metrics = WorkerMetrics(service)
-    count_restarts(metrics.registry, metrics_settings)
-    # the model loads, and every forward runs, on one thread (specsplit.compute: libgomp stops
-    # spinning once two threads of a process have started OpenMP teams on a small machine)
-    compute = ComputeThread()
-    loading = compute.submit(lambda: build(service, settings, model_settings))
-    while loading.is_alive():  # a stop while the model loads ends the process now (daemon thread)
-        if stop.wait(0.1):
-            log.info("worker_stopped_while_loading")
+    role = _Role(service, settings, model_settings, metrics_settings, build, stop, log)
+    role.curve, role.secret = keys
+    if not role.wait_loaded():
+        return 0
+    role.prepare()
+    return role.serve()
+
+
+PAIR_SERVICES = ("draft", "target")
+PAIR_JOIN_S = 70.0  # the other role's drain after a stop (past its loop's own, 60 s)
+
+
+def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, build=build_engine) -> int:
+    """``specsplit pair``: a draft and a target worker in one process, each with its own compute
+    thread, router connection and metrics (on the draft's and the target's ports of this
+    instance) and, on CUDA, its own stream. On one GPU, two worker processes' kernels take turns
+    (a CUDA context each); one process's streams may run at once, so the draft's growth runs
+    beside the target's verify instead of between its kernels (docs/hardware.md). The models load
+    one after the other (one set of allocations and graph captures at a time); a role that stops
+    stops the other, and the process ends with the larger return code (a device failure ends both
+    at once: the supervisor restarts the pair)."""
+    metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)
+    stop = threading.Event()
+    set_on_stop_signals(stop)
+    logs = {s: get_logger("specsplit.worker", service=s, worker="pair") for s in PAIR_SERVICES}
+    keys = _keys(settings, logs["draft"])
+    if keys is None:
+        return 2
+    roles = []
+    for service in PAIR_SERVICES:
+        role = _Role(service, settings, model_settings, metrics_settings, build, stop, logs[service])
+        role.curve, role.secret = keys
+        if not role.wait_loaded():
             return 0
-    engine, hello = loading.result()
-    metrics.watch_forwards(engine.backend)
-    identity = settings.identity(service)
-    # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)
-    inline = settings.inline if settings.inline is not None else engine.backend.inline_safe
-    log_loaded(log, engine, identity=identity, inline=inline, model=hello.model_id, vocab=hello.vocab_size)
-    served: Counter[str] = Counter()
+        role.own_stream()
+        roles.append(role)
+    for role in roles:
+        role.prepare()
+    codes: dict[str, int] = {}
 
-    def device_failed(exc: DeviceFailure):  # never a reply: end, so the router fails the sessions over
-        log.critical("device_failed", error=str(exc), exit_code=DEVICE_FAILURE_EXIT)
-        sys.stderr.flush()
-        os._exit(DEVICE_FAILURE_EXIT)
-
-    def handle(msg):
-        served[type(msg).__name__] += 1
-        t0 = time.perf_counter()
+    def serve(role: _Role) -> None:
         try:
-            reply = engine.handle(msg)
-            metrics.observe(msg, reply, time.perf_counter() - t0)
-            return reply
-        except DeviceFailure as exc:
-            device_failed(exc)
+            codes[role.service] = role.serve()
+        finally:
+            stop.set()  # one role ending (a refusal, a stop) ends the process: the supervisor restarts both
 
-    batch = engine.verify_batch if service == "target" else engine.draft_batch
-
-    def handle_batch(msgs):
-        served.update(type(m).__name__ for m in msgs)
-        t0 = time.perf_counter()
-        try:
-            replies = batch(msgs)
-        except DeviceFailure as exc:
-            device_failed(exc)
-        for m, r in zip(msgs, replies):
-            metrics.observe(m, r, time.perf_counter() - t0, batch=len(msgs))
-        return replies
-
-    max_batch_tokens = getattr(settings, f"{service}_max_batch_tokens")
-
-    loop = WorkerLoop(settings.backend(service), identity.encode(), hello, handle,
-                      heartbeat_s=settings.heartbeat_s, liveness=settings.liveness, max_queue=settings.max_queue,
-                      # socket-thread fast path: tree-sized forwards only, never prefills or growth
-                      may_inline=partial(small_request, max_tokens=PREFILL_TOKENS) if inline else None,
-                      curve=curve, secret=secret, compute=compute,
-                      # the requests queued when a forward starts share its forwards
-                      batch_handler=handle_batch if max_batch_tokens else None, max_batch_tokens=max_batch_tokens,
-                      batch_cost=verify_tokens if service == "target" else draft_tokens,
-                      batch_hold=settings.batch_hold)
-    if hasattr(engine, "others_waiting"):
-        engine.others_waiting = loop.requests_waiting  # background growth yields to real requests
-    metrics.watch(engine.store, loop.queue_depth)
-    serve_metrics(metrics.registry, metrics_settings, service, log)
-    rc = loop.run(stop)
-    log.info("worker_exit", rc=rc, served=dict(served), sessions=len(engine.store),
-             kv_bytes=engine.store.bytes_held(), batches=loop.batches, batched_requests=loop.batched_requests,
-             holds=loop.gather.holds if loop.gather else 0, held_s=round(loop.gather.held_s, 3) if loop.gather else 0.0,
-             **{k: v for k, v in engine.backend.describe().items() if k.startswith("trim")})
-    return rc
+    threads = [threading.Thread(target=serve, args=(r,), name=f"specsplit-{r.service}-socket", daemon=True)
+               for r in roles[1:]]
+    for t in threads:
+        t.start()
+    serve(roles[0])
+    for t in threads:
+        t.join(PAIR_JOIN_S)  # its loop saw the stop too: it drains its request in hand and returns
+    return max(codes.values(), default=1) if len(codes) == len(roles) else 1

@@ -60,10 +60,10 @@ def two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2",
+def honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2", procfile: str = "Procfile",
                   **settings: str) -> tuple[subprocess.Popen, dict[str, int], dict]:
-    """``honcho start`` of the repository's Procfile and .env (tiny fp32 pair, free ports), with
-    ``concurrency`` as honcho's -c and ``settings`` (SPECSPLIT_*) over the .env's."""
+    """``honcho start`` of the repository's ``procfile`` and .env (tiny fp32 pair, free ports),
+    with ``concurrency`` as honcho's -c and ``settings`` (SPECSPLIT_*) over the .env's."""
     names = ["draft_fe", "draft_be", "target_fe", "target_be"]
     ports = dict(zip(names, free_ports(len(names))))
     ports["orch"] = two_free_ports()
@@ -82,7 +82,7 @@ def honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2"
     lines = [ln for ln in (REPO / ".env").read_text().splitlines()
              if not ln.strip().startswith("#") and "=" in ln and ln.split("=", 1)[0].strip() not in overrides]
     (tmp / "fleet.env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
-    (tmp / "Procfile").write_text((REPO / "Procfile").read_text())
+    (tmp / "Procfile").write_text((REPO / procfile).read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")

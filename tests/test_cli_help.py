@@ -9,7 +9,7 @@ import time
 import pytest
 
 
-@pytest.mark.parametrize("role", [["target"], ["draft"], ["orchestrator"], ["router", "target"], ["api"],
+@pytest.mark.parametrize("role", [["target"], ["draft"], ["pair"], ["orchestrator"], ["router", "target"], ["api"],
                                   ["produce"]])
 def test_role_help_prints_usage_without_starting_the_role(role):
     t0 = time.monotonic()

@@ -39,15 +39,17 @@ def target_model():
     return model
 
 
-def _produce(tmp: Path, env: dict, prompts: list[str], *, max_new_tokens: int, rounds: int) -> subprocess.Popen:
-    """``specsplit produce --json`` of ``prompts`` (all at once) into tmp/produce.out and .err,
-    returned once the fleet has logged ``rounds`` more rounds (or the producer ended)."""
+def _produce(tmp: Path, env: dict, prompts: list[str], *, max_new_tokens: int, rounds: int,
+             concurrency: int | None = None) -> subprocess.Popen:
+    """``specsplit produce --json`` of ``prompts`` (all at once, or ``concurrency`` at a time)
+    into tmp/produce.out and .err, returned once the fleet has logged ``rounds`` more rounds (or
+    the producer ended)."""
     (tmp / "prompts.txt").write_text("\n".join(prompts) + "\n")
     rounds_before = _log(tmp).count("round_done")
     out, err = open(tmp / "produce.out", "wb"), open(tmp / "produce.err", "wb")
     producer = subprocess.Popen(
         [sys.executable, "-m", "specsplit", "produce", "--file", str(tmp / "prompts.txt"), "--json",
-         "--concurrency", str(len(prompts)), "--max-new-tokens", str(max_new_tokens), "--chat", "off",
+         "--concurrency", str(concurrency or len(prompts)), "--max-new-tokens", str(max_new_tokens), "--chat", "off",
          "--wait-s", "60"],
         env=env, stdout=out, stderr=err, start_new_session=True)
     out.close()

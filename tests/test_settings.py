@@ -68,7 +68,8 @@ def test_config_command_prints_each_roles_effective_settings():
     orch = json.loads(run_cli("config", "orchestrator", SPECSPLIT_ORCHESTRATOR_MAX_SESSIONS="7").stdout)
     assert orch["orchestrator"]["orchestrator_max_sessions"] == 7 and orch["effective"]["tree"]["max_nodes"] == 16
     every = json.loads(run_cli("config").stdout)
-    assert set(every) == {"router", "draft", "target", "orchestrator", "produce", "api"}
+    assert set(every) == {"router", "draft", "target", "pair", "orchestrator", "produce", "api"}
+    assert every["pair"] == {"draft": every["draft"], "target": every["target"]}  # one process, both workers
     assert every["router"]["target"]["backend_addr"] == every["target"]["worker"]["target_backend"]
     bad = run_cli("config", "nope")
     assert bad.returncode == 2 and "unknown role" in bad.stderr
