@@ -30,8 +30,10 @@
 #     4b. FLEET_S > 0: the HumanEval trace through the fleet's processes (`bench replay --fleet`: a
 #        router and a worker per role, both workers on the device, the growth beside each verify):
 #        the fleet's round trips and contention measured, not modelled (~30 s of it starting);
-#        then OVERLAP_S > 0: the same with both engines in one process, each on its own thread and
-#        CUDA stream (`--overlap`: what a worker hosting both roles would give against two processes);
+#        then PAIR_S > 0: the same through one worker process hosting both roles (`--fleet --pair`:
+#        `specsplit pair`, Procfile.gpu's worker, a thread and CUDA stream per role) against two
+#        processes whose kernels take turns on the card; then OVERLAP_S > 0: both engines in the
+#        replaying process itself (`--overlap`: the pair's figure without its sockets);
 #     4c. PROBE_S > 0: ops/gpu_probe.py per graph body in BODIES (default "triton_gemm fused"):
 #        request / runner / replay / kernels per shape (diagnostics, last);
 #     then ops/gpu_summary.py: every bar of the run in one table ($OUT/summary.md);
@@ -82,7 +84,8 @@ run)
   # every step's budget set here: under set -u, arithmetic on an unset one ends the whole run
   # (with the defaults, the cost step's $((COST_S / 3)) did, and nothing after the tests ran)
   : "${TESTS_S:=150}" "${COST_S:=100}" "${LONG_S:=90}" "${PROBE_S:=40}" "${REPLAY_S:=60}" "${LOOKUP_S:=40}"
-  : "${GROWN_S:=40}" "${FLEETCPU_S:=40}" "${FLEET_S:=75}" "${OVERLAP_S:=45}" "${ATTN_S:=60}" "${LONGCTX_S:=150}"
+  : "${GROWN_S:=40}" "${FLEETCPU_S:=40}" "${FLEET_S:=75}" "${PAIR_S:=75}" "${OVERLAP_S:=45}" "${ATTN_S:=60}"
+  : "${LONGCTX_S:=150}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -152,6 +155,13 @@ run)
       --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
       --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${FLEET_S:-75} - 10))" \
       --json "$OUT/gpu-replay-fleet.json" 2>&1 | grep -v "^replay: session" | head -4
+  fi
+  if [ "${PAIR_S:-75}" -gt 0 ]; then  # the same through one `specsplit pair` process: a thread and stream per role
+    SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \
+      timeout "${PAIR_S:-75}" python3 -m specsplit bench replay --fleet --pair --device cuda $cfg \
+      --draft-config .whl/cfg/draft --trace "${REPLAY_TRACE:-tests/data/traces/humaneval0-9-qwen-coder-spares-cpu2-amx.jsonl.gz}" \
+      --max-rounds "${REPLAY_ROUNDS:-300}" --max-seconds "$((${PAIR_S:-75} - 10))" \
+      --json "$OUT/gpu-replay-pair.json" 2>&1 | grep -v "^replay: session" | head -4
   fi
   if [ "${OVERLAP_S:-45}" -gt 0 ]; then  # the same with both engines in one process, each on its own stream
     SPECSPLIT_TARGET_KV_POOL_GB=8 SPECSPLIT_DRAFT_KV_POOL_GB=8 SPECSPLIT_CUDA_GRAPH_BODY=triton_gemm \

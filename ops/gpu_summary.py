@@ -47,8 +47,9 @@ def replay_rows(path: Path) -> list[str]:
         # Through the fleet's processes (``--fleet``) its measured rounds are the figure.
         fleet = next(k for k in ("fleet_vs_alone", "grown_during_verify_vs_alone", "verify_only_vs_alone")
                      if k in s or k == "verify_only_vs_alone")
-        measured = "one process, two streams" if data.get("config", {}).get("processes", "").startswith("one") \
-            else "fleet processes"
+        processes = data.get("config", {}).get("processes", "")
+        measured = "one process, two streams" if processes.startswith("one") else \
+            "fleet processes, both roles in one worker (pair)" if "both roles" in processes else "fleet processes"
         for name, key in (("verify only", "verify_only_vs_alone"),
                           ("with replayed draft", "with_replayed_draft_vs_alone"),
                           ("grown during verify", "grown_during_verify_vs_alone"),

@@ -59,6 +59,35 @@ def test_the_fleet_replays_the_rounds_through_its_processes(tmp_path, monkeypatc
     assert [p.poll() is not None for f in fleets for p in f.fleet.procs.values()] == [True] * 4
 
 
+def test_pair_replays_through_one_worker_process_hosting_both_roles(tmp_path, monkeypatch, fleets):
+    """``--fleet --pair``: the same rounds through both routers to one ``specsplit pair`` process
+    (both engines, a thread each): the cache follows the recorded progression, the re-rooted rounds
+    re-root, and one worker process ran beside the two routers."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(replayer, "GROW_FRACTION", 50.0)
+    lines = session_lines("a", 20, PLAN_A)
+    for line in lines[2:5]:
+        line["reused"] = 3
+    path = write_trace(tmp_path / "grown.jsonl", lines)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--fleet", "--pair", "--draft",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    clean = [r for r in data["rounds"] if r["clean"]]
+    assert len(clean) == 4 and all(r["fleet_ms"] >= r["wall_ms"] > r["verify_ms"] > 0 for r in clean)
+    by_round = {r["round"]: r for r in data["rounds"]}
+    assert all(by_round[k]["rerooted"] for k in (2, 3, 4))
+    assert "one worker process hosting both roles" in data["config"]["processes"]
+    assert sorted(fleets[0].fleet.procs) == ["pair", "router_draft", "router_target"]
+    assert all(p.poll() is not None for p in fleets[0].fleet.procs.values())
+
+
+def test_pair_needs_the_fleet_and_the_draft(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", session_lines("b", 33, PLAN_B))
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--fleet", "--pair"]) == 1
+    assert "--pair" in capsys.readouterr().err
+
+
 def test_a_worker_that_dies_before_it_serves_is_a_clear_error(tmp_path, capsys, monkeypatch, fleets):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     path = write_trace(tmp_path / "t.jsonl", session_lines("b", 33, PLAN_B))

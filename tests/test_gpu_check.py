@@ -32,7 +32,8 @@ def test_every_step_runs_with_the_default_budgets(tmp_path, longctx):
     assert "unbound variable" not in run.stdout + run.stderr, run.stderr[-2000:]
     text = calls.read_text()
     steps = ["-m pytest", "--no-cuda-graphs", "--context", "gpu_probe.py", "gpu-replay-pool", "gpu-replay-lookup",
-             "gpu-replay-grown", "fleet_cpu.py", "gpu-replay-fleet", "gpu-replay-overlap", "gpu_summary.py"] + (["gpu_attention.py", "gpu_longctx.py"] if longctx == "1" else [])
+             "gpu-replay-grown", "fleet_cpu.py", "gpu-replay-fleet", "gpu-replay-pair", "gpu-replay-overlap",
+             "gpu_summary.py"] + (["gpu_attention.py", "gpu_longctx.py"] if longctx == "1" else [])
     for step in steps:
         assert step in text, f"the step with {step!r} did not run"
     for script in re.findall(r"^python3 (gpu_\w+\.py)", text, re.MULTILINE):  # run from ops/

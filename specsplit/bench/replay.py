@@ -98,6 +98,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     arrangement.add_argument("--overlap", action="store_true",
                    help="with the draft: both engines in this process, each on its own thread and CUDA stream, "
                         "the growth beside the verify, timed as --fleet times them")
+    p.add_argument("--pair", action="store_true",
+                   help="--fleet with the draft: both workers in one process (`specsplit pair`: a thread and CUDA "
+                        "stream each) instead of one process per role")
     p.add_argument("--draft-reroots", action="store_true",
                    help="--fleet/--overlap: every re-rooting round asks the draft first (SPECSPLIT_GROW_REROOT off); "
                         "default: the orchestrator re-roots the grown tree and the draft's request goes beside the verify")
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging("WARNING")
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.pair and not (args.fleet and (args.draft or args.draft_config)):
+            raise ReplayError("--pair runs the fleet's two workers in one process: add --fleet and --draft")
         if args.fleet or args.overlap:
             from specsplit.bench.replay_fleet import run_fleet, run_overlap
 

@@ -278,14 +278,22 @@ class ReplayFleet:
                 if name in os.environ:
                     self.fleet.env[name] = os.environ[name]
         self.roles = ("target", "draft") if draft else ("target",)
+        self.pair = bool(getattr(args, "pair", False)) and draft
         self.engines: dict[str, RemoteEngine] = {}
         self.fleet.start_routers()
-        for role in self.roles:
-            cfg = getattr(args, f"{role}_config")
-            self.fleet.spawn(role, role, "--device", args.device, "--preset", preset,
-                             *(["--config", cfg] if cfg else []), *(["--random-weights"] if args.random_weights else []),
-                             *(["--dtype", args.dtype] if args.dtype and role == "target" else []),
-                             env={"SPECSPLIT_WORKER_ID": f"replay-{role}"}, module="specsplit.bench.replay_fleet")
+        common = ("--device", args.device, "--preset", preset, *(["--random-weights"] if args.random_weights else []))
+        dtype = ["--dtype", args.dtype] if args.dtype else []  # the target's
+        if self.pair:  # one process hosting both roles (``specsplit pair``)
+            self.fleet.spawn("pair", "pair", *common, *dtype,
+                             *(["--config", args.target_config] if args.target_config else []),
+                             *(["--draft-config", args.draft_config] if args.draft_config else []),
+                             env={"SPECSPLIT_WORKER_ID": "replay-pair"}, module="specsplit.bench.replay_fleet")
+        else:
+            for role in self.roles:
+                cfg = getattr(args, f"{role}_config")
+                self.fleet.spawn(role, role, *common, *(dtype if role == "target" else []),
+                                 *(["--config", cfg] if cfg else []),
+                                 env={"SPECSPLIT_WORKER_ID": f"replay-{role}"}, module="specsplit.bench.replay_fleet")
 
     def connect(self, timeout_s: float = READY_TIMEOUT_S) -> tuple[RemoteEngine, RemoteEngine | None]:
         deadline = time.monotonic() + timeout_s
@@ -293,16 +301,18 @@ class ReplayFleet:
         secret = self.fleet.secret()
         for role in self.roles:
             self.engines[role] = RemoteEngine(self.fleet.addr(f"{role}_fe"), secret, role)
-            proc = self.fleet.procs[role]
+            name = "pair" if self.pair else role
+            proc = self.fleet.procs[name]
             try:
                 self.engines[role].wait_ready(max(1.0, deadline - time.monotonic()), lambda p=proc: p.poll() is None)
             except ReplayError as exc:
-                raise ReplayError(f"{exc}; its log ends:\n{self.fleet.log(role)[-3000:]}") from None
+                raise ReplayError(f"{exc}; its log ends:\n{self.fleet.log(name)[-3000:]}") from None
         return self.engines["target"], self.engines.get("draft")
 
     def describe(self) -> dict[str, Any]:
-        return {"preset": self.preset, "processes": "a router and a worker per role on loopback",
-                "workers": list(self.roles)}
+        return {"preset": self.preset, "workers": list(self.roles),
+                "processes": "a router per role and one worker process hosting both roles (specsplit pair) on loopback"
+                if self.pair else "a router and a worker per role on loopback"}
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -361,8 +371,10 @@ def _build(args, service: str, settings, model_settings):
     from schemas import WorkerHello
     from specsplit.bench.gpu import load_engine
 
-    ns = argparse.Namespace(device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-                            target_config=args.config, draft_config=args.config)
+    pair = args.role == "pair"  # both services in this process: --config is the target's, --draft-config the draft's
+    ns = argparse.Namespace(device=args.device, dtype=args.dtype if service == "target" else None,
+                            random_weights=args.random_weights, target_config=args.config,
+                            draft_config=args.draft_config if pair else args.config)
     engine, described = load_engine(service, ns, model_settings, settings)
     if engine.graphs is not None:
         engine.graphs.warm(compact=service == "target")
@@ -375,10 +387,11 @@ def worker_main(argv: list[str] | None = None) -> int:
     set_worker_openmp()  # before torch loads, as ``specsplit draft``/``target``
     p = argparse.ArgumentParser(prog="python -m specsplit.bench.replay_fleet",
                                 description="A worker of `specsplit bench replay --fleet` (see its module doc).")
-    p.add_argument("role", choices=["target", "draft"])
+    p.add_argument("role", choices=["target", "draft", "pair"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--preset", default=None)
     p.add_argument("--config", default=None, metavar="DIR", help="random weights of DIR/config.json")
+    p.add_argument("--draft-config", default=None, metavar="DIR", help="pair: the draft's (--config: the target's)")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
@@ -388,11 +401,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     from specsplit.config import WorkerSettings
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
-    from specsplit.workers import run_worker
+    from specsplit.workers import run_pair, run_worker
 
     settings = WorkerSettings()
     configure_logging(settings.log_level, settings.log_json)
-    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}), **{f"{args.role}_device": args.device})
+    roles = ("draft", "target") if args.role == "pair" else (args.role,)
+    ms = ModelSettings(**({"preset": args.preset} if args.preset else {}), **{f"{r}_device": args.device for r in roles})
+    if args.role == "pair":
+        return run_pair(settings, ms, MetricsSettings(metrics_port=0), build=partial(_build, args))
     return run_worker(args.role, settings, ms, MetricsSettings(metrics_port=0), build=partial(_build, args))
 
 

@@ -183,7 +183,9 @@ def report(args, described: dict[str, Any], sessions: Sequence[TracedSession], r
               "draft + its verify with the growth beside it + what of the growth outlasts it; alone via router: "
               "the target alone's steps through its thread")
     elif getattr(args, "fleet", False):
-        print("fleet: through the fleet's processes on loopback (a router and a worker per role), each round's "
+        workers = "one worker process hosting both roles (--pair)" if getattr(args, "pair", False) else \
+            "a worker per role"
+        print(f"fleet: through the fleet's processes on loopback (a router per role, {workers}), each round's "
               "draft round trip + its verify's, with the growth sent beside the verify, + what of the growth "
               "outlasts it; against the target alone's engine ms (alone) and its round trips through the same "
               "router (alone via router)")
