@@ -35,7 +35,7 @@ import make_secrets
 import podman_play
 
 K8S_VERSION = "1.33.0"
-WORKERS = ("specsplit-draft", "specsplit-target")
+WORKERS = ("specsplit-draft", "specsplit-target", "specsplit-pair")
 # prompts whose tiny-target greedy answers run past 600 tokens before an end token (the first runs
 # 2,915: test_api; the others came first from _long_prompts' seed search, tried first to spare the
 # ~9 greedy decodes of that search); the kills wait on streamed chunks (8, then 4 more: a round
@@ -113,7 +113,7 @@ def test_manifests_validate_offline_and_follow_the_fleet(tmp_path):
 
     drain_s = inspect.signature(WorkerLoop).parameters["drain_timeout_s"].default
     secrets = podman_play.load(make_secrets.to_yaml(make_secrets.make_files()))
-    for overlay in ("cpu", "gpu"):
+    for overlay in ("cpu", "gpu", "gpu-pair"):
         docs = kustomize(KUBE / "overlays" / overlay)
         res = validate(docs + secrets, tmp_path)
         assert res.returncode == 0, f"{overlay}: {res.stdout}{res.stderr}"
@@ -135,7 +135,16 @@ def test_manifests_validate_offline_and_follow_the_fleet(tmp_path):
             if name in WORKERS:  # a rolling update waits out the drain of the request in hand
                 assert spec["terminationGracePeriodSeconds"] >= drain_s + 10, name
                 assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        target = by_kind(docs, "Deployment")["specsplit-target"]["spec"]["template"]["spec"]["containers"][0]
+        deployments = by_kind(docs, "Deployment")
+        if overlay == "gpu-pair":  # one pod per GPU serves both routers: no draft or target worker of its own
+            assert not {"specsplit-draft", "specsplit-target"} & (set(deployments) | set(by_kind(docs, "Service")))
+            pair = deployments["specsplit-pair"]["spec"]["template"]["spec"]["containers"][0]
+            env = {e["name"]: e.get("value") for e in pair["env"]}
+            assert pair["args"] == ["specsplit", "pair"] and pair["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            assert env["SPECSPLIT_DRAFT_DEVICE"] == env["SPECSPLIT_TARGET_DEVICE"] == "cuda"
+            assert {p["containerPort"] for p in pair["ports"]} == {9800, 9900}  # each role's metrics port
+            continue
+        target = deployments["specsplit-target"]["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in target["env"]}
         if overlay == "gpu":
             assert target["resources"]["limits"]["nvidia.com/gpu"] == "1" and env["SPECSPLIT_TARGET_DEVICE"] == "cuda"
