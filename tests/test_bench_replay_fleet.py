@@ -65,14 +65,7 @@ def test_pair_replays_through_one_worker_process_hosting_both_roles(tmp_path, mo
     re-root, and one worker process ran beside the two routers."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setattr(replayer, "GROW_FRACTION", 50.0)
-    lines = session_lines("a", 20, PLAN_A)
-    for line in lines[2:5]:
-        line["reused"] = 3
-    path = write_trace(tmp_path / "grown.jsonl", lines)
-    out = tmp_path / "replay.json"
-    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--fleet", "--pair", "--draft",
-                        "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
+    _, data = grown_replay(tmp_path, "--fleet", "--pair")
     clean = [r for r in data["rounds"] if r["clean"]]
     assert len(clean) == 4 and all(r["fleet_ms"] >= r["wall_ms"] > r["verify_ms"] > 0 for r in clean)
     by_round = {r["round"]: r for r in data["rounds"]}
@@ -100,17 +93,22 @@ def test_a_worker_that_dies_before_it_serves_is_a_clear_error(tmp_path, capsys, 
     assert all(p.poll() is not None for f in fleets for p in f.fleet.procs.values())
 
 
-def overlap_replay(tmp_path, *args: str) -> tuple[str, dict]:
-    """(trace path, JSON figures) of ``--overlap --draft`` over session a, its rounds 2-4
-    recorded as re-rooting a grown tree."""
+def grown_replay(tmp_path, *args: str) -> tuple[str, dict]:
+    """(trace path, JSON figures) of a replay with ``args`` and the draft over session a, its
+    rounds 2-4 recorded as re-rooting a grown tree."""
     lines = session_lines("a", 20, PLAN_A)
     for line in lines[2:5]:
         line["reused"] = 3
     path = write_trace(tmp_path / "grown.jsonl", lines)
     out = tmp_path / "replay.json"
-    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", "--threads", "1", "--overlap",
-                        "--draft", "--json", str(out), *args]) == 0
+    assert replay.main(["--trace", path, "--preset", "tiny", "--device", "cpu", *args, "--draft",
+                        "--json", str(out)]) == 0
     return path, json.loads(out.read_text())
+
+
+def overlap_replay(tmp_path, *args: str) -> tuple[str, dict]:
+    """``grown_replay`` with ``--overlap`` (and the target on one thread)."""
+    return grown_replay(tmp_path, "--threads", "1", "--overlap", *args)
 
 
 def test_overlap_replays_both_engines_in_this_process_on_their_own_threads(tmp_path, monkeypatch):
