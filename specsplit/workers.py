@@ -265,7 +265,8 @@ PAIR_SERVICES = ("draft", "target")
 PAIR_JOIN_S = 70.0  # the other role's drain after a stop (past its loop's own, 60 s)
 
 
-def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, build=build_engine) -> int:
+def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, build=build_engine,
+             stop: threading.Event | None = None) -> int:
     """``specsplit pair``: a draft and a target worker in one process, each with its own compute
     thread, router connection and metrics (on the draft's and the target's ports of this
     instance) and, on CUDA, its own stream. On one GPU, two worker processes' kernels take turns
@@ -273,10 +274,12 @@ def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, bu
     beside the target's verify instead of between its kernels (docs/hardware.md). The models load
     one after the other (one set of allocations and graph captures at a time); a role that stops
     stops the other, and the process ends with the larger return code (a device failure ends both
-    at once: the supervisor restarts the pair)."""
+    at once: the supervisor restarts the pair). ``stop`` (default: set by SIGTERM or SIGINT) ends
+    both."""
     metrics_settings = metrics_settings or MetricsSettings(metrics_port=0)
-    stop = threading.Event()
-    set_on_stop_signals(stop)
+    if stop is None:
+        stop = threading.Event()
+        set_on_stop_signals(stop)
     logs = {s: get_logger("specsplit.worker", service=s, worker="pair") for s in PAIR_SERVICES}
     keys = _keys(settings, logs["draft"])
     if keys is None:

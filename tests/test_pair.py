@@ -80,3 +80,53 @@ def test_pair_fleet_from_procfile_gpu_is_exact_and_survives_kill9_of_the_pair(tm
     assert proc.returncode in (0, 143), honcho_log(tmp_path)[-3000:]
     stopped = [ln for ln in honcho_log(tmp_path).splitlines() if "role_stopped" in ln]
     assert any("role=pair" in ln and "rc=0" in ln for ln in stopped), "\n".join(stopped)
+
+
+def _pair_in_thread(monkeypatch, draft_router, target_router):
+    """``run_pair`` of the tiny preset on a thread against two in-process routers; (thread, the
+    stop event, its return codes)."""
+    import threading
+
+    from specsplit.config import WorkerSettings
+    from specsplit.models import ModelSettings
+    from specsplit.transport.testing import TEST_SECRET
+    from specsplit.workers import run_pair
+
+    monkeypatch.setenv("SPECSPLIT_FLEET_SECRET", TEST_SECRET.decode())
+    settings = WorkerSettings(draft_backend=draft_router.backend, target_backend=target_router.backend,
+                              threads=1, prefill_threads=1, heartbeat_s=0.2)
+    stop, codes = threading.Event(), []
+    thread = threading.Thread(target=lambda: codes.append(run_pair(settings, ModelSettings(preset="tiny"), stop=stop)),
+                              daemon=True)
+    thread.start()
+    return thread, stop, codes
+
+
+def test_a_stop_ends_both_roles_of_a_pair(monkeypatch):
+    """Both roles join their routers; one stop drains both and the pair returns 0."""
+    from specsplit.transport.testing import RouterThread
+
+    with RouterThread("draft") as draft, RouterThread("target") as target:
+        thread, stop, codes = _pair_in_thread(monkeypatch, draft, target)
+        draft.wait_live(1, 120)
+        target.wait_live(1, 120)
+        stop.set()
+        thread.join(90)
+        assert codes == [0] and not thread.is_alive()
+        draft.wait_live(0, 15)
+        target.wait_live(0, 15)
+
+
+def test_a_role_refused_by_its_router_ends_the_pair(monkeypatch):
+    """The draft's router refuses it (another fleet's secret): the draft role ends with 2, which
+    stops the target role too (admitted meanwhile, or not), and the pair returns 2, the code a
+    supervisor does not restart (a configuration to fix, not a crash)."""
+    from specsplit.transport.testing import RouterThread
+
+    with RouterThread("draft", secret=b"another-fleet-secret-0123456789abc") as draft, \
+            RouterThread("target") as target:
+        thread, _, codes = _pair_in_thread(monkeypatch, draft, target)
+        thread.join(120)
+        assert codes == [2] and not thread.is_alive()
+        assert not draft.live_workers()
+        target.wait_live(0, 15)
