@@ -124,12 +124,14 @@ DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code
 
 
 class _Role:
-    """One role of a worker process, loaded and ready to serve: its engine on its own compute
-    thread, its WorkerLoop to its router, its metrics (``serve``, then ``finish``)."""
+    """One role of a worker process: its engine on its own compute thread (loading from the
+    start; ``wait_loaded``), its WorkerLoop to its router and its metrics (``prepare``), served
+    until ``stop`` (``serve``). ``keys``: the process's (CURVE keys, fleet secret)."""
 
     def __init__(self, service: str, settings: WorkerSettings, model_settings, metrics_settings, build,
-                 stop: threading.Event, log) -> None:
+                 stop: threading.Event, log, keys: tuple) -> None:
         self.service, self.settings, self.log, self.stop = service, settings, log, stop
+        self.curve, self.secret = keys
         self.metrics_settings = metrics_settings
         self.metrics = WorkerMetrics(service)
         self.served: Counter[str] = Counter()
@@ -253,8 +255,7 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     keys = _keys(settings, log)
     if keys is None:
         return 2
-    role = _Role(service, settings, model_settings, metrics_settings, build, stop, log)
-    role.curve, role.secret = keys
+    role = _Role(service, settings, model_settings, metrics_settings, build, stop, log, keys)
     if not role.wait_loaded():
         return 0
     role.prepare()
@@ -286,8 +287,7 @@ def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, bu
         return 2
     roles = []
     for service in PAIR_SERVICES:
-        role = _Role(service, settings, model_settings, metrics_settings, build, stop, logs[service])
-        role.curve, role.secret = keys
+        role = _Role(service, settings, model_settings, metrics_settings, build, stop, logs[service], keys)
         if not role.wait_loaded():
             return 0
         role.own_stream()
