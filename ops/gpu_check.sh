@@ -9,7 +9,8 @@
 #   ./ops/gpu_check.sh run         there (the device tool's `run` with carry [".whl"]), on random
 #                                  weights of the real configs, logs and JSON under $OUT:
 #     1. the CUDA oracles of TESTS (default: the graphs', the fused body's, the Triton kernels' and
-#        GEMMs', the KV pool's, an automatic one included, and greedy equivalence), TESTS_S;
+#        GEMMs', the KV pool's, an automatic one included, greedy equivalence, and a pair's two
+#        engines on their own threads and streams serving two sessions at once), TESTS_S;
 #     2. COST_S > 0: `specsplit bench gpu` eager and on CUDA graphs of the fused body in torch
 #        operations (the target), then on graphs of the fused body through the Triton kernels,
 #        with torch's GEMMs and with Triton's (both roles: the issue's three bars);
@@ -95,7 +96,7 @@ run)
   timeout "${TESTS_S:-150}" python3 -m pytest -q -ra -p no:cacheprovider \
     -k "(cuda or cudnn or kernels or matmul) and not compiles" \
     ${TESTS:-tests/test_kernels.py tests/test_matmul.py tests/test_graphs.py tests/test_fused.py tests/test_kvpool.py \
-      tests/test_kvpool_size.py tests/test_greedy_equivalence.py} 2>&1 \
+      tests/test_kvpool_size.py tests/test_greedy_equivalence.py tests/test_pair_engines.py} 2>&1 \
     | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
   if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call
