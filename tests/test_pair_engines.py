@@ -1,8 +1,9 @@
 """The engines of a ``specsplit pair`` process (issue 45): a draft and a target engine, each on its
 own thread and, on CUDA, its own stream, over KV pools with graphs, serving two sessions at once so
 that one session's drafts and growth run while the other's trees are verified. Each session's
-greedy output equals the target's plain greedy decoding: nothing one role's forwards leave on
-their stream (static buffers, pool slots, allocator blocks) reaches the other's. On CPU the graph
+greedy output equals the target's plain greedy decoding, and a sampled run equals the same run on
+eager engines alone: nothing one role's forwards leave on their stream (static buffers, pool
+slots, allocator blocks) reaches the other's. On CPU the graph
 bodies run eagerly ("static"); ``ops/gpu_check.sh`` runs the CUDA case on a lent device."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from specsplit.engine.draft import DraftEngine
 from specsplit.engine.target import TargetEngine
 from specsplit.local import generate
 from tests.test_graphs import LIMITS, MODES, device_of, graphed
-from tests.test_kvpool import GREEDY, MARGIN, greedy_reference
+from tests.test_kvpool import GREEDY, MARGIN, SAMPLED, greedy_reference
 
 SESSIONS = 2
 NEW_TOKENS = 24
@@ -42,6 +43,8 @@ def test_two_sessions_through_both_roles_on_their_own_threads_equal_greedy(model
         if gap >= MARGIN:
             prompts.append(prompt)
             refs.append(ref)
+    sampled_kw = {"max_new_tokens": 16, "tree": TreeSpec(max_nodes=8, max_depth=4, branch=2), "sampling": SAMPLED}
+    sampled_refs = [generate(draft, target, p, **sampled_kw, session_id=f"ref{i}") for i, p in enumerate(prompts)]
     outs: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(SESSIONS)
@@ -55,6 +58,10 @@ def test_two_sessions_through_both_roles_on_their_own_threads_equal_greedy(model
                                    grow_budget_ms=5.0, make_target_engine=lambda *_: engines["target"],
                                    make_draft_engine=lambda *_: engines["draft"])
                 assert outs[i] == refs[i], (i, outs[i], refs[i])
+            sampled = generate(draft, target, prompts[i], **sampled_kw, session_id=f"sampled{i}",
+                               make_target_engine=lambda *_: engines["target"],
+                               make_draft_engine=lambda *_: engines["draft"])
+            assert sampled == sampled_refs[i], (i, sampled, sampled_refs[i])
         except BaseException as exc:  # reported below, with the session's index
             errors.append(exc)
 
