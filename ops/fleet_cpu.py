@@ -10,6 +10,7 @@ itself): add it to the replayed fleet's rounds for a whole fleet on that host.
 
     python ops/fleet_cpu.py --json runs/fleet-cpu.json
     python ops/fleet_cpu.py --prompts 4 --tokens 64 SPECSPLIT_GROW=false   # settings for every process
+    python ops/fleet_cpu.py --pair     # both workers in one process (specsplit pair): one interpreter
 """
 
 from __future__ import annotations
@@ -62,10 +63,16 @@ def cpu_ms(pid: int) -> float:
     return total
 
 
-def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0) -> dict:
+def measure(prompts: int, tokens: int, settings: dict[str, str], seed: int = 0, pair: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="specsplit-fleet-cpu-") as tmp:
         trace = Path(tmp) / "trace.jsonl"
-        fleet = Fleet.create(Path(tmp), preset="tiny", threads=1, SPECSPLIT_TRACE_FILE=str(trace), **settings).start()
+        fleet = Fleet.create(Path(tmp), preset="tiny", threads=1, SPECSPLIT_TRACE_FILE=str(trace), **settings)
+        if pair:  # both workers in one process (``specsplit pair``, Procfile.gpu's)
+            fleet.start_routers()
+            fleet.spawn("pair", "pair", env={"HONCHO_PROCESS_NAME": "pair.1"})
+            fleet.spawn("orchestrator", "orchestrator")
+        else:
+            fleet.start()
         try:
             fleet.wait_ready()
             rng = random.Random(seed)
@@ -124,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--tokens", type=int, default=128, help="new tokens a prompt")
     p.add_argument("--json", dest="json_path", metavar="FILE")
+    p.add_argument("--pair", action="store_true", help="both workers in one process (specsplit pair), not one each")
     p.add_argument("settings", nargs="*", metavar="NAME=VALUE", help="SPECSPLIT_* settings for every process")
     args = p.parse_args(argv)
     settings = dict(s.split("=", 1) for s in args.settings)
-    out = measure(args.prompts, args.tokens, settings)
+    out = measure(args.prompts, args.tokens, settings, pair=args.pair)
     print(f"{out['rounds']} rounds, {out['tokens_per_round']} tokens a round, {out['wall_ms_per_round']} ms a round")
     print(f"{out['drafted_rounds']} clean drafted rounds: {out['rerooted_here']} re-rooted here (no draft round trip), "
           f"{out['rerooted_by_draft']} by the draft")
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {part} | {ms:.2f} |")
     print(f"| (between rounds: learning, trace, log, sessions' ends) | {out['between_rounds_mean_ms']:.2f} |")
     if args.json_path:
-        config = {"prompts": args.prompts, "tokens": args.tokens, "settings": settings, "cpus": os.cpu_count(),
+        config = {"prompts": args.prompts, "tokens": args.tokens, "settings": settings, "pair": args.pair,
+                  "cpus": os.cpu_count(),
                   "machine": platform.processor() or platform.machine(), "python": platform.python_version()}
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps({"config": config, **out}, indent=2) + "\n")
