@@ -13,25 +13,16 @@ import time
 
 import pytest
 
+from tests import test_crash_only
 from tests.conftest import greedy_cached, wait_until
 from tests.honcho_fleet import honcho_fleet, honcho_log, stop_honcho, worker_pid
 from tests.test_crash_only import _produce
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
+target_model = test_crash_only.target_model  # the tiny target (a module-scoped fixture), as the crash tests load it
 PROMPTS = [f"def f{i}(x): return x * {i}" + " + 1" * (i % 3) for i in range(6)]
 NEW_TOKENS = 120
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    import torch
-
-    from specsplit.models import ModelSettings, load_model, resolve_model_paths
-
-    torch.set_num_threads(1)
-    model, _ = load_model(resolve_model_paths(ModelSettings(preset="tiny")).target)
-    return model
 
 
 def _rounds(log: str, after: float = 0.0) -> list[str]:
