@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import signal
 import sys
 import threading
@@ -54,6 +56,24 @@ def _ignore_stop_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+
+
+WORKER_ROLES = ("draft", "target", "pair")
+
+
+def _exit_now(rc: int) -> None:
+    """End a worker's process once its role returned: its drain is done, its sockets closed and
+    its logs written, and what the interpreter's own teardown would add (a full garbage collection
+    of torch's and transformers' objects, torch's operator registry undone) is about a second of
+    CPU a worker (docs/results.md), which on a busy box outlasts honcho's 5 s between SIGTERM and
+    SIGKILL when a whole fleet stops at once. Flushed first: nothing logged is lost."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken pipe: nothing more can reach it
+    logging.shutdown()
+    os._exit(rc)
 
 
 def _role(cmd: str, rest: list[str]) -> int:
@@ -283,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         _exit_zero_on_stop_signals()
         try:
-            return _role(cmd, rest)
+            rc = _role(cmd, rest)
         finally:
             _ignore_stop_signals()
+        if as_command and cmd in WORKER_ROLES:
+            _exit_now(rc)
+        return rc
     if cmd == "produce":
         from specsplit.produce import produce_main  # each command loads its own stack only
 
