@@ -17,7 +17,7 @@ from functools import partial
 
 from brokers.curve import CurveError
 from brokers.settings import MetricsSettings
-from brokers.signals import set_on_stop_signals
+from brokers.signals import set_on_stop_signals, sleep_unless
 from schemas import WorkerHello
 from specsplit.compute import ComputeThread
 from specsplit.config import WorkerSettings
@@ -143,8 +143,11 @@ class _Role:
 
     def wait_loaded(self) -> bool:
         """Whether the model loaded (False: a stop came first; a failure raises)."""
-        while self.loading.is_alive():  # a stop while the model loads ends the process now (daemon thread)
-            if self.stop.wait(0.1):
+        # a stop while the model loads ends the process now (daemon thread). Only the flag is read
+        # here: the SIGTERM handler sets ``stop`` on this (main) thread, and one that ran while
+        # ``stop.wait`` held the event's lock would block on that lock for good (brokers.signals)
+        while self.loading.is_alive():
+            if sleep_unless(self.stop, 0.1):
                 self.log.info("worker_stopped_while_loading")
                 return False
         self.engine, self.hello = self.loading.result()
