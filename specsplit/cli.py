@@ -62,11 +62,12 @@ WORKER_ROLES = ("draft", "target", "pair")
 
 
 def _exit_now(rc: int) -> None:
-    """End a worker's process once its role returned: its drain is done, its sockets closed and
-    its logs written, and what the interpreter's own teardown would add (a full garbage collection
-    of torch's and transformers' objects, torch's operator registry undone) is about a second of
-    CPU a worker (docs/results.md), which on a busy box outlasts honcho's 5 s between SIGTERM and
-    SIGKILL when a whole fleet stops at once. Flushed first: nothing logged is lost."""
+    """End a worker's process once its role returned (and a supervisor's once its child exited):
+    its drain is done, its sockets closed and its logs written, and what the interpreter's own
+    teardown would add (a full garbage collection of torch's and transformers' objects, torch's
+    operator registry undone) is about a second of CPU a worker (docs/results.md), which on a busy
+    box outlasts honcho's 5 s between SIGTERM and SIGKILL when a whole fleet stops at once.
+    Flushed first: nothing logged is lost."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             return _role_usage(cmd, rest)  # usage (or a usage error): nothing supervised, nothing started
         rc = supervise(argv, SupervisorSettings())  # None: this process is the supervised child (or unsupervised)
         if rc is not None:
+            if as_command:
+                _exit_now(rc)  # the supervisor's child has exited: nothing is left to tear down
             return rc
         _exit_zero_on_stop_signals()
         try:
