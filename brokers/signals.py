@@ -6,7 +6,8 @@ process group and the supervisor forwards its own, so a role gets two within mic
 run its handler inside the first one's ``Event.set``, which holds the event's lock, and the
 nested ``Event.set`` then waits for that lock for good. Only the first signal sets the event
 here; a nested or later one returns at once (the event stays set). The main thread must still
-only read the event (``is_set``), never ``wait`` on it: ``sleep_unless`` waits that way.
+only read the event (``is_set``), never ``wait`` on it: ``sleep_unless`` waits that way; and
+where it sets the event itself, it does so with the signals held back (``set_event``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def set_on_stop_signals(event: threading.Event, signals=STOP_SIGNALS) -> dict:
         return {}
     handler = once(event.set)
     return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def set_event(event: threading.Event, signals=STOP_SIGNALS) -> None:
+    """``event.set()`` from any thread. On the main thread, whose handlers set ``event`` too, a
+    handler that ran while this held the event's lock would wait for that lock for good: the
+    ``signals`` are blocked meanwhile and run right after."""
+    if threading.current_thread() is not threading.main_thread():
+        event.set()
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        event.set()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def restore(previous: dict) -> None:

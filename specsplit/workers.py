@@ -17,7 +17,7 @@ from functools import partial
 
 from brokers.curve import CurveError
 from brokers.settings import MetricsSettings
-from brokers.signals import set_on_stop_signals, sleep_unless
+from brokers.signals import set_event, set_on_stop_signals, sleep_unless
 from schemas import WorkerHello
 from specsplit.compute import ComputeThread
 from specsplit.config import WorkerSettings
@@ -303,7 +303,7 @@ def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, bu
         try:
             codes[role.service] = role.serve()
         finally:
-            stop.set()  # one role ending (a refusal, a stop) ends the process: the supervisor restarts both
+            set_event(stop)  # one role ending (a refusal, a stop) ends the process: the supervisor restarts both
 
     threads = [threading.Thread(target=serve, args=(r,), name=f"specsplit-{r.service}-socket", daemon=True)
                for r in roles[1:]]

@@ -112,6 +112,54 @@ def test_a_second_stop_signal_inside_the_first_handler_never_deadlocks(handler):
     assert results == {"raw": "hung", handler: (0, "done")}
 
 
+_MAIN_SETS = """
+import os, signal, sys, threading
+from brokers.signals import set_event, set_on_stop_signals
+
+
+class SlowEvent(threading.Event):
+    # set() holding the event's lock while a stop signal arrives: its handler runs right there
+    def set(self):
+        with self._cond:
+            if not getattr(self, "sent", False):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+                for _ in range(10000):  # bytecodes: the handler runs here unless the signal waits
+                    pass
+            self._flag = True
+            self._cond.notify_all()
+
+
+ev = SlowEvent()
+set_on_stop_signals(ev, (signal.SIGUSR1,))
+if sys.argv[1] == "raw":
+    ev.set()
+else:
+    set_event(ev, (signal.SIGUSR1,))
+print("done", flush=True)
+"""
+
+
+def test_the_main_thread_setting_its_stop_event_never_deadlocks_its_handler():
+    """A process hosting both roles (``specsplit pair``) sets its stop event on the main thread
+    when a role ends, and a SIGTERM then runs its handler, which sets the same event, while that
+    set holds the event's lock. ``set_event`` holds the signal back until the set is done; the
+    raw ``ev.set()`` must hang here, or this test reproduces nothing."""
+    results = {}
+    for kind in ("raw", "set_event"):
+        proc = subprocess.Popen([sys.executable, "-c", _MAIN_SETS, kind], stdout=subprocess.PIPE, text=True)
+        try:
+            out, _ = proc.communicate(timeout=5 if kind == "raw" else 30)
+            results[kind] = (proc.returncode, out.strip())
+        except subprocess.TimeoutExpired:
+            results[kind] = "hung"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert results == {"raw": "hung", "set_event": (0, "done")}
+
+
 def test_sleep_unless_returns_when_set_or_after_its_time():
     import threading
 
