@@ -15,6 +15,7 @@ import ctypes.util
 import os
 import time
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -108,8 +109,11 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, threads: int, prefill_threads: int, *, quantize: str = "none", pack_weights: bool = True,
-                 batch_invariant: bool = True, adaptive_threads: bool = False, trim_every_s: float = 0.0):
+                 batch_invariant: bool = True, adaptive_threads: bool = False, trim_every_s: float = 0.0,
+                 int8_cache: bool = False):
         self.threads, self.prefill_threads = threads, prefill_threads
+        self.int8_cache = int8_cache  # a target's int8 codes kept beside its model (specsplit.models.int8_cache)
+        self.int8_report: dict = {}
         # tree-sized forwards on the role's share or on every core, whichever measures faster
         self.chooser = (ThreadChooser((threads, prefill_threads))
                         if adaptive_threads and prefill_threads != threads else None)
@@ -172,7 +176,16 @@ class CpuBackend(Backend):
         ``batch_invariant``) on sdpa gets ``specsplit.models.attention.gqa_attention``."""
         torch.set_num_threads(self.threads)
         if self.quantize == "int8":
-            model = quantize_int8(model, batch_invariant=self.batch_invariant)
+            t0 = time.perf_counter()
+            source = Path(getattr(model, "name_or_path", "") or "")
+            cache_dir = source if self.int8_cache and self.batch_invariant and source.is_dir() else None
+            torch.set_num_threads(self.prefill_threads)  # a start (or restart) has every core to itself
+            try:
+                model = quantize_int8(model, batch_invariant=self.batch_invariant, cache_dir=cache_dir,
+                                      report=self.int8_report)
+            finally:
+                torch.set_num_threads(self.threads)
+            self.int8_report["quantize_s"] = round(time.perf_counter() - t0, 2)
             self.warm(model)
         if self.pack_weights:
             from specsplit.models.packing import pack_linear_weights
@@ -221,7 +234,8 @@ class CpuBackend(Backend):
     def describe(self) -> dict:
         return {"backend": self.name, "threads": self.threads, "prefill_threads": self.prefill_threads,
                 "quantize": self.quantize, "batch_invariant": self.batch_invariant,
-                "int8_kernel": self.int8_kernel(), "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
+                "int8_kernel": self.int8_kernel(), **self.int8_report,
+                "pack_weights": self.pack_weights, "packed_layers": self.packed_layers,
                 "gqa_attention": self.gqa_attention, "attention": self.attention, "adaptive_threads": self.chooser is not None,
                 "warmed_gemms": self.warmed_gemms, "warm_s": round(self.warm_s, 2),
                 "trim_every_s": self.trim_every_s, "trims": self.trims, "trim_s": round(self.trim_s, 3),
@@ -338,4 +352,5 @@ def build_backend(service: str, device: str, settings) -> Backend:
         batch_invariant=service == "target",
         adaptive_threads=settings.adaptive_threads,
         trim_every_s=settings.trim_every_s,
+        int8_cache=settings.int8_cache,
     )

@@ -140,6 +140,11 @@ class WorkerSettings(SessionLimitSettings):
     pack_weights: bool = Field(default=True, description=(
         "Reorder bf16/fp16 Linear weights once into oneDNN's layout (CPU): bit-identical, faster target "
         "forwards (specsplit.models.packing)."))
+    int8_cache: bool = Field(default=True, description=(
+        "int8 target (CPU): keep its Linear layers' int8 codes beside the model "
+        "(`int8-<kernel>-v1.safetensors` in the model directory, about a quarter of the bf16 weights' size) "
+        "and read them at the next start instead of quantizing again (specsplit.models.int8_cache). A "
+        "directory that cannot be written only costs the time."))
     adaptive_threads: bool = Field(default=False, description=(
         "CPU: run each tree-sized forward on the role's threads or on every core, whichever the worker "
         "measures faster for forwards of that size (every core while the other role idles)."))

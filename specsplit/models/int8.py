@@ -48,6 +48,7 @@ from specsplit.models.blocked import BLOCKED_ATTENTION, use_invariant_attention
 from specsplit.models.fp64 import FP64_ATTENTION
 from specsplit.models.fp64 import fp64_attention as fp64_attention  # re-exported: its home was here
 from specsplit.models.fp64 import use_fp64_attention as use_fp64_attention  # re-exported, as above
+from specsplit.models.int8_cache import Int8Codes
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -71,25 +72,25 @@ class RowInt8Linear(torch.nn.Module):
     per-row activation scales (see the module docstring). float32 in, float32 out. ``kernel``:
     "onednn" or "fbgemm" (None: oneDNN where ``onednn_int8_supported``, else fbgemm)."""
 
-    def __init__(self, linear: torch.nn.Linear, kernel: str | None = None):
+    def __init__(self, linear: torch.nn.Linear, kernel: str | None = None, codes: dict | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel or default_kernel()
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        if self.kernel == "onednn":
-            self._w_scale, self._packed = _onednn_weights(linear.weight.detach().float())
-            self._ones = torch.ones(self.out_features)
-            self._zeros = torch.zeros(self.out_features, dtype=torch.int32)
-            return
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+        if codes is None:  # else ``weight_codes`` of this weight and kernel, kept (``specsplit.models.int8_cache``)
+            codes = weight_codes(linear.weight.detach(), self.kernel)
         zero = torch.zeros(self.out_features, dtype=torch.long)
-        w = torch.cat([w, w.new_zeros(self.out_features, 2)], dim=1)  # the two range columns
+        if self.kernel == "onednn":
+            self._w_scale = codes["scale"]
+            self._packed = torch.ops.onednn.qlinear_prepack(codes["codes"], None)
+            self._ones = torch.ones(self.out_features)
+            self._zeros = zero.int()
+            return
         with warnings.catch_warnings():  # quantized tensor creation is deprecated; fbgemm still takes them
             warnings.simplefilter("ignore")
-            w_q = torch.quantize_per_channel(w, scales, zero, 0, torch.qint8)
+            w_q = torch._make_per_channel_quantized_tensor(codes["codes"], codes["scale"], zero, 0)
         self._packed = torch.ops.quantized.linear_prepack(w_q, None)
         self._range = torch.tensor([[1.0, -1.0]])
 
@@ -164,14 +165,31 @@ def _bucketed(codes: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, 0, 0, pad), value=_CODE_ZERO) if pad else codes
 
 
+def weight_codes(weight: torch.Tensor, kernel: str) -> dict[str, torch.Tensor]:
+    """What ``RowInt8Linear`` packs for ``kernel`` from a weight [N, K] (any float dtype): its int8
+    ``codes`` and per output channel ``scale``. oneDNN: symmetric codes in [-127, 127] [N, K] and
+    the dequantization scale (the weight's scale / 127, the activation codes') in float32; fbgemm:
+    per-channel codes [N, K + 2] (two zero columns for the range columns) and their scales in
+    float64."""
+    w = weight.float()
+    if kernel == "onednn":
+        lo, hi = torch.aminmax(w, dim=1)  # max |w| per row without an |w| copy (a 1.5B target's start)
+        scales = torch.maximum(hi, lo.neg_()).clamp_min_(1e-12).div_(127.0)  # [N]
+        codes = w.div(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, K]
+        return {"codes": codes, "scale": (scales / 127.0).float().contiguous()}
+    scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    w = torch.cat([w, w.new_zeros(w.shape[0], 2)], dim=1)  # the two range columns
+    with warnings.catch_warnings():  # quantized tensor creation is deprecated; fbgemm still takes them
+        warnings.simplefilter("ignore")
+        codes = torch.quantize_per_channel(w, scales, zero, 0, torch.qint8).int_repr()
+    return {"codes": codes, "scale": scales}
+
+
 def _onednn_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dequantization scale per output channel [N] float32: the weight's scale / 127, the
-    activation codes', oneDNN-packed int8 weights) of a float weight [N, K]: symmetric codes in
-    [-127, 127]."""
-    lo, hi = torch.aminmax(w, dim=1)  # max |w| per row without an |w| copy (a 1.5B target's start)
-    scales = torch.maximum(hi, lo.neg_()).clamp_min_(1e-12).div_(127.0)  # [N]
-    codes = w.div(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, K]
-    return (scales / 127.0).float().contiguous(), torch.ops.onednn.qlinear_prepack(codes, None)
+    """(dequantization scale [N], oneDNN-packed int8 weights) of a float weight [N, K] (``weight_codes``)."""
+    c = weight_codes(w, "onednn")
+    return c["scale"], torch.ops.onednn.qlinear_prepack(c["codes"], None)
 
 
 def _row_codes(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -235,7 +253,18 @@ def int8_supported() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = None):
+def code_shapes(linear: torch.nn.Linear, kernel: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``weight_codes`` of ``linear``'s weight for ``kernel``."""
+    n, k = linear.out_features, linear.in_features
+    return {"codes": (n, k if kernel == "onednn" else k + 2), "scale": (n,)}
+
+
+CODE_DTYPES = {"onednn": {"codes": torch.int8, "scale": torch.float32},
+               "fbgemm": {"codes": torch.int8, "scale": torch.float64}}
+
+
+def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = None, cache_dir=None,
+                  report: dict | None = None):
     """int8 Linear layers, converted one layer at a time (each goes to float32 just before it is
     quantized), then the rest (embeddings, norms) to float32, the activations int8 layers take.
     Peak memory stays near the loaded model's instead of a whole float32 copy (a 1.5B target:
@@ -246,22 +275,43 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
     (``specsplit.models.blocked.use_invariant_attention``: blocked float32 where this machine's
     kernels pass its check, else ``fp64_attention``). Otherwise (a draft, which only
     proposes): torch.ao dynamic int8 with one activation scale per forward, the fastest at one
-    row."""
+    row.
+
+    ``cache_dir`` (a target's model directory): its layers' codes are read from there when a
+    quantization of these weights left them (``specsplit.models.int8_cache``), else kept there for
+    the next start; ``report["int8_cache"]`` says which ("hit", "written", "stale", "unwritable",
+    "miss": no weight files there)."""
     if not int8_supported():
         raise RuntimeError("int8 quantization needs torch's fbgemm kernels (an x86 CPU build); "
                            "set SPECSPLIT_*_QUANTIZE=none")
     torch.backends.quantized.engine = "fbgemm"
-    linears = [(parent, name, child) for parent in model.modules()
+    linears = [(f"{pname}.{name}" if pname else name, parent, name, child) for pname, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is torch.nn.Linear]
-    with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
-        warnings.simplefilter("ignore")
-        for parent, name, child in linears:
-            if batch_invariant:
-                setattr(parent, name, RowInt8Linear(child, kernel))
-            else:
-                wrapped = torch.nn.Sequential(child.float())
-                torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-                setattr(parent, name, wrapped[0])
+    kernel = kernel or default_kernel()
+    cache = None
+    if batch_invariant and cache_dir is not None:
+        cache = Int8Codes(cache_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
+                          CODE_DTYPES[kernel])
+    try:
+        with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
+            warnings.simplefilter("ignore")
+            for qname, parent, name, child in linears:
+                if batch_invariant:
+                    codes = cache.get(qname) if cache is not None else None
+                    if codes is None:
+                        codes = weight_codes(child.weight.detach(), kernel)
+                        if cache is not None:
+                            cache.put(qname, codes)
+                    setattr(parent, name, RowInt8Linear(child, kernel, codes))
+                else:
+                    wrapped = torch.nn.Sequential(child.float())
+                    torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+                    setattr(parent, name, wrapped[0])
+    finally:
+        if cache is not None:
+            cache.close()
+            if report is not None:
+                report["int8_cache"] = cache.status
     if batch_invariant:
         use_invariant_attention(model)
     return model.float()
