@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsplit.models import int8_cache
-from specsplit.models.int8 import KERNELS, RowInt8Linear, int8_supported, quantize_int8
+from specsplit.models.int8 import KERNELS, RowInt8Linear, int8_supported, onednn_int8_supported, quantize_int8
 from tests.conftest import tiny_model
 from tests.test_int8 import kernel_or_skip
 
@@ -54,7 +54,7 @@ def test_codes_read_back_run_the_same_model(saved, kernel):
     plain, status = _quantized(model, kernel)
     assert status is None  # no directory: no cache
     first, status = _quantized(model, kernel, model_dir)
-    assert status == "written" and int8_cache.cache_path(model_dir, kernel).is_file()
+    assert status == "written" and int8_cache.cache_path(model_dir, kernel, torch.float32).is_file()
     second, status = _quantized(model, kernel, model_dir)
     assert status == "hit"
     _same_model(plain, first)
@@ -122,3 +122,43 @@ def test_quantizing_on_more_threads_packs_the_same_weights(saved, kernel):
         _same_model(one, many)
     finally:
         torch.set_num_threads(n)
+
+
+def test_codes_written_ahead_are_what_a_start_reads(saved):
+    """``specsplit models pull --int8-codes`` (``keep_codes``) writes both kernels' codes, as a
+    first start would: a start then reads them (a model volume mounted read-only)."""
+    from specsplit.models.int8 import keep_codes
+
+    model_dir, model = saved
+    assert keep_codes(model_dir, "float32") == {k: "written" for k in KERNELS}  # the tiny target's dtype
+    assert keep_codes(model_dir, "float32") == {k: "hit" for k in KERNELS}
+    for kernel in KERNELS:
+        if kernel == "onednn" and not onednn_int8_supported():
+            continue
+        q, status = _quantized(model, kernel, model_dir)
+        assert status == "hit"
+        _same_model(_quantized(model, kernel)[0], q)
+
+
+def test_models_pull_writes_the_int8_codes(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "specsplit", "models", "pull", "--preset", "tiny", "--no-progress",
+                          "--int8-codes", "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECSPLIT_ENV_FILE": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    (target,) = {p.parent for p in tmp_path.glob("models/*/target/int8-*.safetensors")}
+    assert sorted(p.name for p in target.glob("int8-*")) == [f"int8-{k}-float32-v1.safetensors" for k in sorted(KERNELS)]
+
+
+def test_codes_of_the_weights_in_another_dtype_are_kept_apart(saved):
+    """A float32 checkpoint loaded in bf16 quantizes other values: its codes live in their own
+    file, and neither start reads the other's."""
+    model_dir, model = saved
+    assert _quantized(model, None, model_dir)[1] == "written"
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    q, status = _quantized(bf16, None, model_dir)
+    assert status == "written" and len(list(model_dir.glob("int8-*"))) == 2
+    _same_model(_quantized(bf16, None)[0], q)
+    assert _quantized(model, None, model_dir)[1] == _quantized(bf16, None, model_dir)[1] == "hit"

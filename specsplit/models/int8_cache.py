@@ -1,8 +1,8 @@
 """A model's int8 weight codes kept beside it, so a worker's next start packs them instead of
 quantizing every Linear layer again (the 1.5B target spent most of its start there; docs/results.md).
 
-``<model dir>/int8-<kernel>-v<FORMAT>.safetensors`` holds ``specsplit.models.int8.weight_codes``
-of every Linear layer by module name (``<name>.codes``, ``<name>.scale``); its metadata names the
+``<model dir>/int8-<kernel>-<weights' dtype>-v<FORMAT>.safetensors`` holds
+``specsplit.models.int8.weight_codes`` of every Linear layer, loaded in that dtype, by module name (``<name>.codes``, ``<name>.scale``); its metadata names the
 format, the kernel and the source (the directory's weight files, by name, size and modification
 time, and its config, hashed). A file whose metadata, names or shapes do not match is not used, and
 the quantization it did not spare writes a fresh one; a file that cannot be read or written costs
@@ -29,8 +29,10 @@ FORMAT = 1
 _DTYPES = {torch.int8: "I8", torch.float32: "F32", torch.float64: "F64"}
 
 
-def cache_path(model_dir: Path, kernel: str) -> Path:
-    return Path(model_dir) / f"int8-{kernel}-v{FORMAT}.safetensors"
+def cache_path(model_dir: Path, kernel: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The codes of the weights of ``model_dir`` loaded in ``dtype`` (a float32 checkpoint loaded
+    in bf16 quantizes other values), for ``kernel``."""
+    return Path(model_dir) / f"int8-{kernel}-{str(dtype).removeprefix('torch.')}-v{FORMAT}.safetensors"
 
 
 def source_fingerprint(model_dir: Path) -> str | None:
@@ -56,13 +58,13 @@ class Int8Codes:
     """The codes of one model directory and kernel: ``get`` a layer's from the file (None where
     it has none), ``put`` each layer's as it is quantized when the file was not usable (in the
     order ``layers`` gave), ``close`` to finish. ``layers``: [(name, {"codes": shape, "scale":
-    shape})] of every layer, in quantization order. ``status``: "hit" (every layer read), "written",
+    shape})] of every layer, in quantization order; ``weights``: the dtype they were loaded in. ``status``: "hit" (every layer read), "written",
     "unwritable" (the directory or disk refused; quantized as without a cache) or "stale" (found
     but not usable: rewritten)."""
 
     def __init__(self, model_dir: Path, kernel: str, layers: list[tuple[str, dict[str, tuple[int, ...]]]],
-                 dtypes: dict[str, torch.dtype]):
-        self.path, self.kernel, self.layers, self.dtypes = cache_path(model_dir, kernel), kernel, layers, dtypes
+                 dtypes: dict[str, torch.dtype], weights: torch.dtype):
+        self.path, self.kernel, self.layers, self.dtypes = cache_path(model_dir, kernel, weights), kernel, layers, dtypes
         self.parts = dict(layers)
         self.source = source_fingerprint(model_dir)
         self.status = "miss"
