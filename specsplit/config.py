@@ -142,9 +142,10 @@ class WorkerSettings(SessionLimitSettings):
         "forwards (specsplit.models.packing)."))
     int8_cache: bool = Field(default=True, description=(
         "int8 target (CPU): keep its Linear layers' int8 codes beside the model "
-        "(`int8-<kernel>-v1.safetensors` in the model directory, about a quarter of the bf16 weights' size) "
+        "(`int8-<kernel>-<dtype>-v1.safetensors` in the model directory, about half the bf16 weights' size) "
         "and read them at the next start instead of quantizing again (specsplit.models.int8_cache). A "
-        "directory that cannot be written only costs the time."))
+        "directory that cannot be written only costs the time; `specsplit models pull --int8-codes` writes "
+        "them ahead, for a model directory the workers read only."))
     adaptive_threads: bool = Field(default=False, description=(
         "CPU: run each tree-sized forward on the role's threads or on every core, whichever the worker "
         "measures faster for forwards of that size (every core while the other role idles)."))
