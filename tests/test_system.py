@@ -229,7 +229,8 @@ def test_z_teardown_leaves_nothing(fleet):
     codes = fleet.stop(timeout_s=120)  # SIGKILL only past a hang guard: a slow drain still exits 0
     assert all(proc.poll() is not None for proc in fleet.procs.values())
     clean = {n: c for n, c in codes.items() if n != "target0" or c == 0}
-    assert all(c == 0 for c in clean.values()), codes
+    unclean = {n: c for n, c in clean.items() if c != 0}
+    assert not unclean, f"{codes}\n" + "\n".join(f"== {n}\n{fleet.log(n)[-3000:]}" for n in unclean)
     for name, port in fleet.ports.items():
         wait_until(lambda port=port: port_is_free(port), 30, f"{name} port {port} freed")
     leftover = subprocess.run(["pgrep", "-f", str(fleet.ports["orch"])], capture_output=True, text=True).stdout
