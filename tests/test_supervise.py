@@ -279,8 +279,8 @@ def test_sigterm_to_the_whole_group_twice_over_still_exits_zero(tmp_path, role):
             proc = subprocess.Popen([sys.executable, "-m", "specsplit", *role], env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait(lambda: any(ev in log.read_text() for ev in ("router_started", "orchestrator_started", "worker_loaded")),
-                  60)
+            events = ("router_started", "orchestrator_started", "worker_loaded")
+            _wait(lambda: any(ev in log.read_text() for ev in events), 60)
             child = _children(proc.pid)[0]
             os.killpg(proc.pid, signal.SIGTERM)
             time.sleep(late_s)  # one more, late: as if forwarded while the child is already exiting

@@ -2,14 +2,15 @@
 quantizing every Linear layer again (the 1.5B target spent most of its start there; docs/results.md).
 
 ``<model dir>/int8-<kernel>-<weights' dtype>-v<FORMAT>.safetensors`` holds
-``specsplit.models.int8.weight_codes`` of every Linear layer, loaded in that dtype, by module name (``<name>.codes``, ``<name>.scale``); its metadata names the
-format, the kernel and the source (the directory's weight files, by name, size and modification
-time, and its config, hashed). A file whose metadata, names or shapes do not match is not used, and
-the quantization it did not spare writes a fresh one; a file that cannot be read or written costs
-time, never a start. The file is written as the layers are quantized (its header first: every
-shape is known up front, so no layer's codes wait in memory for the others) into a temporary
-file that is renamed when complete: a worker starting beside another reads a whole file or none.
-Read back through the safetensors library, which checks the layout.
+``specsplit.models.int8.weight_codes`` of every Linear layer, loaded in that dtype, by module
+name (``<name>.codes``, ``<name>.scale``); its metadata names the format, the kernel and the
+source (``source_fingerprint``: the directory's weight files and config, hashed). A file whose
+metadata, names or shapes do not match is not used, and the quantization it did not spare writes
+a fresh one; a file that cannot be read or written costs time, never a start. The file is
+written as the layers are quantized (its header first: every shape is known up front, so no
+layer's codes wait in memory for the others) into a temporary file renamed when complete: a
+worker starting beside another reads a whole file or none. Read back through the safetensors
+library, which checks the layout.
 """
 
 from __future__ import annotations
@@ -55,16 +56,18 @@ def source_fingerprint(model_dir: Path) -> str | None:
 
 
 class Int8Codes:
-    """The codes of one model directory and kernel: ``get`` a layer's from the file (None where
-    it has none), ``put`` each layer's as it is quantized when the file was not usable (in the
-    order ``layers`` gave), ``close`` to finish. ``layers``: [(name, {"codes": shape, "scale":
-    shape})] of every layer, in quantization order; ``weights``: the dtype they were loaded in. ``status``: "hit" (every layer read), "written",
-    "unwritable" (the directory or disk refused; quantized as without a cache) or "stale" (found
-    but not usable: rewritten)."""
+    """The codes of one model directory, kernel and weights' dtype: ``get`` a layer's from the
+    file (None where it has none), ``put`` each layer's as it is quantized when the file was not
+    usable (in the order ``layers`` gave), ``close`` to finish. ``layers``: [(name, {"codes":
+    shape, "scale": shape})] of every layer, in quantization order; ``dtypes``: each part's dtype;
+    ``weights``: the dtype the layers' weights were loaded in. ``status``: "hit" (every layer
+    read), "written", "unwritable" (the directory or disk refused; quantized as without a cache),
+    "stale" (found but not usable, and not rewritten) or "miss" (no weight files to key it by)."""
 
     def __init__(self, model_dir: Path, kernel: str, layers: list[tuple[str, dict[str, tuple[int, ...]]]],
                  dtypes: dict[str, torch.dtype], weights: torch.dtype):
-        self.path, self.kernel, self.layers, self.dtypes = cache_path(model_dir, kernel, weights), kernel, layers, dtypes
+        self.path, self.kernel, self.layers = cache_path(model_dir, kernel, weights), kernel, layers
+        self.dtypes = dtypes
         self.parts = dict(layers)
         self.source = source_fingerprint(model_dir)
         self.status = "miss"
