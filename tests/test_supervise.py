@@ -56,7 +56,7 @@ def test_a_main_thread_waiting_for_its_stop_event_never_deadlocks_its_signal_han
 
 _NESTED = """
 import os, signal, sys, threading, time
-from brokers.signals import set_on_stop_signals
+from brokers.signals import set_event, set_on_stop_signals
 from specsplit.config import SupervisorSettings
 from specsplit.supervise import Supervisor
 
@@ -76,7 +76,7 @@ class SlowEvent(threading.Event):
 
 
 ev = SlowEvent()
-if sys.argv[1] == "roles":
+if sys.argv[1] in ("roles", "main_raw", "main_set_event"):
     set_on_stop_signals(ev, (signal.SIGUSR1,))
 elif sys.argv[1] == "supervisor":
     sup = Supervisor(["router", "draft"], SupervisorSettings())
@@ -84,7 +84,12 @@ elif sys.argv[1] == "supervisor":
     signal.signal(signal.SIGUSR1, sup._on_signal)
 else:
     signal.signal(signal.SIGUSR1, lambda *_: ev.set())  # the handler every role had before
-os.kill(os.getpid(), signal.SIGUSR1)
+if sys.argv[1] == "main_raw":  # the main thread sets the event itself, the signal comes inside
+    ev.set()
+elif sys.argv[1] == "main_set_event":
+    set_event(ev, (signal.SIGUSR1,))
+else:
+    os.kill(os.getpid(), signal.SIGUSR1)
 while not ev.is_set():
     time.sleep(0.01)
 print("done", flush=True)
@@ -97,11 +102,16 @@ def test_a_second_stop_signal_inside_the_first_handler_never_deadlocks(handler):
     gets two SIGTERMs microseconds apart; CPython may run the second handler inside the first
     one's Event.set, which holds the event's lock. A CI run hung 30 s this way (router draft).
     The raw ``lambda: ev.set()`` handler must hang here, or this test reproduces nothing."""
+    assert _nested_runs("raw", handler) == {"raw": "hung", handler: (0, "done")}
+
+
+def _nested_runs(raw: str, fixed: str) -> dict:
+    """_NESTED run as ``raw`` (which must hang: 5 s) and as ``fixed`` (which must print done)."""
     results = {}
-    for kind in ("raw", handler):
+    for kind in (raw, fixed):
         proc = subprocess.Popen([sys.executable, "-c", _NESTED, kind], stdout=subprocess.PIPE, text=True)
         try:
-            out, _ = proc.communicate(timeout=5 if kind == "raw" else 30)
+            out, _ = proc.communicate(timeout=5 if kind == raw else 30)
             results[kind] = (proc.returncode, out.strip())
         except subprocess.TimeoutExpired:
             results[kind] = "hung"
@@ -109,35 +119,7 @@ def test_a_second_stop_signal_inside_the_first_handler_never_deadlocks(handler):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert results == {"raw": "hung", handler: (0, "done")}
-
-
-_MAIN_SETS = """
-import os, signal, sys, threading
-from brokers.signals import set_event, set_on_stop_signals
-
-
-class SlowEvent(threading.Event):
-    # set() holding the event's lock while a stop signal arrives: its handler runs right there
-    def set(self):
-        with self._cond:
-            if not getattr(self, "sent", False):
-                self.sent = True
-                os.kill(os.getpid(), signal.SIGUSR1)
-                for _ in range(10000):  # bytecodes: the handler runs here unless the signal waits
-                    pass
-            self._flag = True
-            self._cond.notify_all()
-
-
-ev = SlowEvent()
-set_on_stop_signals(ev, (signal.SIGUSR1,))
-if sys.argv[1] == "raw":
-    ev.set()
-else:
-    set_event(ev, (signal.SIGUSR1,))
-print("done", flush=True)
-"""
+    return results
 
 
 def test_the_main_thread_setting_its_stop_event_never_deadlocks_its_handler():
@@ -145,19 +127,7 @@ def test_the_main_thread_setting_its_stop_event_never_deadlocks_its_handler():
     when a role ends, and a SIGTERM then runs its handler, which sets the same event, while that
     set holds the event's lock. ``set_event`` holds the signal back until the set is done; the
     raw ``ev.set()`` must hang here, or this test reproduces nothing."""
-    results = {}
-    for kind in ("raw", "set_event"):
-        proc = subprocess.Popen([sys.executable, "-c", _MAIN_SETS, kind], stdout=subprocess.PIPE, text=True)
-        try:
-            out, _ = proc.communicate(timeout=5 if kind == "raw" else 30)
-            results[kind] = (proc.returncode, out.strip())
-        except subprocess.TimeoutExpired:
-            results[kind] = "hung"
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert results == {"raw": "hung", "set_event": (0, "done")}
+    assert _nested_runs("main_raw", "main_set_event") == {"main_raw": "hung", "main_set_event": (0, "done")}
 
 
 def test_sleep_unless_returns_when_set_or_after_its_time():
