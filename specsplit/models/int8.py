@@ -269,6 +269,12 @@ def _linears(model) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
             for name, child in parent.named_children() if type(child) is torch.nn.Linear]
 
 
+def _codes_of(model_dir, kernel: str, linears) -> Int8Codes:
+    """The kept codes of ``linears`` (``_linears``: a model's, loaded from ``model_dir``) for ``kernel``."""
+    return Int8Codes(model_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
+                     CODE_DTYPES[kernel], linears[0][3].weight.dtype if linears else torch.float32)
+
+
 def keep_codes(model_dir, dtype: str = "bfloat16", kernels=KERNELS) -> dict[str, str]:
     """Write the int8 codes of the model in ``model_dir``, loaded in ``dtype`` (the target's), beside
     it for each of ``kernels``, as a target's first start would (``specsplit models pull
@@ -281,8 +287,7 @@ def keep_codes(model_dir, dtype: str = "bfloat16", kernels=KERNELS) -> dict[str,
     linears = _linears(model)
     out = {}
     for kernel in kernels:
-        cache = Int8Codes(model_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
-                          CODE_DTYPES[kernel], getattr(torch, dtype))
+        cache = _codes_of(model_dir, kernel, linears)
         if cache.status != "hit":
             for qname, _, _, child in linears:
                 cache.put(qname, weight_codes(child.weight.detach(), kernel))
@@ -314,11 +319,10 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
                            "set SPECSPLIT_*_QUANTIZE=none")
     torch.backends.quantized.engine = "fbgemm"
     linears = _linears(model)
-    kernel = kernel or default_kernel()
     cache = None
-    if batch_invariant and cache_dir is not None:
-        cache = Int8Codes(cache_dir, kernel, [(q, code_shapes(child, kernel)) for q, _, _, child in linears],
-                          CODE_DTYPES[kernel], linears[0][3].weight.dtype if linears else torch.float32)
+    if batch_invariant:
+        kernel = kernel or default_kernel()
+        cache = _codes_of(cache_dir, kernel, linears) if cache_dir is not None else None
     try:
         with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
             warnings.simplefilter("ignore")
