@@ -59,6 +59,10 @@ def _ignore_stop_signals() -> None:
 
 
 WORKER_ROLES = ("draft", "target", "pair")
+# roles whose process ends once the role returned (``_exit_now``): the workers (their teardown), and
+# the orchestrator, whose ZeroMQ context, torn down at exit after its sockets closed with requests
+# in flight, once aborted in libzmq's session cleanup (an EAGAIN assertion, src/session_base.cpp)
+EXIT_NOW_ROLES = (*WORKER_ROLES, "orchestrator")
 
 
 def _exit_now(rc: int) -> None:
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = _role(cmd, rest)
         finally:
             _ignore_stop_signals()
-        if as_command and cmd in WORKER_ROLES:
+        if as_command and cmd in EXIT_NOW_ROLES:
             _exit_now(rc)
         return rc
     if cmd == "produce":
