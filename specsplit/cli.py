@@ -66,8 +66,8 @@ EXIT_NOW_ROLES = (*WORKER_ROLES, "orchestrator")
 
 
 def _exit_now(rc: int) -> None:
-    """End a worker's process once its role returned (and a supervisor's once its child exited):
-    its drain is done, its sockets closed and its logs written, and what the interpreter's own
+    """End the process of a role in EXIT_NOW_ROLES once it returned (and a supervisor's once its
+    child exited): its drain is done, its sockets closed and its logs written, and what the interpreter's own
     teardown would add (a full garbage collection of torch's and transformers' objects, torch's
     operator registry undone) is about a second of CPU a worker (docs/results.md), which on a busy
     box outlasts honcho's 5 s between SIGTERM and SIGKILL when a whole fleet stops at once.
@@ -86,7 +86,7 @@ def _role(cmd: str, rest: list[str]) -> int:
         from brokers.__main__ import main as router_main  # each role loads its own stack only
 
         return router_main(rest)
-    if cmd in ("draft", "target", "pair"):
+    if cmd in WORKER_ROLES:
         return _worker(cmd, rest)
     if cmd == "api":
         from specsplit.api.run import api_main  # each role loads its own stack only
