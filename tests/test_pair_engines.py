@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from schemas import TreeSpec
+from schemas import Ack, EndSession, TreeSpec
 from specsplit.bench.replay_fleet import ThreadedEngine
 from specsplit.engine.draft import DraftEngine
 from specsplit.engine.target import TargetEngine
@@ -49,6 +49,14 @@ def test_two_sessions_through_both_roles_on_their_own_threads_equal_greedy(model
     errors: list[BaseException] = []
     start = threading.Barrier(SESSIONS)
 
+    def end(sid: str) -> None:
+        """End a finished session on both roles, as the orchestrator does: its slots go back to
+        the pools. Left to LRU eviction, the other thread's live session could be the one evicted
+        (the pools hold one slot per thread), and its next request would be a CACHE_MISS that only
+        the orchestrator, not ``generate``, answers by resending."""
+        for e in engines.values():
+            assert isinstance(e.handle(EndSession(session_id=sid)), Ack)
+
     def session(i: int) -> None:
         try:
             start.wait(30)
@@ -58,9 +66,11 @@ def test_two_sessions_through_both_roles_on_their_own_threads_equal_greedy(model
                                    grow_budget_ms=5.0, make_target_engine=lambda *_: engines["target"],
                                    make_draft_engine=lambda *_: engines["draft"])
                 assert outs[i] == refs[i], (i, outs[i], refs[i])
+                end(f"s{i}-{k}")
             sampled = generate(draft, target, prompts[i], **sampled_kw, session_id=f"sampled{i}",
                                make_target_engine=lambda *_: engines["target"],
                                make_draft_engine=lambda *_: engines["draft"])
+            end(f"sampled{i}")
             assert sampled == sampled_refs[i], (i, sampled, sampled_refs[i])
         except BaseException as exc:  # reported below, with the session's index
             errors.append(exc)
@@ -75,5 +85,6 @@ def test_two_sessions_through_both_roles_on_their_own_threads_equal_greedy(model
         for e in engines.values():
             e.close()
     assert not errors, errors[0]
+    assert [e.store.evicted for e in engines.values()] == [0, 0]  # each session's slot freed by its end
     assert sorted(outs) == list(range(SESSIONS)) and not any(t.is_alive() for t in threads)
     assert all(e.engine.graphs.served > 0 for e in engines.values())
