@@ -39,7 +39,7 @@ threads and streams). Prints Markdown tables; ``--json FILE`` writes every figur
 (``specsplit.bench.replay_report``).
 
     specsplit bench replay --trace runs/trace.jsonl.gz --max-rounds 200 --json runs/replay.json
-    specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target \
+    specsplit bench replay --trace a.jsonl --trace b.jsonl --device cuda --target-config .whl/cfg/target \\
         --draft-config .whl/cfg/draft
 """
 
