@@ -212,11 +212,32 @@ class Fleet:
         return codes
 
 
-async def generate_all(addr: str, prompts, max_new_tokens: int, **kw):
+def spread_session_ids(n: int, worker_ids: list[str], prefix: str = "s") -> list[str]:
+    """``n`` session ids the routers place on ``worker_ids`` in turn (the rendezvous hash they
+    route by), so every worker serves some: random ids all land on one of two workers 1 time in
+    2**(n-1)."""
+    from brokers.rendezvous import pick
+
+    keys = [w.encode() for w in worker_ids]
+    ids, k = [], 0
+    while len(ids) < n:
+        sid, k = f"{prefix}-{k}", k + 1
+        if pick(sid, keys) == keys[len(ids) % len(keys)]:
+            ids.append(sid)
+    return ids
+
+
+async def generate_all(addr: str, prompts, max_new_tokens: int, session_ids=None, **kw):
+    """Every prompt generated at once through one client; ``session_ids`` (one a prompt) places
+    the sessions on chosen workers (the routers hash them), else each gets a random id."""
     from specsplit.client import SpecSplitClient
 
+    ids = list(session_ids) if session_ids is not None else [None] * len(prompts)
+    if len(ids) != len(prompts):
+        raise ValueError(f"{len(ids)} session ids for {len(prompts)} prompts")
     async with SpecSplitClient(addr, timeout_s=180) as client:
-        return await asyncio.gather(*(client.generate(p, max_new_tokens=max_new_tokens, **kw) for p in prompts))
+        return await asyncio.gather(*(client.generate(p, max_new_tokens=max_new_tokens, session_id=sid, **kw)
+                                      for p, sid in zip(prompts, ids)))
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from specsplit.launch import Fleet, generate_all
+from specsplit.launch import Fleet, generate_all, spread_session_ids
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
@@ -59,7 +59,7 @@ def test_a_counters_agree_with_the_produced_tokens(fleet):
     rng = random.Random(7)
     prompts = [[rng.randrange(400) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
     n = 24
-    results = asyncio.run(generate_all(fleet.orchestrator, prompts, n))
+    results = asyncio.run(generate_all(fleet.orchestrator, prompts, n, session_ids=spread_session_ids(len(prompts), [f"target-{i}" for i in range(len(TARGETS))], "metrics")))
     # then one alone: under load the cost model may decode plainly (no draft token accepted in a
     # CI run), while a lone session always drafts, so the speculative counters below move
     results += asyncio.run(generate_all(fleet.orchestrator, [[5, 17, 99, 3, 250, 41]], n))

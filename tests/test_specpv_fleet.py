@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from schemas import SpecPVSpec
-from specsplit.launch import Fleet, generate_all
+from specsplit.launch import Fleet, generate_all, spread_session_ids
 from tests.conftest import KillAfterTokens, greedy_cached
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -53,9 +53,10 @@ def test_fleet_exact_specpv_equals_greedy_through_a_worker_kill(tmp_path, tiny_p
 
         async def run():
             # fault injection on an event: the kill comes from the stream callback once 16 tokens
-            # arrived (8 sessions all on target1: probability 1/256)
+            # arrived; half the sessions are placed on target0
             kill = KillAfterTokens(lambda: fleet.kill9("target0"), 16)
-            task = asyncio.ensure_future(generate_all(fleet.orchestrator, prompts, new, on_tokens=kill))
+            ids = spread_session_ids(len(prompts), ["target-0", "target-1"], "specpv")
+            task = asyncio.ensure_future(generate_all(fleet.orchestrator, prompts, new, on_tokens=kill, session_ids=ids))
             await asyncio.wait_for(kill.done.wait(), 240)  # hang guards, not speed bounds
             assert kill.streamed < len(prompts) * new, "the run ended before the kill"
             return await asyncio.wait_for(task, 240)
