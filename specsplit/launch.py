@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,16 +20,49 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PORT_FLOOR = 10000  # free_ports draws from here up to the ephemeral range
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (the local ports of outgoing connections
+    and of binds to port 0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on loopback now, for processes that bind them later. Drawn below
+    the kernel's ephemeral range where it leaves room: a port in that range can become another
+    connection's local port between this check and a role's bind seconds later (seen in CI: a
+    metrics port taken, its scrape refused); below it only an explicit bind can take it."""
     socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    low = ephemeral_low()
+    rng = random.SystemRandom()
+    try:
+        for _ in range(50 * n if low - 1000 > PORT_FLOOR else 0):
+            if len(ports) == n:
+                break
+            port = rng.randrange(PORT_FLOOR, low - 1)
+            if port in ports or not port_is_free(port):
+                continue
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:  # no room below the range (or none free there): the kernel's choice
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
     return ports
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from specsplit.launch import free_ports, port_is_free, scrape
+from specsplit.launch import ephemeral_low, free_ports, port_is_free, scrape
 from tests.conftest import greedy_reference, wait_until
 from tests.honcho_fleet import honcho_fleet, honcho_log, stop_honcho
 
@@ -31,11 +31,7 @@ def metrics_base() -> int:
     all below the kernel's ephemeral range: a port in it may become a connection's local port
     between this check and the worker's bind ~15 s later (seen in CI: the draft's metrics port
     taken, its scrape refused)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    top = max(low - 500, 10500)
+    top = max(ephemeral_low() - 500, 10500)
     for _ in range(100):
         base = random.randrange(10000, top)
         if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):

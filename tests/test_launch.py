@@ -49,3 +49,20 @@ def test_a_killed_launcher_takes_its_fleet_with_it(tmp_path):
     finally:
         launcher.kill()
         launcher.wait(timeout=10)
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    """A fleet's ports come from below the kernel's ephemeral range, where no outgoing connection
+    takes them between the draw and the roles' binds."""
+    import socket
+
+    from specsplit.launch import PORT_FLOOR, ephemeral_low, free_ports
+
+    for _ in range(5):
+        ports = free_ports(12)
+        assert len(set(ports)) == 12
+        if ephemeral_low() - 1000 > PORT_FLOOR:
+            assert all(PORT_FLOOR <= p < ephemeral_low() for p in ports), ports
+        for p in ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
