@@ -19,7 +19,8 @@ def test_a_lookup_only_fleet_runs_without_a_draft_worker(tmp_path, tiny_paths, t
     """SPECSPLIT_SPECULATOR=lookup: a fleet started with no draft worker answers greedy prompts
     with the target's greedy decoding (prompt lookup's candidates verified on repetitive prompts)
     and ends its sessions without ever waiting on the draft router."""
-    fleet = Fleet.create(tmp_path, SPECSPLIT_SPECULATOR="lookup", SPECSPLIT_RPC_TIMEOUT_S=20)
+    # a stall of a few seconds on a starved box must not read as a lost router (a resend, asserted absent)
+    fleet = Fleet.create(tmp_path, SPECSPLIT_SPECULATOR="lookup", SPECSPLIT_RPC_TIMEOUT_S=20, SPECSPLIT_LIVENESS=100)
     fleet.start(drafts=0, targets=1)
     try:
         fleet.wait_ready(drafts=0, targets=1)

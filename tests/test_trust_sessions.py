@@ -65,7 +65,8 @@ def test_a_round_far_ahead_cannot_advance_a_session_without_its_whole_context():
 # -------------------------------------------------------------------------------- the fleet
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    fleet = Fleet.create(tmp_path_factory.mktemp("trust"))
+    # a stall of a few seconds on a starved box must not expire the worker (one admission, asserted)
+    fleet = Fleet.create(tmp_path_factory.mktemp("trust"), SPECSPLIT_LIVENESS=100)
     fleet.start(drafts=1, targets=1)
     try:
         fleet.wait_ready(drafts=1, targets=1)
