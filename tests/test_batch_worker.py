@@ -109,8 +109,10 @@ class _Lockstep:
 @pytest.mark.parametrize("hold", [0.0, 0.3], ids=["no-hold", "hold"])
 async def test_sessions_in_lockstep_share_forwards_with_a_hold(hold):
     """Two pairs of sessions out of phase alternate on a batching worker (every forward carries
-    half of them) unless the worker holds a forward for the sessions due next."""
-    eng = _Lockstep(0.12)
+    half of them) unless the worker holds a forward for the sessions due next. Forwards of 0.3 s
+    (a hold window of 90 ms, the pairs 0.15 s apart): the turnarounds of a starved box's threads
+    stay well inside both."""
+    eng = _Lockstep(0.3)
     with RouterThread("target", **HB) as router, \
             WorkerThread(router.backend, b"w", eng.handle, batch_handler=eng.handle_batch, max_batch_tokens=64,
                          batch_hold=hold, **HB):
@@ -120,7 +122,7 @@ async def test_sessions_in_lockstep_share_forwards_with_a_hold(hold):
                 for r in range(16):
                     assert isinstance(await client.call(make_verify(sid, r), session_id=sid, timeout_s=10), VerifyReply)
 
-            await asyncio.gather(session("a", 0), session("b", 0), session("c", 0.06), session("d", 0.06))
+            await asyncio.gather(session("a", 0), session("b", 0), session("c", 0.15), session("d", 0.15))
     sizes = [len(c) for c in eng.calls]
     if hold:  # merged after the first rounds (the turnaround is measured from a session's 2nd request)
         assert sum(sizes[-8:]) / 8 >= 3.5, eng.calls
