@@ -151,7 +151,7 @@ def test_overlap_needs_the_draft(tmp_path, capsys):
 def test_a_round_after_growth_that_answered_first_sends_its_draft_beside_the_verify(tmp_path, monkeypatch,
                                                                                    draft_reroots):
     """Where the growth answered before its verify (a verify slower than the growth: a target
-    slowed by 0.5 s here), the rounds the trace re-rooted re-root the GrowReply's tree in the
+    slowed by 1 s here), the rounds the trace re-rooted re-root the GrowReply's tree in the
     replay, as the orchestrator does: their DraftRequest goes beside the verify and their fleet
     ms is the verify's round trip alone; the draft still re-roots its copy. ``--draft-reroots``
     (SPECSPLIT_GROW_REROOT off): they ask the draft first, as before."""
@@ -162,13 +162,13 @@ def test_a_round_after_growth_that_answered_first_sends_its_draft_beside_the_ver
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     # growth of 10 verifies' engine ms (many tiny draft forwards, however loaded the box: both scale),
-    # answered well within the slowed verify's 0.5 s
+    # answered well within the slowed verify's 1 s (a verify stalled to 100 ms would not be)
     monkeypatch.setattr(replayer, "GROW_FRACTION", 10.0)
     real = TargetEngine.handle
 
     def slow(self, msg):
         if isinstance(msg, VerifyRequest) and msg.tree.num_nodes > 1:  # a replayed round's (not a catch-up, alone)
-            time.sleep(0.5)
+            time.sleep(1.0)
         return real(self, msg)
 
     monkeypatch.setattr(TargetEngine, "handle", slow)
