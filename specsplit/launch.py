@@ -252,6 +252,8 @@ def spread_session_ids(n: int, worker_ids: list[str], prefix: str = "s") -> list
     2**(n-1)."""
     from brokers.rendezvous import pick
 
+    if not worker_ids:
+        raise ValueError("no workers to spread sessions over")
     keys = [w.encode() for w in worker_ids]
     ids, k = [], 0
     while len(ids) < n:
