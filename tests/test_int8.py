@@ -176,6 +176,29 @@ def test_per_forward_scale_is_what_breaks_exactness():
         assert torch.equal(q(x)[:1], q(x[:1]))
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_draft_quantized_layers_side_by_side_equals_torch_ao_on_the_whole_model(threads):
+    """A draft's layers are quantized on the caller's threads, side by side: every layer's int8
+    weights, scales and the logits equal torch.ao's dynamic int8 of the whole float32 model."""
+    model = tiny_model("qwen2", seed=4)
+    want = copy.deepcopy(model).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch.ao.quantization.quantize_dynamic(want, {torch.nn.Linear}, dtype=torch.qint8)
+    torch.set_num_threads(threads)
+    got = quantize_int8(model, batch_invariant=False)
+    pairs = [(n, m, dict(want.named_modules())[n]) for n, m in got.named_modules()
+             if type(m).__name__ == "Linear" and "dynamic" in type(m).__module__]
+    assert len(pairs) == sum(1 for _, m in want.named_modules() if "dynamic" in type(m).__module__) > 4
+    for name, a, b in pairs:
+        (wa, ba), (wb, bb) = a._weight_bias(), b._weight_bias()
+        assert torch.equal(wa.int_repr(), wb.int_repr()) and wa.q_scale() == wb.q_scale(), name
+        assert (ba is None and bb is None) or torch.equal(ba, bb), name
+    ids = torch.tensor([[3, 17, 5, 9, 11, 2]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 @pytest.mark.parametrize("total,prefix", [(40, 25), (1200, 1100)])  # short contexts; past blocked.SHORT
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)

@@ -39,6 +39,7 @@ forward's shape, so a batch-invariant target also runs a batch-invariant attenti
 
 from __future__ import annotations
 
+import concurrent.futures
 import warnings
 
 import torch
@@ -296,12 +297,19 @@ def keep_codes(model_dir, dtype: str = "bfloat16", kernels=KERNELS) -> dict[str,
     return out
 
 
+def _dynamic_int8(linear: torch.nn.Linear) -> torch.nn.Module:
+    """torch.ao's dynamic int8 of one Linear layer (float32 first), one activation scale a forward."""
+    wrapped = torch.nn.Sequential(linear.float())
+    torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return wrapped[0]
+
+
 def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = None, cache_dir=None,
                   report: dict | None = None):
-    """int8 Linear layers, converted one layer at a time (each goes to float32 just before it is
-    quantized), then the rest (embeddings, norms) to float32, the activations int8 layers take.
-    Peak memory stays near the loaded model's instead of a whole float32 copy (a 1.5B target:
-    ~5 GB instead of ~11 GB).
+    """int8 Linear layers, converted layer by layer (each goes to float32 just before it is
+    quantized; a draft's, a few side by side on the caller's threads), then the rest (embeddings,
+    norms) to float32, the activations int8 layers take. Peak memory stays near the loaded
+    model's instead of a whole float32 copy (a 1.5B target: ~5 GB instead of ~11 GB).
 
     ``batch_invariant`` (a target, which must equal its own greedy decoding whatever the tree's
     shape): ``RowInt8Linear`` layers and a batch-invariant attention
@@ -326,18 +334,22 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
     try:
         with warnings.catch_warnings():  # torch.ao dynamic quantization is deprecated, still the fastest here
             warnings.simplefilter("ignore")
-            for qname, parent, name, child in linears:
-                if batch_invariant:
+            if batch_invariant:
+                for qname, parent, name, child in linears:
                     codes = cache.get(qname) if cache is not None else None
                     if codes is None:
                         codes = weight_codes(child.weight.detach(), kernel)
                         if cache is not None:
                             cache.put(qname, codes)
                     setattr(parent, name, RowInt8Linear(child, kernel, codes))
-                else:
-                    wrapped = torch.nn.Sequential(child.float())
-                    torch.ao.quantization.quantize_dynamic(wrapped, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-                    setattr(parent, name, wrapped[0])
+            else:
+                # fbgemm packs a layer on one thread (most of the time here) and lets go of the
+                # interpreter meanwhile: layers side by side on the caller's threads (a worker's
+                # prefill threads, every core at a start) take ~0.6x the time on 2 cores
+                with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()),
+                                                           thread_name_prefix="int8") as pool:
+                    for (_, parent, name, _), quantized in zip(linears, pool.map(_dynamic_int8, [c for *_, c in linears])):
+                        setattr(parent, name, quantized)
     finally:
         if cache is not None:
             cache.close()
