@@ -25,7 +25,7 @@ from specsplit.errors import DeviceFailure
 from specsplit.logs import get_logger
 from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
 from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
-from specsplit.models.loading import resolve_gguf
+from specsplit.models.loading import fingerprint_memo_dir, resolve_gguf
 from specsplit.models.settings import model_dtype as model_dtype  # re-exported: its home was here
 from specsplit.transport.batching import draft_tokens, verify_tokens
 from specsplit.transport.worker_loop import WorkerLoop, small_request
@@ -53,7 +53,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
         engine.graphs.warm(compact=service == "target")
     hello = WorkerHello(
         service=service, model_id=str(path), vocab_size=model_vocab_size(model),
-        tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer, fingerprint_memo_dir(model_settings)), pid=os.getpid(),
     )
     return engine, hello
 
@@ -115,7 +115,7 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
     engine = role_engine(service, settings, lm, backend, LlamaDraftEngine, LlamaTargetEngine)
     hello = WorkerHello(
         service=service, model_id=str(gguf), vocab_size=lm.vocab_size,
-        tokenizer_hash=tokenizer_fingerprint(tokenizer), pid=os.getpid(),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer, fingerprint_memo_dir(model_settings)), pid=os.getpid(),
     )
     return engine, hello
 

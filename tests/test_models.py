@@ -106,6 +106,27 @@ def test_tiny_loads_offline_with_tokenizer_round_trip(tiny):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_tokenizer_fingerprint_memo_reads_what_it_computed_and_nothing_else(tiny, tmp_path):
+    """The memo (a worker's cache dir) gives the computed fingerprint back, is keyed by the
+    tokenizer's own serialization (runtime padding is left out of the fingerprint, not the key),
+    and a damaged memo or one that cannot be written only costs the computation."""
+    _, tok = load_model(tiny.target)
+    want = tokenizer_fingerprint(tok)
+    memo = tmp_path / "memo"
+    assert tokenizer_fingerprint(tok, memo) == want and len(list(memo.iterdir())) == 1
+    (entry,) = memo.iterdir()
+    assert entry.read_text().strip() == want
+    entry.write_text("f" * 64 + "\n")  # what a later start reads is the memo's
+    assert tokenizer_fingerprint(tok, memo) == "f" * 64
+    entry.write_text("not a digest")  # damaged: computed again, and kept
+    assert tokenizer_fingerprint(tok, memo) == want and entry.read_text().strip() == want
+    tok.backend_tokenizer.enable_padding(pad_id=0)  # another serialization, the same fingerprint
+    assert tokenizer_fingerprint(tok, memo) == want and len(list(memo.iterdir())) == 2
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert tokenizer_fingerprint(tok, blocked / "memo") == want  # its parent is a file: no memo
+
+
 @torch.no_grad()
 def test_tiny_draft_agrees_often_but_not_always(tiny):
     draft, _ = load_model(tiny.draft)

@@ -17,6 +17,7 @@ from specsplit.models.fsutil import (
     file_lock,
     remove_stale_temps,
     sha256_file,
+    temp_sibling,
     write_json_atomic,
 )
 from specsplit.models.presets import CONVERT_VERSION, DEFAULT_PRESET, TINY_NAME, ModelPaths, get_preset
@@ -126,18 +127,48 @@ def load_model(path: str | Path, *, dtype: str = "float32", threads: int | None 
     return model, tokenizer
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer, memo_dir: Path | None = None) -> str:
     """sha256 of the tokenizer's canonical JSON (vocab, merges, added tokens, pre/post-processing).
 
     Runtime state (truncation, padding) is left out, so two processes with the same tokenizer
     files agree; draft and target must agree for their token ids to mean the same text.
-    """
+
+    Making the canonical JSON of a 150K-token vocabulary takes ~0.75 s of a worker's start;
+    ``memo_dir`` keeps each result under the sha256 of the tokenizer's own serialization (~0.1 s),
+    of which the canonical form is a function, so a later start reads it. A memo that cannot be
+    read or written costs the computation, nothing else."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
-    data = json.loads(backend.to_str())
+    raw = backend.to_str()
+    memo = Path(memo_dir) / hashlib.sha256(raw.encode("utf-8")).hexdigest() if memo_dir is not None else None
+    if memo is not None:
+        try:
+            known = memo.read_text().strip()
+            if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+                return known
+        except OSError:
+            pass
+    data = json.loads(raw)
     data.pop("truncation", None)
     data.pop("padding", None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    fingerprint = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    if memo is not None:
+        tmp = temp_sibling(memo)
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(fingerprint + "\n")
+            os.replace(tmp, memo)
+        except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+    return fingerprint
+
+
+def fingerprint_memo_dir(model_settings: Any) -> Path:
+    """Where workers keep their tokenizers' fingerprints (``tokenizer_fingerprint``): the cache."""
+    return Path(getattr(model_settings, "cache_dir", None) or DEFAULT_CACHE_DIR).expanduser() / "tokenizer-fingerprints"
 
 
 def resolve_gguf(role: str, settings: Any, *, progress: bool = False) -> Path:
