@@ -118,8 +118,9 @@ def test_tokenizer_fingerprint_memo_reads_what_it_computed_and_nothing_else(tiny
     assert entry.read_text().strip() == want
     entry.write_text("f" * 64 + "\n")  # what a later start reads is the memo's
     assert tokenizer_fingerprint(tok, memo) == "f" * 64
-    entry.write_text("not a digest")  # damaged: computed again, and kept
-    assert tokenizer_fingerprint(tok, memo) == want and entry.read_text().strip() == want
+    for damage in (b"not a digest", b"\xff\xfe" * 40):  # damaged: computed again, and kept
+        entry.write_bytes(damage)
+        assert tokenizer_fingerprint(tok, memo) == want and entry.read_text().strip() == want
     tok.backend_tokenizer.enable_padding(pad_id=0)  # another serialization, the same fingerprint
     assert tokenizer_fingerprint(tok, memo) == want and len(list(memo.iterdir())) == 2
     blocked = tmp_path / "file"

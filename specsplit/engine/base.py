@@ -52,7 +52,7 @@ class EngineLimits:
 def model_vocab_size(model) -> int:
     """Rows of the output projection (may exceed the tokenizer's size). Its ``out_features`` where
     it says it (every Linear here: a dynamically quantized one's ``weight()`` unpacks the whole
-    int8 matrix, ~0.5 s for a 150K-token vocabulary)."""
+    int8 matrix, ~0.8 s for a 150K-token vocabulary)."""
     head = model.get_output_embeddings()
     rows = getattr(head, "out_features", None)
     if isinstance(rows, int):

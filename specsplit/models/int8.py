@@ -345,7 +345,7 @@ def quantize_int8(model, *, batch_invariant: bool = True, kernel: str | None = N
             else:
                 # fbgemm packs a layer on one thread (most of the time here) and lets go of the
                 # interpreter meanwhile: layers side by side on the caller's threads (a worker's
-                # prefill threads, every core at a start) take ~0.6x the time on 2 cores
+                # prefill threads, every core at a start) take 0.6-0.85x the time on 2 cores
                 with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()),
                                                            thread_name_prefix="int8") as pool:
                     for (_, parent, name, _), quantized in zip(linears, pool.map(_dynamic_int8, [c for *_, c in linears])):

@@ -145,7 +145,7 @@ def tokenizer_fingerprint(tokenizer, memo_dir: Path | None = None) -> str:
             known = memo.read_text().strip()
             if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
                 return known
-        except OSError:
+        except (OSError, ValueError):  # none yet, unreadable, or not text
             pass
     data = json.loads(raw)
     data.pop("truncation", None)
