@@ -151,6 +151,13 @@ def test_models_pull_writes_the_int8_codes(tmp_path):
     (target,) = {p.parent for p in tmp_path.glob("models/*/target/int8-*.safetensors")}
     names = sorted(p.name for p in target.glob("int8-*"))
     assert names == [f"int8-{k}-float32-v1.safetensors" for k in sorted(KERNELS)]  # the tiny target's dtype
+    # and the tokenizers' fingerprints a worker's start reads (the tiny pair shares one tokenizer)
+    from transformers import AutoTokenizer
+
+    from specsplit.models.loading import tokenizer_fingerprint
+
+    (memo,) = (tmp_path / "tokenizer-fingerprints").iterdir()
+    assert memo.read_text().strip() == tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
 
 
 def test_codes_of_the_weights_in_another_dtype_are_kept_apart(saved):

