@@ -214,22 +214,36 @@ LOOKUP_NEW_TOKENS, LLAMACPP_NEW_TOKENS = 80, 100
 def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, rounds: int,
                               max_new_tokens: int) -> list[dict]:
     """A draft-less fleet (two targets, one orchestrator) once ready: ``LOOKUP_PROMPTS`` produced
-    (``max_new_tokens`` each), target.1's worker process SIGKILLed after ``rounds`` rounds; the
-    producer must finish and honcho keep running. The produced rows, in prompt order."""
+    (``max_new_tokens`` each), after ``rounds`` rounds the worker process of a target slot that
+    serves one of them SIGKILLed; the producer must finish and honcho keep running. (The produced
+    rows, in prompt order; the slot killed.)"""
     # two target workers and the target router's two admissions; the draft router stays empty
     _wait(lambda: _log(tmp).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp),
           300, "fleet ready")
     producer = _produce(tmp, env, LOOKUP_PROMPTS, max_new_tokens=max_new_tokens, rounds=rounds)
     assert producer.poll() is None, "the run ended before the kill"
-    os.kill(_worker_pid(proc.pid, "target.1"), signal.SIGKILL)
+    slot = _serving_target_slot(_log(tmp), ("target.1", "target.2"))
+    os.kill(_worker_pid(proc.pid, slot), signal.SIGKILL)
     rc = producer.wait(timeout=480)
     assert rc == 0, (tmp / "produce.err").read_text()[-3000:]
-    print(f"killed target.1 after {rounds} rounds; {_log(tmp).count('round_done')} in all")
+    print(f"killed {slot} after {rounds} rounds; {_log(tmp).count('round_done')} in all")
     assert proc.poll() is None, "honcho stopped the fleet:\n" + _log(tmp)[-3000:]
     rows = sorted((json.loads(line) for line in (tmp / "produce.out").read_text().splitlines()),
                   key=lambda r: r["index"])
     assert len(rows) == len(LOOKUP_PROMPTS)
-    return rows
+    return rows, slot
+
+
+def _serving_target_slot(log: str, slots: tuple[str, ...]) -> str:
+    """The first of ``slots`` that the target router's rendezvous hash gives a session of the
+    rounds logged so far (worker identities are ``target-<slot>``): random session ids all land on
+    one of two workers 1 time in 2**(n-1), and a kill of the other one would test nothing."""
+    from brokers.rendezvous import pick
+
+    sessions = set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", log))
+    keys = [f"target-{slot}".encode() for slot in slots]
+    served = {pick(sid, keys) for sid in sessions}
+    return next(slot for slot, key in zip(slots, keys) if key in served)
 
 
 @pytest.mark.timeout(900)  # ~40 s on an idle 2-core box; the ceiling is for a starved one
@@ -240,7 +254,7 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
     proc, ports, env = _honcho_fleet(tmp_path, "draft=0,target=2,orchestrator=1", SPECSPLIT_SPECULATOR="lookup",
                                      SPECSPLIT_ORCHESTRATOR_COUNT="1")
     try:
-        rows = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=16, max_new_tokens=LOOKUP_NEW_TOKENS)
+        rows, slot = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=16, max_new_tokens=LOOKUP_NEW_TOKENS)
         for r in rows:
             ref, _ = greedy_cached(target_model, r["prompt_token_ids"], len(r["token_ids"]))
             assert r["token_ids"] == ref, r["index"]
@@ -249,7 +263,7 @@ def test_lookup_only_honcho_fleet_with_no_draft_worker_survives_kill9_of_a_targe
         log = _log(tmp_path)
         assert "role_died" in log, log[-3000:]
         assert not re.search(r"(?m)^\S+ draft\.\d+ +\|", log), "honcho started a draft worker"
-        _wait(lambda: _worker_pid(proc.pid, "target.1"), 120, "target.1 restarted")
+        _wait(lambda: _worker_pid(proc.pid, slot), 120, f"{slot} restarted")
     finally:
         _stop_honcho(proc)
     assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
@@ -275,7 +289,7 @@ def test_llamacpp_honcho_fleet_survives_kill9_of_a_target_mid_batch(tmp_path):
                                      SPECSPLIT_TARGET_ENGINE="llamacpp", SPECSPLIT_SPECULATOR="lookup",
                                      SPECSPLIT_ORCHESTRATOR_COUNT="1")
     try:
-        rows = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=24, max_new_tokens=LLAMACPP_NEW_TOKENS)
+        rows, slot = _kill_a_target_mid_stream(tmp_path, proc, env, rounds=24, max_new_tokens=LLAMACPP_NEW_TOKENS)
         log = _log(tmp_path)
         assert "role_died" in log, log[-3000:]
         # sent again: by the orchestrator (request_resent: the router lost, a CACHE_MISS), or after
@@ -285,7 +299,7 @@ def test_llamacpp_honcho_fleet_survives_kill9_of_a_target_mid_batch(tmp_path):
         assert sum(r["drafted_tokens"] for r in rows) > 0  # lookup candidates were verified
         batched = [int(m) for m in re.findall(r"round_done .* batch_size=(\d+)", log)]
         assert max(batched) > 1, "no two sessions shared a decode"
-        _wait(lambda: _worker_pid(proc.pid, "target.1"), 120, "target.1 restarted")
+        _wait(lambda: _worker_pid(proc.pid, slot), 120, f"{slot} restarted")
     finally:
         _stop_honcho(proc)
     assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
