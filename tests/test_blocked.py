@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.engine.masks import additive_mask, linear_then_tree
+from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask, linear_then_tree
 from specsplit.models.attention import grouped_attention
 from specsplit.models.blocked import BLOCK, SHORT, blocked_attention, invariance_holds
 
@@ -48,6 +48,44 @@ def test_every_row_of_a_forward_equals_the_decoding_step_at_its_position(shape, 
                 assert torch.equal(one[0, 0], rows[i]), (committed, n_linear, parents, i)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [40, SHORT + BLOCK + 5, 1 << 20])  # every row short; far keys from a window; none
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_under_a_sliding_window_every_row_equals_the_decoding_step_at_its_position(shape, window, softcap):
+    """A sliding-window layer's rows (a key at position k hidden from a query at q once
+    q - k >= window), with and without Gemma 2's softcapped scores: a tree's rows equal a decoding
+    step at their positions, whose cache holds every earlier key and hides the old ones, and agree
+    with float64 attention."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(window + dim)
+    sliding = SlidingWindows(window, per_layer=False)
+    edge = min(window, SHORT + 2 * BLOCK)
+    for committed in (5, edge - 3, SHORT + 2 * BLOCK + 60, SHORT + 5 * BLOCK, edge + 3 * BLOCK + 7):
+        n_linear = int(torch.randint(0, 4, (1,), generator=gen))
+        parents = random_parents(int(torch.randint(1, 20, (1,), generator=gen)), gen)
+        m = n_linear + len(parents)
+        depths = [0] * len(parents)
+        for i, parent in enumerate(parents[1:], 1):
+            depths[i] = depths[parent] + 1
+        inputs = TreeInputs(committed, n_linear, parents, depths)
+        vis, pos = inputs.on_device(torch.device("cpu"))
+        k = torch.randn(kv_heads, committed + m, dim, generator=gen)
+        v = torch.randn(kv_heads, committed + m, dim, generator=gen)
+        q = torch.randn(heads, m, dim, generator=gen)
+        mask = sliding.mask(vis, pos, committed, torch.float32)
+        rows = blocked_attention(None, q[None], k[None], v[None], mask, softcap=softcap)[0][0]
+        want = grouped_attention(q[None], k[None], v[None], mask, None, torch.float64, softcap=softcap)[0]
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-6)
+        for i in range(m):  # a decoding step: keys at positions 0..p, the oldest hidden by the window
+            idx = vis[i].nonzero().view(-1)
+            p = int(pos[i])
+            assert len(idx) == p + 1
+            step = (p - torch.arange(p + 1) < window)[None]  # [1, p + 1]
+            one = blocked_attention(None, q[None, :, i:i + 1], k[None][:, :, idx], v[None][:, :, idx],
+                                    additive_mask(step, torch.float32), softcap=softcap)[0]
+            assert torch.equal(one[0, 0], rows[i]), (committed, n_linear, parents, i)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

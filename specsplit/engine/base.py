@@ -26,7 +26,7 @@ from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attenti
 from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
-from specsplit.engine.masks import TreeInputs, additive_mask, causal
+from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask, causal, sliding_windows
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, SpecError
 from specsplit.logs import get_logger
@@ -144,6 +144,10 @@ class Engine:
         layers = model_num_layers(model)
         self.kv_pool: KVPool | None = None
         self.graphs: GraphRunner | None = None
+        # a target's sliding windows go into its masks (``forward``); a draft only proposes, so it
+        # attends to its whole context (its kept trees' cache slots are not their positions)
+        self.windows: SlidingWindows | None = (
+            sliding_windows(getattr(model, "config", None), limits.max_session_tokens) if self.role == "target" else None)
         make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
         if limits.kv_pool_gb == AUTO or limits.kv_pool_gb > 0:
             self.kv_pool = self._allocate_pool(limits)
@@ -151,7 +155,10 @@ class Engine:
             make_kv, on_evict = self.kv_pool.make_kv, self.kv_pool.release
             self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
                           tokens_per_slot=limits.max_session_tokens, auto=limits.kv_pool_gb == AUTO)
-            if self.kv_pool.scratch is not None:
+            if self.windows is not None and self.kv_pool.scratch is not None:
+                self.log.warning("graphs_off", reason=f"sliding-window attention ({self.windows.window} tokens)",
+                                 action="eager forwards")
+            elif self.kv_pool.scratch is not None:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
                                           body=limits.graph_body, gemm_tune=limits.gemm_tune)
         self.store = SessionStore(
@@ -271,10 +278,14 @@ class Engine:
         if visible is None:
             visible, position_ids = tree.on_device(self.device)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
+        if self.windows is not None and kv.length + t > self.windows.window:  # else no key is out of reach
+            mask = self.windows.mask(visible, position_ids, kv.length, self.dtype)
+        else:
+            mask = additive_mask(visible, self.dtype)
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None],
-            attention_mask=additive_mask(visible, self.dtype),
+            attention_mask=mask,
             past_key_values=kv,
             use_cache=True,
             logits_to_keep=keep,
@@ -285,7 +296,10 @@ class Engine:
         return logits
 
     def batched_forward_supported(self) -> bool:
-        """Whether ``forward_segments`` can run on this model (its attention takes custom masks)."""
+        """Whether ``forward_segments`` can run on this model (its attention takes custom masks,
+        and one mask a session: no sliding windows)."""
+        if self.windows is not None:
+            return False
         if self._segment_attention is False:
             self._segment_attention = segment_attention_name(self.model)
         return self._segment_attention is not None

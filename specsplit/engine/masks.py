@@ -96,3 +96,46 @@ class TreeInputs:
         pos = torch.cat([torch.arange(self.first, start, dtype=torch.long, device=device),
                          positions(self.depths, start, device)])
         return visible, pos
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindows:
+    """A model's sliding-window attention, which the engines' own masks must carry: a query at
+    position q sees a key at position k only if ``q - k < window`` (transformers'
+    ``sliding_window_overlay``). ``per_layer``: the model reads a mask per layer type
+    (``config.layer_types``, some layers full, some sliding) from a dict, else its every layer
+    slides (Mistral, Phi-3) and takes one mask."""
+
+    window: int
+    per_layer: bool
+
+    def mask(self, visible: torch.Tensor, position_ids: torch.Tensor, cached: int, dtype: torch.dtype):
+        """The ``attention_mask`` of a forward of T new tokens (visibility [T, P+T], positions
+        [T]) on top of ``cached`` entries whose positions are their slots (a target's committed
+        cache): the additive mask, or a dict of them by layer type."""
+        keys = torch.cat([torch.arange(cached, dtype=torch.long, device=visible.device), position_ids])
+        near = visible & (position_ids[:, None] - keys[None, :] < self.window)
+        sliding = additive_mask(near, dtype)
+        return {FULL: additive_mask(visible, dtype), SLIDING: sliding} if self.per_layer else sliding
+
+
+def sliding_windows(config, max_positions: int) -> SlidingWindows | None:
+    """The sliding windows of a model ``config`` that a session of up to ``max_positions`` tokens
+    can reach (a window at least that long hides nothing: None), or None where no layer slides.
+    Raises ValueError for a layer type the engines' masks do not describe (chunked, linear)."""
+    if config is None:  # a model that builds its own state (llama.cpp's)
+        return None
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - {FULL, SLIDING})
+        if other:
+            raise ValueError(f"layer types {other} (the engines run {FULL} and {SLIDING} layers)")
+        if SLIDING not in types:
+            return None
+    if not isinstance(window, int) or window <= 0 or window >= max_positions:
+        return None
+    return SlidingWindows(window, per_layer=types is not None)

@@ -153,9 +153,11 @@ class TargetEngine(Engine):
             pv.cooldown -= 1
             return False
         if self._view_attention is False:
-            self._view_attention = attention_name(self.model)
+            # a partial view's slots are not positions, which sliding windows' masks need
+            self._view_attention = attention_name(self.model) if self.windows is None else None
             if self._view_attention is None:
                 self.log.warning("specpv_unsupported", attention=self.model.config._attn_implementation,
+                                 sliding_window=self.windows.window if self.windows else None,
                                  action="full verification")
         if self._view_attention is None:
             return False

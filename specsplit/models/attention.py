@@ -57,17 +57,20 @@ def weighted_values(probs: torch.Tensor, value: torch.Tensor, chunk: int) -> tor
 
 
 def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype: torch.dtype,
-                      value_chunk: int = 0) -> torch.Tensor:
+                      value_chunk: int = 0, softcap: float | None = None) -> torch.Tensor:
     """Attention computed in ``compute_dtype``, result in the query's dtype: query [B, Hq, M, D],
     key/value [B, Hkv, L, D], an additive float or bool mask [B|1, 1, M, >=L] or None for causal;
     returns [B, M, Hq, D]. The query heads of one KV head share one matmul (``value_chunk``:
-    ``weighted_values``)."""
+    ``weighted_values``). ``softcap`` (Gemma 2's attention logit softcapping): scores become
+    ``softcap * tanh(scores / softcap)`` before the mask, as transformers' eager attention does."""
     b, hq, m, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
     groups = hq // hkv
     q = query.to(compute_dtype).reshape(b, hkv, groups * m, d)
     scores = torch.matmul(q, key.to(compute_dtype).transpose(-1, -2))
     scores = scores.view(b, hkv, groups, m, length).mul_(d ** -0.5 if scaling is None else scaling)
+    if softcap:
+        scores.div_(softcap).tanh_().mul_(softcap)
     if attention_mask is None:
         causal = torch.ones(m, length, dtype=torch.bool, device=query.device).tril(length - m)
         scores.masked_fill_(~causal, float("-inf"))
@@ -94,9 +97,10 @@ def grouped(query: torch.Tensor, length: int) -> bool:
 def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature; returns ([B, M, Hq, D], None)."""
     m, length = query.shape[2], key.shape[2]
-    if grouped(query, length):
+    softcap = kwargs.get("softcap")
+    if softcap or grouped(query, length):  # sdpa has no softcapping
         chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
-        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk), None
+        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk, softcap), None
     if query.device.type != "cpu":
         # transformers' own: with a mask, torch's sdpa serves grouped KV heads only through its
         # math kernel (repeat_kv, or one query's heads packed, keeps the memory-efficient one)

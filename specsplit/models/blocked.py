@@ -27,6 +27,11 @@ position):
   cache) in float64 over the slot layout, whose order-dependent differences (~1e-16) vanish when
   the result is rounded to float32, exactly as ``fp64_attention`` does for every key.
 
+A sliding-window layer's mask hides a row's oldest keys: its position is then its visible keys'
+count less one plus the hidden ones before them, and its far region starts at the first visible
+slot, the hidden far slots masked to exact zeros as the blocks past ``F(p)`` are (so a row computes
+the same sums in a tree as in a decoding step whose cache keeps every key).
+
 Since a tree is at most ``MAX_TREE_DEPTH`` (64) < ``BLOCK`` deep, a tree node's far keys are all
 committed cache. The float32 parts are equal by construction as long as the kernels are
 deterministic per shape; ``invariance_holds`` checks that on this machine (decoding steps against
@@ -124,12 +129,15 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
     if memo is not None:
         return memo
     vis = _visible(attention_mask, m, length, device)
-    count = vis.sum(dim=1)  # p + 1 per row
-    far = ((count - 1) // BLOCK * BLOCK - BLOCK).clamp_min(0)  # [m]
-    prefix = vis.to(torch.int8).cummin(dim=1).values.sum(dim=1)  # leading visible slots per row
+    count = vis.sum(dim=1)  # p + 1 - lo per row
+    lo = (~vis).to(torch.int8).cummin(dim=1).values.sum(dim=1)  # leading hidden slots (a sliding window's)
+    far = ((count - 1 + lo) // BLOCK * BLOCK - BLOCK).clamp_min(0)  # [m] F(p), p the row's position
+    # the far keys [lo, F) must all be visible: the slots before F that a row sees
+    seen = vis.cumsum(dim=1).gather(1, (far - 1).clamp_min(0)[:, None])[:, 0] * (far > 0)
     is_short = count <= SHORT
     far_max, near_start, bad, n_short, blind = (int(x) for x in torch.stack(  # the forward's one host sync
-        [far.max(), far.min(), ((far > prefix) & ~is_short).sum(), is_short.sum(), (count == 0).sum()]).tolist())
+        [far.max(), far.min(), ((seen != (far - lo).clamp_min(0)) & ~is_short).sum(), is_short.sum(),
+         (count == 0).sum()]).tolist())
     if blind:
         raise ValueError("a query row sees no key")
     if n_short:
@@ -146,7 +154,8 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
     slots = torch.arange(far_blocks * BLOCK, device=device)
     far_bias = None
     if far_blocks:
-        far_bias = torch.zeros(m, far_blocks * BLOCK, device=device).masked_fill_(slots[None] >= far[:, None], _NEG)
+        outside = (slots[None] >= far[:, None]) | (slots[None] < lo[:, None])  # a window's older keys too
+        far_bias = torch.zeros(m, far_blocks * BLOCK, device=device).masked_fill_(outside, _NEG)
         far_bias = far_bias.view(m, far_blocks, BLOCK).transpose(0, 1).contiguous()
     padded = -(-length // BLOCK) * BLOCK
     near_slots = torch.arange(near_start, padded, device=device)
@@ -185,18 +194,21 @@ def _scores(q: torch.Tensor, k: torch.Tensor, length: int) -> torch.Tensor:
     return s
 
 
-def _one(query, key, value, mask, scaling) -> torch.Tensor:
-    """Batch element: query [Hq, m, D], key/value [Hkv, L, D] -> [m, Hq, D]."""
+def _one(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
+    """Batch element: query [Hq, m, D], key/value [Hkv, L, D] -> [m, Hq, D]; ``softcap``: scores
+    capped as ``grouped_attention`` caps them (the tanh in float64, whose rounding to float32
+    hides the kernels' per-element differences, as for ``exp`` on more than 2 threads)."""
     hq, m, d = query.shape
     hkv, length = key.shape[0], key.shape[1]
     groups = hq // hkv
     plan = _plan(mask, m, length, query.device)
     if plan.short is not None:  # every row's result depends on that row alone, so rows may split
         if plan.long is None:
-            return grouped_attention(query[None], key[None], value[None], mask, scaling, torch.float64)[0]
+            return grouped_attention(query[None], key[None], value[None], mask, scaling, torch.float64,
+                                     softcap=softcap)[0]
         out = query.new_empty(m, hq, d)
         for idx in (plan.short, plan.long):  # each part with its rows of the visibility (a bool mask)
-            out[idx] = _one(query[:, idx], key, value, plan.near_visible[idx][None, None], scaling)
+            out[idx] = _one(query[:, idx], key, value, plan.near_visible[idx][None, None], scaling, softcap)
         return out
     rows = m * groups
     q = (query * (d ** -0.5 if scaling is None else scaling)).view(hkv, groups, m, d).transpose(1, 2)
@@ -209,6 +221,8 @@ def _one(query, key, value, mask, scaling) -> torch.Tensor:
     outs = []
     for h in range(hkv):
         s = _scores(q[h], key[h], length)  # [J, r, B]
+        if softcap:
+            s = s.double().div_(softcap).tanh_().mul_(softcap).float()
         near = s[ns // BLOCK:, :rows].transpose(0, 1).reshape(m, groups, -1)  # slots ns.. (whole blocks)
         near = near.masked_fill_(~plan.near_visible[:, None], _NEG)
         top = near.amax(dim=-1)  # [m, G]
@@ -240,13 +254,13 @@ def blocked_attention(module, query, key, value, attention_mask, scaling=None, d
     """transformers' attention-function signature: query [B, Hq, M, D], key/value [B, Hkv, L, D],
     an additive (0 / dtype min) or bool mask [B|1, 1, M, >=L] or None for causal; returns
     ([B, M, Hq, D], None)."""
-    b = query.shape[0]
+    b, softcap = query.shape[0], kwargs.get("softcap")
     if b == 1:  # the mask object itself: its plan is computed once for every layer
-        return _one(query[0], key[0], value[0], attention_mask, scaling)[None], None
+        return _one(query[0], key[0], value[0], attention_mask, scaling, softcap)[None], None
     outs = []
     for i in range(b):
         mask = None if attention_mask is None else attention_mask[i if attention_mask.shape[0] > 1 else 0][None]
-        outs.append(_one(query[i], key[i], value[i], mask, scaling))
+        outs.append(_one(query[i], key[i], value[i], mask, scaling, softcap))
     return torch.stack(outs), None
 
 

@@ -1,0 +1,186 @@
+"""Targets with sliding-window attention (Mistral and Phi-3 slide in every layer; Qwen2 with
+``use_sliding_window``, Gemma 2 and 3 and Cohere 2 in some, by ``config.layer_types``): the
+engines' own masks carry the window, so speculation equals the model's plain greedy decoding past
+the window too. Before, the engines' masks let every token see the whole context and the output
+differed from the model's from the first token past the window. Also Gemma 2's attention logit
+softcapping in the engines' own attention functions, and a sweep of other decoder families."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from schemas import SamplingSpec, SpecPVSpec, TreeSpec
+from specsplit.engine.base import EngineLimits
+from specsplit.engine.masks import FULL, SLIDING, SlidingWindows, sliding_windows
+from specsplit.engine.target import TargetEngine
+from specsplit.local import generate
+from specsplit.models import blocked
+from specsplit.models.int8 import quantize_int8
+from tests.conftest import greedy_reference, perturbed
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+# model type, its sliding-window settings: every layer slides (one mask), or some layers (a dict)
+FAMILIES = {
+    "mistral": dict(sliding_window=12),
+    "qwen2": dict(use_sliding_window=True, sliding_window=12, max_window_layers=2),  # layers 2, 3 slide
+    "gemma3_text": dict(sliding_window=12, head_dim=16, sliding_window_pattern=2),
+    # every other layer slides; scores and logits softcapped (small caps, so that they bite)
+    "gemma2": dict(sliding_window=12, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
+}
+TREES = (TreeSpec(max_nodes=1, max_depth=1, branch=1), TreeSpec(max_nodes=6, max_depth=5, branch=1),
+         TreeSpec(max_nodes=12, max_depth=4, branch=3))
+
+
+def windowed_model(model_type: str, seed: int = 0, scale: float = 0.3, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type], **overrides})
+    torch.manual_seed(seed)
+    attn = "eager" if model_type == "gemma2" else "sdpa"  # transformers runs Gemma 2's softcapping on eager only
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def test_the_windows_a_config_describes():
+    from transformers import AutoConfig
+
+    def of(model_type, max_positions=8192, **kw):
+        return sliding_windows(AutoConfig.for_model(model_type, **{**COMMON, **kw}), max_positions)
+
+    assert of("llama") is None and of("qwen2") is None  # no window; Qwen2.5's configs keep it off
+    assert of("qwen2", sliding_window=4096, use_sliding_window=False) is None
+    assert of("mistral", sliding_window=4096) == SlidingWindows(4096, per_layer=False)
+    assert of("mistral", sliding_window=4096, max_positions=4096) is None  # a session never reaches past it
+    assert of("phi3", sliding_window=2047) == SlidingWindows(2047, per_layer=False)
+    assert of("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=2) == SlidingWindows(64, True)
+    cfg = AutoConfig.for_model("qwen2", **COMMON)
+    cfg.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        sliding_windows(cfg, 8192)
+
+
+def test_the_mask_hides_keys_a_window_behind_each_query():
+    """Positions: 10 cached keys at 0..9, then a tree: its root at 10 and two children at 11."""
+    visible = torch.ones(3, 13, dtype=torch.bool)
+    visible[0, 11:] = False
+    visible[1, 12] = visible[2, 11] = False  # siblings do not see each other
+    pos = torch.tensor([10, 11, 11])
+    both = SlidingWindows(4, per_layer=True).mask(visible, pos, 10, torch.float32)
+    assert set(both) == {FULL, SLIDING}
+    assert torch.equal(both[FULL][0, 0] == 0, visible)
+    seen = both[SLIDING][0, 0] == 0
+    assert seen[0].nonzero().view(-1).tolist() == [7, 8, 9, 10]
+    assert seen[1].nonzero().view(-1).tolist() == [8, 9, 10, 11]
+    assert seen[2].nonzero().view(-1).tolist() == [8, 9, 10, 12]
+    assert torch.equal(SlidingWindows(4, per_layer=False).mask(visible, pos, 10, torch.float32), both[SLIDING])
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_speculation_past_the_window_equals_the_models_greedy_decoding(model_type):
+    target = windowed_model(model_type, seed=3)
+    drafts = {"often-agreeing": perturbed(target, seed=4, noise=0.01), "rarely-agreeing": windowed_model(model_type, 5)}
+    rng = random.Random(6)
+    for name, draft in drafts.items():
+        for tree in TREES:
+            prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(5, 30))]
+            prompt += prompt[:8]  # a repeat: prompt lookup proposes too
+            want, _ = greedy_reference(target, prompt, 40)
+            got = generate(draft, target, prompt, max_new_tokens=40, tree=tree, sampling=SamplingSpec(),
+                           lookup_max_tokens=4, grow_budget_ms=5.0)
+            assert got == want, (model_type, name, tree, len(prompt))
+
+
+def test_a_long_prompt_and_specpv_past_the_window_stay_exact(monkeypatch):
+    """A prompt longer than one linear chunk (prefilled chunk by chunk) and SpecPV requested past
+    its threshold: a windowed target verifies fully (its partial view's slots are not positions)
+    and the output is still the model's greedy decoding."""
+    target = windowed_model("qwen2", seed=7)
+    draft = perturbed(target, seed=8, noise=0.01)
+    monkeypatch.setattr(TargetEngine, "linear_chunk", 32)
+    prompt = [random.Random(9).randrange(3, 128) for _ in range(80)]
+    spec = SpecPVSpec(block_size=16, sink_blocks=1, retrieval_blocks=2, window_blocks=1, buffer_tokens=32,
+                      threshold=64, refresh_every=4)
+    want, _ = greedy_reference(target, prompt, 30)
+    assert generate(draft, target, prompt, max_new_tokens=30, tree=TREES[2], sampling=SamplingSpec(),
+                    specpv=spec) == want
+
+
+def test_a_windowed_target_verifies_one_session_a_forward_and_replays_no_graph():
+    target = windowed_model("mistral")
+    engine = TargetEngine(target, EngineLimits(max_session_tokens=256, kv_pool_gb=0.01, graphs="static"))
+    assert engine.windows == SlidingWindows(12, per_layer=False)
+    assert engine.graphs is None and engine.kv_pool is not None  # the pool's caches, eager forwards
+    assert not engine.batched_forward_supported()  # one mask a session: verify_batch goes one by one
+    roomy = TargetEngine(target, EngineLimits(max_session_tokens=12))  # no session reaches past the window
+    assert roomy.windows is None and roomy.batched_forward_supported()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_int8_target_past_a_window_of_far_blocks_equals_its_own_greedy_decoding(model_type, monkeypatch):
+    """The CPU workers' int8 target (batch-invariant blocked attention): with a window longer than
+    the rows that attention computes in float64 (``blocked.SHORT``, lowered here so the contexts
+    stay small), a row's far keys start at its window's edge; trees still equal the quantized
+    model's own plain greedy decoding (full re-forwards)."""
+    monkeypatch.setattr(blocked, "SHORT", 64)
+    fp32 = windowed_model(model_type, seed=11, sliding_window=300)  # > 2 blocks: far keys past the window's edge
+    target = quantize_int8(copy.deepcopy(fp32))
+    assert target.config._attn_implementation == blocked.BLOCKED_ATTENTION  # this machine passes its check
+    draft = perturbed(fp32, seed=12, noise=0.01)
+    prompt = [random.Random(13).randrange(3, 128) for _ in range(330)]
+    want, _ = greedy_reference(target, prompt, 60)  # positions 330..389: windows from 31..90, far keys below 128
+    for tree in TREES[1:]:
+        assert generate(draft, target, prompt, max_new_tokens=60, tree=tree, sampling=SamplingSpec()) == want, tree
+
+
+def test_the_engines_attention_functions_cap_gemma2s_scores():
+    """The attention functions the workers install (the int8 target's blocked and float64 ones,
+    a CUDA worker's grouped one) give what transformers' eager attention gives, softcapping included,
+    on prompts past the window and past the rows blocked attention computes in float64."""
+    from specsplit.models.attention import register_gqa_attention
+    from specsplit.models.fp64 import use_fp64_attention
+
+    def use_gqa_attention(m):  # what a CUDA worker runs (a CPU draft switches only sdpa models)
+        m.set_attn_implementation(register_gqa_attention())
+
+    model = windowed_model("gemma2", seed=21, sliding_window=300)
+    ids = torch.randint(3, 128, (1, 1200), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        want = model(ids).logits[0]
+        for install in (blocked.use_invariant_attention, use_fp64_attention, use_gqa_attention):
+            ours = copy.deepcopy(model)
+            install(ours)
+            assert ours.config._attn_implementation != "eager"
+            torch.testing.assert_close(ours(ids).logits[0], want, rtol=1e-4, atol=1e-4, msg=install.__name__)
+
+
+OTHER_FAMILIES = {  # model type: settings beside COMMON (the windowed ones are above)
+    "phi3": dict(sliding_window=12), "starcoder2": dict(sliding_window=12), "cohere2": dict(sliding_window=12),
+    "gemma": dict(head_dim=16), "olmo2": {}, "granite": {}, "cohere": {}, "stablelm": {}, "phi": {},
+    "gpt_neox": dict(rotary_pct=0.5), "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "smollm3": {}, "exaone4": dict(sliding_window=12), "olmo3": dict(sliding_window=12),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHER_FAMILIES))
+def test_other_decoder_families_speculate_their_own_greedy_decoding(model_type, monkeypatch):
+    """``SPECSPLIT_TARGET_MODEL`` takes any Hugging Face causal LM directory: a sweep of decoder
+    families (tiny random weights of each), windowed or not, trees and prompt lookup."""
+    monkeypatch.setitem(FAMILIES, model_type, OTHER_FAMILIES[model_type])
+    target = windowed_model(model_type, seed=31)
+    draft = perturbed(target, seed=32, noise=0.01)
+    prompt = [random.Random(33).randrange(3, 128) for _ in range(30)]
+    prompt += prompt[:8]
+    want, _ = greedy_reference(target, prompt, 32)
+    assert generate(draft, target, prompt, max_new_tokens=32, tree=TREES[2], sampling=SamplingSpec(),
+                    lookup_max_tokens=4) == want
