@@ -123,6 +123,22 @@ def _memo_put(attention_mask: torch.Tensor | None, m: int, length: int, plan: _P
     plans[key] = (ref, m, length, plan)
 
 
+def _far_region(vis: torch.Tensor, count: torch.Tensor):
+    """(lo, F, holes) per row of a visibility [m, L] with ``count`` visible keys a row: the far
+    region is slots [lo, F) (lo: the hidden slots before a sliding window's first key, None where
+    no row hides its first slot; F = F(p), p = count - 1 + lo the row's position), ``holes``
+    whether a row hides any of it. Reading slot 0 first (a host read; blocked attention is the
+    CPU target's) keeps forwards without a window on one pass over the mask for the check."""
+    if bool(vis[:, 0].all()):
+        far = ((count - 1) // BLOCK * BLOCK - BLOCK).clamp_min(0)
+        prefix = vis.to(torch.int8).cummin(dim=1).values.sum(dim=1)  # leading visible slots per row
+        return None, far, far > prefix
+    lo = vis.to(torch.int8).argmax(dim=1)  # the first visible slot (argmax: the first of the maxima)
+    far = ((count - 1 + lo) // BLOCK * BLOCK - BLOCK).clamp_min(0)
+    seen = vis.cumsum(dim=1).gather(1, (far - 1).clamp_min(0)[:, None])[:, 0] * (far > 0)  # visible before F
+    return lo, far, seen != (far - lo).clamp_min(0)
+
+
 def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _Plan:
     """The forward's plan, computed once per mask (every layer gets the same mask object)."""
     memo = _memo_get(attention_mask, m, length)
@@ -130,14 +146,10 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
         return memo
     vis = _visible(attention_mask, m, length, device)
     count = vis.sum(dim=1)  # p + 1 - lo per row
-    lo = (~vis).to(torch.int8).cummin(dim=1).values.sum(dim=1)  # leading hidden slots (a sliding window's)
-    far = ((count - 1 + lo) // BLOCK * BLOCK - BLOCK).clamp_min(0)  # [m] F(p), p the row's position
-    # the far keys [lo, F) must all be visible: the slots before F that a row sees
-    seen = vis.cumsum(dim=1).gather(1, (far - 1).clamp_min(0)[:, None])[:, 0] * (far > 0)
     is_short = count <= SHORT
+    lo, far, holes = _far_region(vis, count)
     far_max, near_start, bad, n_short, blind = (int(x) for x in torch.stack(  # the forward's one host sync
-        [far.max(), far.min(), ((seen != (far - lo).clamp_min(0)) & ~is_short).sum(), is_short.sum(),
-         (count == 0).sum()]).tolist())
+        [far.max(), far.min(), (holes & ~is_short).sum(), is_short.sum(), (count == 0).sum()]).tolist())
     if blind:
         raise ValueError("a query row sees no key")
     if n_short:
@@ -154,7 +166,9 @@ def _plan(attention_mask: torch.Tensor | None, m: int, length: int, device) -> _
     slots = torch.arange(far_blocks * BLOCK, device=device)
     far_bias = None
     if far_blocks:
-        outside = (slots[None] >= far[:, None]) | (slots[None] < lo[:, None])  # a window's older keys too
+        outside = slots[None] >= far[:, None]
+        if lo is not None:
+            outside |= slots[None] < lo[:, None]  # a window's older keys
         far_bias = torch.zeros(m, far_blocks * BLOCK, device=device).masked_fill_(outside, _NEG)
         far_bias = far_bias.view(m, far_blocks, BLOCK).transpose(0, 1).contiguous()
     padded = -(-length // BLOCK) * BLOCK
