@@ -50,16 +50,17 @@ def test_every_row_of_a_forward_equals_the_decoding_step_at_its_position(shape, 
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("extra", ["", "softcap", "sinks"])
 @pytest.mark.parametrize("window", [40, SHORT + BLOCK + 5, 1 << 20])  # every row short; far keys from a window; none
 @pytest.mark.parametrize("shape", SHAPES[:2])
-def test_under_a_sliding_window_every_row_equals_the_decoding_step_at_its_position(shape, window, softcap):
+def test_under_a_sliding_window_every_row_equals_the_decoding_step_at_its_position(shape, window, extra):
     """A sliding-window layer's rows (a key at position k hidden from a query at q once
-    q - k >= window), with and without Gemma 2's softcapped scores: a tree's rows equal a decoding
-    step at their positions, whose cache holds every earlier key and hides the old ones, and agree
-    with float64 attention."""
+    q - k >= window), plain, with Gemma 2's softcapped scores or with gpt-oss's attention sinks:
+    a tree's rows equal a decoding step at their positions, whose cache holds every earlier key
+    and hides the old ones, and agree with float64 attention."""
     heads, kv_heads, dim = shape
     gen = torch.Generator().manual_seed(window + dim)
+    kw = {"softcap": {"softcap": 2.0}, "sinks": {"s_aux": torch.randn(heads, generator=gen) * 3}, "": {}}[extra]
     sliding = SlidingWindows(window, per_layer=False)
     edge = min(window, SHORT + 2 * BLOCK)
     for committed in (5, edge - 3, SHORT + 2 * BLOCK + 60, SHORT + 5 * BLOCK, edge + 3 * BLOCK + 7):
@@ -75,8 +76,9 @@ def test_under_a_sliding_window_every_row_equals_the_decoding_step_at_its_positi
         v = torch.randn(kv_heads, committed + m, dim, generator=gen)
         q = torch.randn(heads, m, dim, generator=gen)
         mask = sliding.mask(vis, pos, committed, torch.float32)
-        rows = blocked_attention(None, q[None], k[None], v[None], mask, softcap=softcap)[0][0]
-        want = grouped_attention(q[None], k[None], v[None], mask, None, torch.float64, softcap=softcap)[0]
+        rows = blocked_attention(None, q[None], k[None], v[None], mask, **kw)[0][0]
+        want = grouped_attention(q[None], k[None], v[None], mask, None, torch.float64, softcap=kw.get("softcap"),
+                                 sinks=kw.get("s_aux"))[0]
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-6)
         for i in range(m):  # a decoding step: keys at positions 0..p, the oldest hidden by the window
             idx = vis[i].nonzero().view(-1)
@@ -84,7 +86,7 @@ def test_under_a_sliding_window_every_row_equals_the_decoding_step_at_its_positi
             assert len(idx) == p + 1
             step = (p - torch.arange(p + 1) < window)[None]  # [1, p + 1]
             one = blocked_attention(None, q[None, :, i:i + 1], k[None][:, :, idx], v[None][:, :, idx],
-                                    additive_mask(step, torch.float32), softcap=softcap)[0]
+                                    additive_mask(step, torch.float32), **kw)[0]
             assert torch.equal(one[0, 0], rows[i]), (committed, n_linear, parents, i)
 
 

@@ -57,12 +57,15 @@ def weighted_values(probs: torch.Tensor, value: torch.Tensor, chunk: int) -> tor
 
 
 def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype: torch.dtype,
-                      value_chunk: int = 0, softcap: float | None = None) -> torch.Tensor:
+                      value_chunk: int = 0, softcap: float | None = None, sinks: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Attention computed in ``compute_dtype``, result in the query's dtype: query [B, Hq, M, D],
     key/value [B, Hkv, L, D], an additive float or bool mask [B|1, 1, M, >=L] or None for causal;
     returns [B, M, Hq, D]. The query heads of one KV head share one matmul (``value_chunk``:
     ``weighted_values``). ``softcap`` (Gemma 2's attention logit softcapping): scores become
-    ``softcap * tanh(scores / softcap)`` before the mask, as transformers' eager attention does."""
+    ``softcap * tanh(scores / softcap)`` before the mask, as transformers' eager attention does.
+    ``sinks`` [Hq] (gpt-oss's attention sinks): one more logit a head in each row's softmax,
+    whose probability is dropped."""
     b, hq, m, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
     groups = hq // hkv
@@ -80,7 +83,12 @@ def grouped_attention(query, key, value, attention_mask, scaling, compute_dtype:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask.to(compute_dtype))
-    probs = torch.softmax(scores, dim=-1).view(b, hkv, groups * m, length)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).view(b, hkv, groups * m, length)
+    else:
+        sink = sinks.to(compute_dtype).view(1, hkv, groups, 1, 1).expand(b, hkv, groups, m, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :length]
+        probs = probs.reshape(b, hkv, groups * m, length)
     out = weighted_values(probs, value.to(compute_dtype), value_chunk).view(b, hq, m, d)
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
@@ -97,10 +105,11 @@ def grouped(query: torch.Tensor, length: int) -> bool:
 def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature; returns ([B, M, Hq, D], None)."""
     m, length = query.shape[2], key.shape[2]
-    softcap = kwargs.get("softcap")
-    if softcap or grouped(query, length):  # sdpa has no softcapping
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap or sinks is not None or grouped(query, length):  # sdpa has neither softcapping nor sinks
         chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
-        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk, softcap), None
+        return grouped_attention(query, key, value, attention_mask, scaling, query.dtype, chunk, softcap,
+                                 sinks), None
     if query.device.type != "cpu":
         # transformers' own: with a mask, torch's sdpa serves grouped KV heads only through its
         # math kernel (repeat_kv, or one query's heads packed, keeps the memory-efficient one)

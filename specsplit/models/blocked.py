@@ -208,10 +208,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, length: int) -> torch.Tensor:
     return s
 
 
-def _one(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
+def _one(query, key, value, mask, scaling, softcap=None, sinks=None) -> torch.Tensor:
     """Batch element: query [Hq, m, D], key/value [Hkv, L, D] -> [m, Hq, D]; ``softcap``: scores
     capped as ``grouped_attention`` caps them (the tanh in float64, whose rounding to float32
-    hides the kernels' per-element differences, as for ``exp`` on more than 2 threads)."""
+    hides the kernels' per-element differences, as for ``exp`` on more than 2 threads); ``sinks``
+    [Hq]: a logit a head in each row's softmax denominator (a constant: the same in any forward)."""
     hq, m, d = query.shape
     hkv, length = key.shape[0], key.shape[1]
     groups = hq // hkv
@@ -219,10 +220,10 @@ def _one(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
     if plan.short is not None:  # every row's result depends on that row alone, so rows may split
         if plan.long is None:
             return grouped_attention(query[None], key[None], value[None], mask, scaling, torch.float64,
-                                     softcap=softcap)[0]
+                                     softcap=softcap, sinks=sinks)[0]
         out = query.new_empty(m, hq, d)
         for idx in (plan.short, plan.long):  # each part with its rows of the visibility (a bool mask)
-            out[idx] = _one(query[:, idx], key, value, plan.near_visible[idx][None, None], scaling, softcap)
+            out[idx] = _one(query[:, idx], key, value, plan.near_visible[idx][None, None], scaling, softcap, sinks)
         return out
     rows = m * groups
     q = (query * (d ** -0.5 if scaling is None else scaling)).view(hkv, groups, m, d).transpose(1, 2)
@@ -240,6 +241,9 @@ def _one(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
         near = s[ns // BLOCK:, :rows].transpose(0, 1).reshape(m, groups, -1)  # slots ns.. (whole blocks)
         near = near.masked_fill_(~plan.near_visible[:, None], _NEG)
         top = near.amax(dim=-1)  # [m, G]
+        sink = None if sinks is None else sinks.view(hkv, groups)[h].float()  # [G]
+        if sink is not None:
+            top = torch.maximum(top, sink[None])
         acc = lsum = None
         if jf:
             far = s[:jf, :rows].reshape(jf, m, groups, BLOCK) + plan.far_bias[:, :, None]
@@ -260,6 +264,8 @@ def _one(query, key, value, mask, scaling, softcap=None) -> torch.Tensor:
         if acc is not None:
             o += acc[:rows].double()
             l += lsum[:rows].double()
+        if sink is not None:
+            l += (sink.double()[None] - top.double()).exp_().view(rows)
         outs.append((o / l[:, None]).to(query.dtype).view(m, groups, d))
     return torch.stack(outs, dim=1).reshape(m, hq, d)
 
@@ -268,13 +274,13 @@ def blocked_attention(module, query, key, value, attention_mask, scaling=None, d
     """transformers' attention-function signature: query [B, Hq, M, D], key/value [B, Hkv, L, D],
     an additive (0 / dtype min) or bool mask [B|1, 1, M, >=L] or None for causal; returns
     ([B, M, Hq, D], None)."""
-    b, softcap = query.shape[0], kwargs.get("softcap")
+    b, caps = query.shape[0], (kwargs.get("softcap"), kwargs.get("s_aux"))  # Gemma 2's softcap, gpt-oss's sinks
     if b == 1:  # the mask object itself: its plan is computed once for every layer
-        return _one(query[0], key[0], value[0], attention_mask, scaling, softcap)[None], None
+        return _one(query[0], key[0], value[0], attention_mask, scaling, *caps)[None], None
     outs = []
     for i in range(b):
         mask = None if attention_mask is None else attention_mask[i if attention_mask.shape[0] > 1 else 0][None]
-        outs.append(_one(query[i], key[i], value[i], mask, scaling, softcap))
+        outs.append(_one(query[i], key[i], value[i], mask, scaling, *caps))
     return torch.stack(outs), None
 
 

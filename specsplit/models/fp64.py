@@ -25,9 +25,9 @@ def fp64_attention(module, query, key, value, attention_mask, scaling=None, drop
     """Attention in float64, result in the query's dtype (transformers' attention-function
     signature: query [B, Hq, M, D], key/value [B, Hkv, L, D], an additive float or bool mask
     [B|1, 1, M, >=L] or None for causal; returns ([B, M, Hq, D], None)). Grouped-query heads
-    share one matmul per KV head; ``softcap`` as ``grouped_attention``."""
+    share one matmul per KV head; ``softcap`` and sinks (``s_aux``) as ``grouped_attention``."""
     return grouped_attention(query, key, value, attention_mask, scaling, torch.float64,
-                             softcap=kwargs.get("softcap")), None
+                             softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")), None
 
 
 def use_fp64_attention(model) -> None:
