@@ -30,3 +30,9 @@ class TreeError(SpecError):
 class DeviceFailure(Exception):
     """The device itself failed (CUDA error, out of memory, a lost accelerator). Never answered
     to a client: the worker logs it and exits non-zero so the router fails its sessions over."""
+
+
+class ModelRefused(ValueError):
+    """A model the engines cannot run, found when its worker starts (``Engine.check_runs``, a
+    layer type the masks do not describe): the worker logs why and exits 2, which its supervisor
+    does not restart."""

@@ -21,7 +21,7 @@ from brokers.signals import set_event, set_on_stop_signals, sleep_unless
 from schemas import WorkerHello
 from specsplit.compute import ComputeThread
 from specsplit.config import WorkerSettings
-from specsplit.errors import DeviceFailure
+from specsplit.errors import DeviceFailure, ModelRefused
 from specsplit.logs import get_logger
 from specsplit.metrics import WorkerMetrics, count_restarts, serve_metrics
 from specsplit.models import load_model, resolve_model_paths, tokenizer_fingerprint
@@ -49,6 +49,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
     engine = role_engine(service, settings, model, backend, DraftEngine, TargetEngine)
+    engine.check_runs()  # a model the engines cannot run is refused here, naming why
     if engine.graphs is not None:  # one session's first forwards, captured before any request
         engine.graphs.warm(compact=service == "target")
     hello = WorkerHello(
@@ -259,8 +260,12 @@ def run_worker(service: str, settings: WorkerSettings, model_settings, metrics_s
     if keys is None:
         return 2
     role = _Role(service, settings, model_settings, metrics_settings, build, stop, log, keys)
-    if not role.wait_loaded():
-        return 0
+    try:
+        if not role.wait_loaded():
+            return 0
+    except ModelRefused as exc:
+        log.error("model_refused", reason=str(exc))
+        return 2  # supervisors do not restart it: another start refuses it again
     role.prepare()
     return role.serve()
 
@@ -291,8 +296,12 @@ def run_pair(settings: WorkerSettings, model_settings, metrics_settings=None, bu
     roles = []
     for service in PAIR_SERVICES:
         role = _Role(service, settings, model_settings, metrics_settings, build, stop, logs[service], keys)
-        if not role.wait_loaded():
-            return 0
+        try:
+            if not role.wait_loaded():
+                return 0
+        except ModelRefused as exc:
+            logs[service].error("model_refused", reason=str(exc))
+            return 2
         role.own_stream()
         roles.append(role)
     for role in roles:

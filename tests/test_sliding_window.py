@@ -18,6 +18,7 @@ from schemas import SamplingSpec, SpecPVSpec, TreeSpec
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.masks import FULL, SLIDING, SlidingWindows, sliding_windows
 from specsplit.engine.target import TargetEngine
+from specsplit.errors import ModelRefused
 from specsplit.local import generate
 from specsplit.models import blocked
 from specsplit.models.int8 import quantize_int8
@@ -68,7 +69,7 @@ def test_the_windows_a_config_describes():
     assert of("qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=2) == SlidingWindows(64, True)
     cfg = AutoConfig.for_model("qwen2", **COMMON)
     cfg.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
-    with pytest.raises(ValueError, match="chunked_attention"):
+    with pytest.raises(ModelRefused, match="chunked_attention"):
         sliding_windows(cfg, 8192)
 
 
@@ -195,3 +196,72 @@ def test_other_decoder_families_speculate_their_own_greedy_decoding(model_type, 
     want, _ = greedy_reference(target, prompt, 32)
     assert generate(draft, target, prompt, max_new_tokens=32, tree=TREES[2], sampling=SamplingSpec(),
                     lookup_max_tokens=4) == want
+
+
+def _engines(model):
+    from specsplit.engine.draft import DraftEngine
+
+    return TargetEngine(model, EngineLimits()), DraftEngine(model, EngineLimits())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral", "gemma2", "gpt_oss"])
+def test_a_workers_start_check_passes_the_models_the_engines_run(model_type):
+    for engine in _engines(windowed_model(model_type, seed=41)):
+        engine.check_runs()
+        assert engine.check_diff < 1e-5, (model_type, engine.role, engine.check_diff)
+
+
+def test_a_workers_start_check_refuses_the_models_the_engines_cannot_run():
+    """MPT's ALiBi biases follow key slots, not positions: a tree's sibling gets another bias than
+    in a decoding step (a float32 target's tree differs from its paths); BLOOM's ALiBi fails in
+    the forward. Both are refused by their configs in either role, naming the model type; a model
+    that runs but differs, by the comparison."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build(model_type, **kw):
+        torch.manual_seed(42)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=128, **kw)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.3)
+        return model
+
+    mpt = build("mpt", d_model=64, n_heads=4, n_layers=2)
+    for model in (mpt, build("bloom", hidden_size=64, n_head=4, n_layer=2)):
+        for engine in _engines(model):
+            with pytest.raises(ModelRefused, match=f"the {engine.role} engine cannot run this .* model: its ALiBi"):
+                engine.check_runs()
+    # the config no longer names ALiBi, the model still adds its biases: the comparison refuses it
+    mpt.config.attn_config.alibi = False
+    with pytest.raises(ModelRefused, match="cannot run this mpt model: a tree's logits differ"):
+        TargetEngine(mpt, EngineLimits()).check_runs()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_of_a_model_the_engines_cannot_run_exits_2_naming_why(tmp_path):
+    """``specsplit target`` on an ALiBi model (MPT, tiny random weights, the tiny preset's
+    tokenizer): the worker logs ``model_refused`` with the reason and exits 2, which its
+    supervisor does not restart."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("mpt", vocab_size=512, d_model=64, n_heads=4,
+                                                          n_layers=2)).save_pretrained(tmp_path)
+    tiny = resolve_model_paths(ModelSettings(preset="tiny")).target
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, tmp_path / name)
+    env = {**os.environ, "SPECSPLIT_ENV_FILE": "", "SPECSPLIT_TARGET_MODEL": str(tmp_path),
+           "SPECSPLIT_TARGET_QUANTIZE": "none", "SPECSPLIT_METRICS_PORT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+    run = subprocess.run([sys.executable, "-m", "specsplit", "target"], env=env, capture_output=True, text=True,
+                         timeout=240)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out[-3000:]
+    assert "model_refused" in out and "cannot run this mpt model: its ALiBi" in out, out[-3000:]
+    assert "role_died" not in out  # not restarted

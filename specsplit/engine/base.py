@@ -28,7 +28,7 @@ from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
 from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask, causal, sliding_windows
 from specsplit.engine.store import Session, SessionStore, StoreFull
-from specsplit.errors import DeviceFailure, SpecError
+from specsplit.errors import DeviceFailure, ModelRefused, SpecError
 from specsplit.logs import get_logger
 from specsplit.tree import check_token_ids
 
@@ -73,6 +73,7 @@ def model_num_layers(model) -> int:
 # (the orchestrator advances one round at a time; a draft worker skips the rounds SpecPV confirms)
 MAX_ROUND_STEP = 64
 PREFILL_TOKENS = 64  # a forward of more new tokens than this is compute-bound (a prompt prefill)
+CHECK_TOLERANCE = 1e-3  # Engine.check_runs: a float32 tree's logits against its paths', relative
 LINEAR_CHUNK = 1024  # a longer linear segment (a long prompt) is forwarded in chunks of this many tokens
 
 
@@ -169,6 +170,56 @@ class Engine:
         )
 
     AUTO_POOL_TRIES = 3  # an automatic pool re-measures free memory after an allocation fails
+    CHECK_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8)  # the start-up check's prompt, then its tree's tokens
+
+    @torch.no_grad()
+    def check_runs(self) -> None:
+        """At a worker's start, before any request (``specsplit.workers.build_engine``): a prompt,
+        then a tree (a root and two children) in one forward against each path forwarded a token
+        at a time, through this engine's own masks, cache and attention. Raises ModelRefused naming
+        the model type when a forward fails, or (a float32 target) the two disagree beyond
+        rounding: a model these engines cannot run (ALiBi biases, a latent-attention cache) is
+        refused when its worker starts, not at each request."""
+        if self.device.type == "meta":  # shapes only (tests)
+            return
+        cfg = getattr(self.model, "config", None)
+        kind = getattr(cfg, "model_type", type(self.model).__name__)
+        attn_config = getattr(cfg, "attn_config", None)  # MPT's
+        if kind == "bloom" or getattr(cfg, "alibi", False) or getattr(attn_config, "alibi", False):
+            raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its ALiBi position biases "
+                             "follow cache slots, which a tree's nodes do not hold in position order")
+        layers = model_num_layers(self.model)
+        ids = [t % self.vocab_size for t in self.CHECK_TOKENS]
+        prompt, (a, b, c) = ids[:5], ids[5:]
+        dev = self.device
+        try:
+            kv = SessionKV(layers, 16)
+            self.forward(kv, prompt, torch.arange(5, device=dev), causal(5, 0, dev), keep=1)
+            vis = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=dev)
+            tree = self.forward(kv, [a, b, c], torch.tensor([5, 6, 6], device=dev),
+                                torch.cat([torch.ones(3, 5, dtype=torch.bool, device=dev), vis], dim=1), keep=3)
+            paths = []
+            for path in ([a], [a, b], [a, c]):
+                one = SessionKV(layers, 16)
+                logits = self.forward(one, prompt + path, torch.arange(5 + len(path), device=dev),
+                                      causal(5 + len(path), 0, dev), keep=1)
+                paths.append(logits[0])
+        except Exception as exc:
+            raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its start-up forward failed "
+                             f"({type(exc).__name__}: {exc})") from exc
+        seq = torch.stack(paths)  # [3, V]
+        scale = float(seq.abs().max().clamp_min(1.0))
+        diff = float((tree - seq).abs().max())
+        self.check_diff = diff / scale
+        # a target's float32 rounding keeps tree and paths within ~1e-5 of the logits' size (tiny
+        # models of 30 families, docs/results.md); half precision's rounding is not told from a
+        # model's so easily, and a draft (int8 with one activation scale a forward) only proposes:
+        # there only a forward that fails is refused
+        exact = self.role == "target" and self.dtype in (torch.float32, torch.float64)
+        if exact and not diff <= CHECK_TOLERANCE * scale:
+            raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: a tree's logits differ from its "
+                             f"paths' by {diff:.3g} (logits up to {scale:.3g}); its attention needs what the "
+                             "engines' masks do not carry")
 
     def _allocate_pool(self, limits: EngineLimits) -> KVPool | None:
         """The KV pool of ``limits.kv_pool_gb``; "auto": on CUDA one of ``max_sessions`` slots or

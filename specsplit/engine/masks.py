@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specsplit.errors import ModelRefused
 from specsplit.tree import ancestor_pairs
 
 
@@ -125,7 +126,7 @@ class SlidingWindows:
 def sliding_windows(config, max_positions: int) -> SlidingWindows | None:
     """The sliding windows of a model ``config`` that a session of up to ``max_positions`` tokens
     can reach (a window at least that long hides nothing: None), or None where no layer slides.
-    Raises ValueError for a layer type the engines' masks do not describe (chunked, linear)."""
+    Raises ModelRefused for a layer type the engines' masks do not describe (chunked, linear)."""
     if config is None:  # a model that builds its own state (llama.cpp's)
         return None
     window = getattr(config, "sliding_window", None)
@@ -133,7 +134,7 @@ def sliding_windows(config, max_positions: int) -> SlidingWindows | None:
     if types is not None:
         other = sorted(set(types) - {FULL, SLIDING})
         if other:
-            raise ValueError(f"layer types {other} (the engines run {FULL} and {SLIDING} layers)")
+            raise ModelRefused(f"the engines cannot run layer types {other}, only {FULL} and {SLIDING} layers")
         if SLIDING not in types:
             return None
     if not isinstance(window, int) or window <= 0 or window >= max_positions:
