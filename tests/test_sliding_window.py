@@ -119,14 +119,29 @@ def test_a_long_prompt_and_specpv_past_the_window_stay_exact(monkeypatch):
                     specpv=spec) == want
 
 
-def test_a_windowed_target_verifies_one_session_a_forward_and_replays_no_graph():
+def test_a_windowed_target_replays_no_graph():
     target = windowed_model("mistral")
     engine = TargetEngine(target, EngineLimits(max_session_tokens=256, kv_pool_gb=0.01, graphs="static"))
     assert engine.windows == SlidingWindows(12, per_layer=False)
     assert engine.graphs is None and engine.kv_pool is not None  # the pool's caches, eager forwards
-    assert not engine.batched_forward_supported()  # one mask a session: verify_batch goes one by one
     roomy = TargetEngine(target, EngineLimits(max_session_tokens=12))  # no session reaches past the window
-    assert roomy.windows is None and roomy.batched_forward_supported()
+    assert roomy.windows is None
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text"])
+def test_batched_verification_past_the_window_equals_each_session_alone(model_type, quantized):
+    """Several sessions' trees in one forward (``verify_batch``), each segment under its own
+    window masks (one per layer type where the model has several): replies and caches as
+    verifying each session alone (the int8 target: bit-identical), rounds past the window."""
+    from tests.test_batch_verify import GREEDY, SAMPLED, run_rounds
+
+    target = windowed_model(model_type, seed=51)
+    draft = perturbed(target, seed=52, noise=0.01)
+    if quantized:
+        target = quantize_int8(copy.deepcopy(target))
+    for sampling, seed in ((GREEDY, 53), (SAMPLED, 54)):
+        assert run_rounds(target, draft, sampling, exact=quantized, seed=seed, rounds=8) > 0
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])

@@ -330,7 +330,7 @@ class Engine:
             visible, position_ids = tree.on_device(self.device)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
         if self.windows is not None and kv.length + t > self.windows.window:  # else no key is out of reach
-            mask = self.windows.mask(visible, position_ids, kv.length, self.dtype)
+            mask = self.windows.mask(visible, position_ids, kv.length, self.dtype)  # as batch.flatten does
         else:
             mask = additive_mask(visible, self.dtype)
         out = self.model(
@@ -347,10 +347,7 @@ class Engine:
         return logits
 
     def batched_forward_supported(self) -> bool:
-        """Whether ``forward_segments`` can run on this model (its attention takes custom masks,
-        and one mask a session: no sliding windows)."""
-        if self.windows is not None:
-            return False
+        """Whether ``forward_segments`` can run on this model (its attention takes custom masks)."""
         if self._segment_attention is False:
             self._segment_attention = segment_attention_name(self.model)
         return self._segment_attention is not None
@@ -371,7 +368,7 @@ class Engine:
                 return out
         if not self.batched_forward_supported():
             raise RuntimeError(f"attention {self.model.config._attn_implementation!r} takes no per-session masks")
-        batch = flatten([s.on_device(self.device) for s in segments], self.dtype, self.device)
+        batch = flatten([s.on_device(self.device) for s in segments], self.dtype, self.device, self.windows)
         placeholder = torch.zeros(1, 1, t, 0, dtype=self.dtype, device=self.device)  # passed through, unread
         with using_attention(self.model, self._segment_attention):
             out = self.model(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.masks import TreeInputs, additive_mask
+from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask
 
 _PREFIX = "specsplit_segments_"
 PLAN_KWARG = "specsplit_segments"
@@ -65,11 +65,20 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
     """What ``segment_attention`` needs per layer (passed through the model's kwargs): the token
-    range [bounds[i], bounds[i+1]) of segment i, its cache and its additive mask [1, 1, T_i, P_i+T_i]."""
+    range [bounds[i], bounds[i+1]) of segment i, its cache and its additive mask [1, 1, T_i, P_i+T_i]
+    (a sliding-window target's: a dict of them by layer type, ``SlidingWindows.mask``)."""
 
     bounds: tuple[int, ...]
     caches: tuple[SessionKV, ...]
-    masks: tuple[torch.Tensor, ...]
+    masks: tuple[torch.Tensor | dict[str, torch.Tensor], ...]
+
+
+def layer_mask(mask, module) -> torch.Tensor:
+    """A segment's mask for the attention layer ``module``: its layer type's where the mask is
+    one per type (the model's ``config.layer_types``)."""
+    if isinstance(mask, dict):
+        return mask[module.config.layer_types[module.layer_idx]]
+    return mask
 
 
 def _base_attention(name: str, module):
@@ -98,7 +107,7 @@ def _make_segment_attention(base_name: str):
             k, v = kv.layers[module.layer_idx].update(key[:, :, a:z], value[:, :, a:z])  # [1, Hkv, P_i+T_i, D]
             if pos is not None:
                 kwargs["position_ids"] = pos[:, a:z]
-            out, _ = base(module, query[:, :, a:z], k, v, mask, *args, **kwargs)  # [1, T_i, H, D]
+            out, _ = base(module, query[:, :, a:z], k, v, layer_mask(mask, module), *args, **kwargs)  # [1, T_i, H, D]
             outs.append(out)
         return torch.cat(outs, dim=1), None  # [1, T, H, D]
 
@@ -155,8 +164,17 @@ class FlatBatch:
     plan: SegmentPlan
 
 
-def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device) -> FlatBatch:
-    """Concatenate the segments' tokens and positions; each segment's mask as an additive one."""
+def _mask(s: Segment, dtype: torch.dtype, windows: SlidingWindows | None):
+    t = len(s.token_ids)
+    if windows is not None and s.kv.length + t > windows.window:  # as ``Engine.forward`` builds it
+        return windows.mask(s.visible, s.position_ids, s.kv.length, dtype)
+    return additive_mask(s.visible, dtype)
+
+
+def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device,
+            windows: SlidingWindows | None = None) -> FlatBatch:
+    """Concatenate the segments' tokens and positions; each segment's mask as an additive one
+    (with a target's sliding ``windows``, as its single forwards build them)."""
     bounds, keep, ids = [0], [], []
     for s in segments:
         s.check()
@@ -168,7 +186,7 @@ def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device) -
         position_ids=torch.cat([s.position_ids for s in segments])[None],
         keep_rows=torch.tensor(keep, dtype=torch.long, device=device),
         plan=SegmentPlan(tuple(bounds), tuple(s.kv for s in segments),
-                         tuple(additive_mask(s.visible, dtype) for s in segments)),
+                         tuple(_mask(s, dtype, windows) for s in segments)),
     )
 
 
