@@ -175,11 +175,11 @@ class Engine:
     @torch.no_grad()
     def check_runs(self) -> None:
         """At a worker's start, before any request (``specsplit.workers.build_engine``): a prompt,
-        then a tree (a root and two children) in one forward against each path forwarded a token
-        at a time, through this engine's own masks, cache and attention. Raises ModelRefused naming
-        the model type when a forward fails, or (a float32 target) the two disagree beyond
-        rounding: a model these engines cannot run (ALiBi biases, a latent-attention cache) is
-        refused when its worker starts, not at each request."""
+        then a tree (a root and two children) in one forward against its paths forwarded on the
+        prompt's cache, through this engine's own masks, cache and attention. Raises
+        ModelRefused naming the model type when a forward fails, or (a float32 target) the two
+        disagree beyond rounding: a model these engines cannot run (ALiBi biases, a
+        latent-attention cache) is refused when its worker starts, not at each request."""
         if self.device.type == "meta":  # shapes only (tests)
             return
         cfg = getattr(self.model, "config", None)
@@ -198,12 +198,11 @@ class Engine:
             vis = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=dev)
             tree = self.forward(kv, [a, b, c], torch.tensor([5, 6, 6], device=dev),
                                 torch.cat([torch.ones(3, 5, dtype=torch.bool, device=dev), vis], dim=1), keep=3)
-            paths = []
-            for path in ([a], [a, b], [a, c]):
-                one = SessionKV(layers, 16)
-                logits = self.forward(one, prompt + path, torch.arange(5 + len(path), device=dev),
-                                      causal(5 + len(path), 0, dev), keep=1)
-                paths.append(logits[0])
+            kv.crop_to(5)  # the paths on the prompt's cache: [a, b] in a row, then c after a
+            ab = self.forward(kv, [a, b], torch.tensor([5, 6], device=dev), causal(2, 5, dev), keep=2)
+            kv.crop_to(6)
+            ac = self.forward(kv, [c], torch.tensor([6], device=dev), causal(1, 6, dev), keep=1)
+            paths = [ab[0], ab[1], ac[0]]
         except Exception as exc:
             raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its start-up forward failed "
                              f"({type(exc).__name__}: {exc})") from exc
