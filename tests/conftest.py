@@ -141,7 +141,11 @@ def tiny_model(family: str, seed: int = 0, scale: float = 0.3, attn: str = "sdpa
     torch.manual_seed(seed)
     cfg = tiny_config(family, **kw)
     cfg._attn_implementation = attn
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    return randomized(AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval(), seed, scale)
+
+
+def randomized(model, seed: int, scale: float):
+    """``model`` with every matrix drawn with std ``scale`` from a generator seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

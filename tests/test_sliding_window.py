@@ -22,7 +22,7 @@ from specsplit.errors import ModelRefused
 from specsplit.local import generate
 from specsplit.models import blocked
 from specsplit.models.int8 import quantize_int8
-from tests.conftest import greedy_reference, perturbed
+from tests.conftest import greedy_reference, perturbed, randomized
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0,
@@ -45,14 +45,8 @@ def windowed_model(model_type: str, seed: int = 0, scale: float = 0.3, **overrid
 
     cfg = AutoConfig.for_model(model_type, **{**COMMON, **{**FAMILIES, **SINKS}[model_type], **overrides})
     torch.manual_seed(seed)
-    attn = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"  # transformers runs Gemma 2's softcapping on eager only
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return model
+    attn = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"  # their softcapping / sinks: eager only
+    return randomized(AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval(), seed, scale)
 
 
 def test_the_windows_a_config_describes():
