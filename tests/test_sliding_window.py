@@ -113,11 +113,40 @@ def test_a_long_prompt_and_specpv_past_the_window_stay_exact(monkeypatch):
                     specpv=spec) == want
 
 
-def test_a_windowed_target_replays_no_graph():
-    target = windowed_model("mistral")
-    engine = TargetEngine(target, EngineLimits(max_session_tokens=256, kv_pool_gb=0.01, graphs="static"))
-    assert engine.windows == SlidingWindows(12, per_layer=False)
-    assert engine.graphs is None and engine.kv_pool is not None  # the pool's caches, eager forwards
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text", "gemma2"])
+def test_graphs_of_a_windowed_target_equal_its_greedy_decoding(model_type):
+    """A windowed target on a KV pool replays its forwards through the graphs' bodies (here
+    "static": the same bodies eagerly, as CPU runs them) under the windows' masks, one per layer
+    type where the model has several: speculation past the window equals greedy decoding, and
+    batched rounds through the graphs equal each session verified alone, eagerly."""
+    from specsplit.engine.draft import DraftEngine
+    from specsplit.orchestrator.state import SessionCursor
+    from tests.test_graphs import graphed
+    from tests.test_kvpool import batched_rounds_equal_alone
+
+    target = windowed_model(model_type, seed=61)
+    draft = perturbed(target, seed=62, noise=0.01)
+    limits = EngineLimits(max_sessions=4, max_session_tokens=300, max_tree_nodes=16, max_tree_depth=8)
+    engines = []
+
+    def on_pool(model, lim):
+        engines.append(TargetEngine(model, graphed(lim, model, 3, "static")))
+        return engines[-1]
+
+    rng = random.Random(63)
+    for tree in TREES[1:]:
+        prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(10, 40))]
+        want, _ = greedy_reference(target, prompt, 30)
+        got = generate(draft, target, prompt, max_new_tokens=30, tree=tree, sampling=SamplingSpec(),
+                       make_target_engine=on_pool)
+        assert got == want, (model_type, tree)
+    assert all(e.windows is not None and e.graphs.body == "transformers" and e.graphs.served > 0 for e in engines)
+    batched = on_pool(target, limits)
+    cursors = {f"s{i}": SessionCursor([rng.randrange(3, 128) for _ in range(rng.randrange(5, 40))]) for i in range(3)}
+    served = batched.graphs.served
+    assert batched_rounds_equal_alone(DraftEngine(draft, limits), TargetEngine(target, limits), batched, cursors,
+                                      rounds=8) > 0
+    assert batched.graphs.served > served
     roomy = TargetEngine(target, EngineLimits(max_session_tokens=12))  # no session reaches past the window
     assert roomy.windows is None
 

@@ -156,12 +156,9 @@ class Engine:
             make_kv, on_evict = self.kv_pool.make_kv, self.kv_pool.release
             self.log.info("kv_pool_allocated", slots=self.kv_pool.slots, gb=round(self.kv_pool.nbytes / GB, 3),
                           tokens_per_slot=limits.max_session_tokens, auto=limits.kv_pool_gb == AUTO)
-            if self.windows is not None and self.kv_pool.scratch is not None:
-                self.log.warning("graphs_off", reason=f"sliding-window attention ({self.windows.window} tokens)",
-                                 action="eager forwards")
-            elif self.kv_pool.scratch is not None:
+            if self.kv_pool.scratch is not None:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
-                                          body=limits.graph_body, gemm_tune=limits.gemm_tune)
+                                          body=limits.graph_body, gemm_tune=limits.gemm_tune, windows=self.windows)
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,

@@ -42,7 +42,10 @@ from transformers.cache_utils import Cache
 from specsplit.engine.batch import Segment, using_attention
 from specsplit.engine.fused import build as build_fused
 from specsplit.engine.kvpool import KVPool, PooledKV
-from specsplit.models.attention import ACCEL_MAX_SCORES, ACCEL_VALUE_CHUNK, GQA_ATTENTION, weighted_values
+from specsplit.engine.masks import FULL, SLIDING, SlidingWindows
+from specsplit.models.attention import (
+    ACCEL_MAX_SCORES, ACCEL_VALUE_CHUNK, GQA_ATTENTION, grouped_attention, weighted_values,
+)
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per session per forward
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # sessions per forward
@@ -66,11 +69,14 @@ def graph_attention(module, query, key, value, attention_mask, dropout: float = 
     nothing in a replay (docs/results.md, GPU)."""
     b, hq, m, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
+    chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:  # Gemma 2's softcapping, gpt-oss's sinks
+        return grouped_attention(query, key, value, attention_mask, scaling, torch.float32, chunk,
+                                 kwargs.get("softcap"), kwargs.get("s_aux")), None
     q = query.float().reshape(b, hkv, (hq // hkv) * m, d)
     scores = torch.matmul(q, key.float().transpose(-1, -2)).view(b, hkv, hq // hkv, m, length)
     scores.mul_(d ** -0.5 if scaling is None else scaling).add_(attention_mask[..., :length][:, :, None].float())
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, hkv, (hq // hkv) * m, length)
-    chunk = 0 if query.device.type == "cpu" else ACCEL_VALUE_CHUNK
     out = weighted_values(probs, value, chunk).view(b, hq, m, d)
     return out.transpose(1, 2).contiguous(), None
 
@@ -134,7 +140,7 @@ class GraphRunner:
     "cuda" replays captured graphs, "static" runs the bodies eagerly)."""
 
     def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None, body: str = "fused",
-                 gemm_tune: bool = True):
+                 gemm_tune: bool = True, windows: SlidingWindows | None = None):
         if mode not in MODES:
             raise ValueError(f"graph mode {mode!r}: one of {MODES}")
         if body not in BODIES:
@@ -149,8 +155,14 @@ class GraphRunner:
         self.body_attention = register_graph_attention() if self.attention in GROUPED else self.attention
         # the decoder in fewer kernels (specsplit.engine.fused; through Triton's where asked and they
         # run) where it runs this model, else its modules
-        self.fused, self.fused_not = (None, "SPECSPLIT_CUDA_GRAPH_BODY=transformers") if body == "transformers" \
-            else build_fused(model, pool, kernels=body.startswith("triton"), gemm=body == "triton_gemm", tune=gemm_tune)
+        # a target's sliding windows: the modules' body, under the windows' masks (``_window_masks``)
+        self.windows = windows
+        if body == "transformers" or windows is not None:
+            self.fused, self.fused_not = None, ("SPECSPLIT_CUDA_GRAPH_BODY=transformers" if windows is None
+                                                else f"sliding-window attention ({windows.window} tokens)")
+        else:
+            self.fused, self.fused_not = build_fused(model, pool, kernels=body.startswith("triton"),
+                                                     gemm=body == "triton_gemm", tune=gemm_tune)
         self.body = ("transformers" if self.fused is None else "fused" if self.fused.kernels is None
                      else "triton_gemm" if self.fused.gemm else "triton")
         if log is not None:
@@ -285,13 +297,32 @@ class GraphRunner:
         heads, max_len = self._heads, self.max_len
         runs = slots[:, None] * heads.numel() + heads[None, :]  # [B, Hkv]
         rows = runs[:, :, None] * max_len + where[:, None, :]  # [B, Hkv, T]
-        mask = torch.zeros(b, 1, t, keys, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        mask = self._mask(visible)
+        if self.windows is not None:
+            mask = self._window_masks(visible, mask, pos, lengths, t, keys)
         with using_attention(self.model, self.body_attention):
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                              past_key_values=_SlotCache(self.pool, rows.reshape(-1), runs.reshape(-1), keys),
                              use_cache=True, logits_to_keep=0)
         inp.logits.copy_(out.logits)
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """Additive [B, 1, T, keys] of a visibility [B, T, keys]."""
+        mask = torch.zeros(visible.shape[0], 1, *visible.shape[1:], dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+
+    def _window_masks(self, visible, full, pos, lengths, t: int, keys: int):
+        """The attention_mask under sliding windows, as ``SlidingWindows.mask`` builds a single
+        forward's: a key at position k hidden from a query at q once q - k >= window. Column c
+        holds position c below the session's length and the new token c - length's position
+        after it; all on the device, at the bucket's shapes."""
+        cols = self._arange[:keys]
+        rel = cols[None, :] - lengths[:, None]  # [B, keys]
+        new = (rel >= 0) & (rel < t)
+        keypos = torch.where(new, pos.gather(1, rel.clamp(0, t - 1)), cols[None, :])  # [B, keys]
+        near = visible & (pos[:, :, None] - keypos[:, None, :] < self.windows.window)  # [B, T, keys]
+        sliding = self._mask(near)
+        return {FULL: full, SLIDING: sliding} if self.windows.per_layer else sliding
 
     def warm(self, compact: bool, max_keys: int = WARM_KEYS) -> int:
         """Capture at start the graphs one session's forwards take first (every token bucket,
