@@ -96,7 +96,8 @@ run)
   timeout "${TESTS_S:-150}" python3 -m pytest -q -ra -p no:cacheprovider \
     -k "(cuda or cudnn or kernels or matmul) and not compiles" \
     ${TESTS:-tests/test_kernels.py tests/test_matmul.py tests/test_graphs.py tests/test_fused.py tests/test_kvpool.py \
-      tests/test_kvpool_size.py tests/test_greedy_equivalence.py tests/test_pair_engines.py} 2>&1 \
+      tests/test_kvpool_size.py tests/test_greedy_equivalence.py tests/test_pair_engines.py \
+      tests/test_sliding_window.py} 2>&1 \
     | tee "$OUT/tests-cuda.log" | tail -8
   cfg="--target-config .whl/cfg/target"
   if [ "${COST_S:-100}" -gt 0 ]; then  # eager and graphed forwards in one call

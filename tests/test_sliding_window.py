@@ -22,7 +22,7 @@ from specsplit.errors import ModelRefused
 from specsplit.local import generate
 from specsplit.models import blocked
 from specsplit.models.int8 import quantize_int8
-from tests.conftest import greedy_reference, perturbed, randomized
+from tests.conftest import MARGIN_DEFAULT, greedy_reference, perturbed, randomized
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0,
@@ -35,6 +35,9 @@ FAMILIES = {
     # every other layer slides; scores and logits softcapped (small caps, so that they bite)
     "gemma2": dict(sliding_window=12, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
 }
+GRAPH_MODES = [pytest.param("static", id="static"),
+               pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+                   not torch.cuda.is_available(), reason="no CUDA device here (CI and dev boxes are CPU-only)"))]
 SINKS = {"gpt_oss": dict(sliding_window=12, num_local_experts=4, num_experts_per_tok=2, head_dim=16)}
 TREES = (TreeSpec(max_nodes=1, max_depth=1, branch=1), TreeSpec(max_nodes=6, max_depth=5, branch=1),
          TreeSpec(max_nodes=12, max_depth=4, branch=3))
@@ -113,33 +116,35 @@ def test_a_long_prompt_and_specpv_past_the_window_stay_exact(monkeypatch):
                     specpv=spec) == want
 
 
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text", "gemma2"])
-def test_graphs_of_a_windowed_target_equal_its_greedy_decoding(model_type):
-    """A windowed target on a KV pool replays its forwards through the graphs' bodies (here
-    "static": the same bodies eagerly, as CPU runs them) under the windows' masks, one per layer
-    type where the model has several: speculation past the window equals greedy decoding, and
-    batched rounds through the graphs equal each session verified alone, eagerly."""
+def test_graphs_of_a_windowed_target_equal_its_greedy_decoding(model_type, mode):
+    """A windowed target on a KV pool replays its forwards through the graphs' bodies (CUDA
+    graphs, or "static": the same bodies eagerly, as CPU runs them) under the windows' masks, one
+    per layer type where the model has several: speculation past the window equals greedy
+    decoding, and batched rounds through the graphs equal each session verified alone, eagerly."""
     from specsplit.engine.draft import DraftEngine
     from specsplit.orchestrator.state import SessionCursor
-    from tests.test_graphs import graphed
+    from tests.conftest import on_device
+    from tests.test_graphs import device_of, graphed
     from tests.test_kvpool import batched_rounds_equal_alone
 
-    target = windowed_model(model_type, seed=61)
-    draft = perturbed(target, seed=62, noise=0.01)
+    reference = windowed_model(model_type, seed=61)
+    target, draft = (on_device(m, device_of(mode)) for m in (reference, perturbed(reference, seed=62, noise=0.01)))
     limits = EngineLimits(max_sessions=4, max_session_tokens=300, max_tree_nodes=16, max_tree_depth=8)
     engines = []
 
     def on_pool(model, lim):
-        engines.append(TargetEngine(model, graphed(lim, model, 3, "static")))
+        engines.append(TargetEngine(model, graphed(lim, model, 3, mode)))
         return engines[-1]
 
     rng = random.Random(63)
     for tree in TREES[1:]:
         prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(10, 40))]
-        want, _ = greedy_reference(target, prompt, 30)
+        want, gap = greedy_reference(reference, prompt, 30)
         got = generate(draft, target, prompt, max_new_tokens=30, tree=tree, sampling=SamplingSpec(),
                        make_target_engine=on_pool)
-        assert got == want, (model_type, tree)
+        assert got == want or (mode == "cuda" and gap < MARGIN_DEFAULT), (model_type, tree)  # a GPU's near-tie
     assert all(e.windows is not None and e.graphs.body == "transformers" and e.graphs.served > 0 for e in engines)
     batched = on_pool(target, limits)
     cursors = {f"s{i}": SessionCursor([rng.randrange(3, 128) for _ in range(rng.randrange(5, 40))]) for i in range(3)}
