@@ -308,3 +308,16 @@ def test_a_worker_of_a_model_the_engines_cannot_run_exits_2_naming_why(tmp_path)
     assert run.returncode == 2, out[-3000:]
     assert "model_refused" in out and "cannot run this mpt model: its ALiBi" in out, out[-3000:]
     assert "role_died" not in out  # not restarted
+
+
+def test_a_device_failure_in_the_start_check_is_not_a_refusal(monkeypatch):
+    """Out of memory while a worker starts is the device's state, not the model's: it propagates
+    as itself (the supervisor restarts the worker), never as ``ModelRefused`` (exit 2, for good)."""
+    engine = TargetEngine(windowed_model("qwen2"), EngineLimits())
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(engine, "forward", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.check_runs()

@@ -201,6 +201,8 @@ class Engine:
             ac = self.forward(kv, [c], torch.tensor([6], device=dev), causal(1, 6, dev), keep=1)
             paths = [ab[0], ab[1], ac[0]]
         except Exception as exc:
+            if is_device_failure(exc):  # out of memory, a lost device: not the model's doing, a restart may serve
+                raise
             raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its start-up forward failed "
                              f"({type(exc).__name__}: {exc})") from exc
         seq = torch.stack(paths)  # [3, V]
