@@ -321,3 +321,17 @@ def test_a_device_failure_in_the_start_check_is_not_a_refusal(monkeypatch):
     monkeypatch.setattr(engine, "forward", oom)
     with pytest.raises(torch.OutOfMemoryError):
         engine.check_runs()
+
+
+def test_int8_target_with_a_long_prompt_past_the_window_equals_its_plain_decoding(monkeypatch):
+    """A prompt longer than one linear chunk is prefilled on the int8 target's prompt attention
+    (float32, ``prompt_attention_name``) under the window masks, the same way whether the target
+    then verifies trees or decodes one token a round: the two runs give the same tokens."""
+    monkeypatch.setattr(TargetEngine, "linear_chunk", 32)
+    fp32 = windowed_model("qwen2", seed=71, sliding_window=40)
+    target = quantize_int8(copy.deepcopy(fp32))
+    draft = perturbed(fp32, seed=72, noise=0.01)
+    prompt = [random.Random(73).randrange(3, 128) for _ in range(100)]
+    plain = generate(draft, target, prompt, max_new_tokens=40, tree=TREES[0], sampling=SamplingSpec())
+    for tree in TREES[1:]:
+        assert generate(draft, target, prompt, max_new_tokens=40, tree=tree, sampling=SamplingSpec()) == plain, tree
