@@ -335,3 +335,22 @@ def test_int8_target_with_a_long_prompt_past_the_window_equals_its_plain_decodin
     plain = generate(draft, target, prompt, max_new_tokens=40, tree=TREES[0], sampling=SamplingSpec())
     for tree in TREES[1:]:
         assert generate(draft, target, prompt, max_new_tokens=40, tree=tree, sampling=SamplingSpec()) == plain, tree
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text"])
+def test_a_windowed_draft_proposes_its_models_greedy_continuation(model_type):
+    """A draft whose model slides its attention drafts under the window too: a chain drafted past
+    the window is the model's own greedy continuation (a chain's cache slots are its positions)."""
+    from schemas import CacheSync, DraftRequest
+
+    from specsplit.engine.draft import DraftEngine
+
+    model = windowed_model(model_type, seed=81)
+    prompt = [random.Random(82).randrange(3, 128) for _ in range(40)]
+    want, _ = greedy_reference(model, prompt, 8)
+    engine = DraftEngine(model, EngineLimits())
+    assert engine.windows is not None
+    reply = engine.handle(DraftRequest(session_id="s", round=0, root=prompt[-1], sampling=SamplingSpec(),
+                                       sync=CacheSync(base_len=0, append_token_ids=prompt[:-1]),
+                                       tree=TreeSpec(max_nodes=9, max_depth=8, branch=1)))
+    assert reply.tree.token_ids[1:] == want

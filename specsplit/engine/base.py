@@ -145,10 +145,12 @@ class Engine:
         layers = model_num_layers(model)
         self.kv_pool: KVPool | None = None
         self.graphs: GraphRunner | None = None
-        # a target's sliding windows go into its masks (``forward``); a draft only proposes, so it
-        # attends to its whole context (its kept trees' cache slots are not their positions)
-        self.windows: SlidingWindows | None = (
-            sliding_windows(getattr(model, "config", None), limits.max_session_tokens) if self.role == "target" else None)
+        # sliding windows go into the masks (``forward``), keys placed at their cache slots: a
+        # target's slots are its positions; a draft's kept tree sits past its prefix, each node at
+        # a slot no earlier than its position, which hides nothing more once the window is wider
+        # than the kept tree (every real model's is), and a draft only proposes anyway
+        self.windows: SlidingWindows | None = sliding_windows(getattr(model, "config", None),
+                                                              limits.max_session_tokens)
         make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
         if limits.kv_pool_gb == AUTO or limits.kv_pool_gb > 0:
             self.kv_pool = self._allocate_pool(limits)
