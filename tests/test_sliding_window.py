@@ -16,6 +16,7 @@ import torch
 
 from schemas import SamplingSpec, SpecPVSpec, TreeSpec
 from specsplit.engine.base import EngineLimits
+from specsplit.engine.batch import Segment
 from specsplit.engine.masks import FULL, SLIDING, SlidingWindows, sliding_windows
 from specsplit.engine.target import TargetEngine
 from specsplit.errors import ModelRefused
@@ -354,3 +355,27 @@ def test_a_windowed_draft_proposes_its_models_greedy_continuation(model_type):
                                        sync=CacheSync(base_len=0, append_token_ids=prompt[:-1]),
                                        tree=TreeSpec(max_nodes=9, max_depth=8, branch=1)))
     assert reply.tree.token_ids[1:] == want
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 32}
+
+
+def test_a_target_whose_rotary_follows_the_forward_verifies_each_session_alone(monkeypatch):
+    """LongRoPE (Phi-3 and Phi-4 mini; dynamic NTK likewise): transformers picks a forward's
+    frequencies from its largest position, so one forward over sessions on both sides of the
+    switch gave the shorter ones the longer one's (verify_batch differed from verifying each
+    alone). Such a target's sessions never share a forward, eager or graphed."""
+    from tests.test_batch_verify import GREEDY, run_rounds
+    from tests.test_graphs import graphed
+
+    monkeypatch.setitem(FAMILIES, "phi3", {"rope_parameters": LONGROPE, "original_max_position_embeddings": 32,
+                                           "max_position_embeddings": 256})
+    target = windowed_model("phi3", seed=5)
+    engine = TargetEngine(target, graphed(EngineLimits(max_session_tokens=256), target, 2, "static"))
+    assert engine.dynamic_rope == "longrope" and not engine.batched_forward_supported()
+    kv = [engine.store.get_or_create(f"s{i}").kv for i in range(2)]
+    items = [Segment(k, [1], torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool), keep=1) for k in kv]
+    assert engine.graphs.bucket(items) is None and engine.graphs.bucket(items[:1]) is not None
+    # prompts of 1-39 tokens: sessions on both sides of the 32-token switch
+    assert run_rounds(target, perturbed(target, 6, 0.01), GREEDY, seed=7, rounds=8, batched_forwards=False) > 0

@@ -26,7 +26,9 @@ from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attenti
 from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
-from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask, causal, sliding_windows
+from specsplit.engine.masks import (
+    SlidingWindows, TreeInputs, additive_mask, causal, forward_dependent_rope, sliding_windows,
+)
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, ModelRefused, SpecError
 from specsplit.logs import get_logger
@@ -151,6 +153,8 @@ class Engine:
         # than the kept tree (every real model's is), and a draft only proposes anyway
         self.windows: SlidingWindows | None = sliding_windows(getattr(model, "config", None),
                                                               limits.max_session_tokens)
+        # a rotary type recomputed per forward: sessions are never forwarded together
+        self.dynamic_rope = forward_dependent_rope(getattr(model, "config", None))
         make_kv, on_evict = lambda: SessionKV(layers, limits.max_session_tokens, limits.cache_chunk), None
         if limits.kv_pool_gb == AUTO or limits.kv_pool_gb > 0:
             self.kv_pool = self._allocate_pool(limits)
@@ -160,7 +164,8 @@ class Engine:
                           tokens_per_slot=limits.max_session_tokens, auto=limits.kv_pool_gb == AUTO)
             if self.kv_pool.scratch is not None:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
-                                          body=limits.graph_body, gemm_tune=limits.gemm_tune, windows=self.windows)
+                                          body=limits.graph_body, gemm_tune=limits.gemm_tune, windows=self.windows,
+                                          one_session=self.dynamic_rope is not None)
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,
@@ -347,7 +352,10 @@ class Engine:
         return logits
 
     def batched_forward_supported(self) -> bool:
-        """Whether ``forward_segments`` can run on this model (its attention takes custom masks)."""
+        """Whether ``forward_segments`` can run on this model (its attention takes custom masks,
+        and its rotary frequencies do not follow the forward's largest position)."""
+        if self.dynamic_rope is not None:
+            return False
         if self._segment_attention is False:
             self._segment_attention = segment_attention_name(self.model)
         return self._segment_attention is not None

@@ -140,7 +140,7 @@ class GraphRunner:
     "cuda" replays captured graphs, "static" runs the bodies eagerly)."""
 
     def __init__(self, model, pool: KVPool, vocab_size: int, mode: str = "cuda", log=None, body: str = "fused",
-                 gemm_tune: bool = True, windows: SlidingWindows | None = None):
+                 gemm_tune: bool = True, windows: SlidingWindows | None = None, one_session: bool = False):
         if mode not in MODES:
             raise ValueError(f"graph mode {mode!r}: one of {MODES}")
         if body not in BODIES:
@@ -155,8 +155,9 @@ class GraphRunner:
         self.body_attention = register_graph_attention() if self.attention in GROUPED else self.attention
         # the decoder in fewer kernels (specsplit.engine.fused; through Triton's where asked and they
         # run) where it runs this model, else its modules
-        # a target's sliding windows: the modules' body, under the windows' masks (``_window_masks``)
-        self.windows = windows
+        # sliding windows: the modules' body, under the windows' masks (``_window_masks``);
+        # one_session: a rotary type recomputed per forward (masks.forward_dependent_rope)
+        self.windows, self.one_session = windows, one_session
         if body == "transformers" or windows is not None:
             self.fused, self.fused_not = None, ("SPECSPLIT_CUDA_GRAPH_BODY=transformers" if windows is None
                                                 else f"sliding-window attention ({windows.window} tokens)")
@@ -190,6 +191,8 @@ class GraphRunner:
     def bucket(self, items) -> tuple[int, int, int, bool] | None:
         """(B, T, L, compact) for ``items``, or None when they do not fit one. Compact: every
         item describes its new tokens on the host (``Segment.tree``)."""
+        if self.one_session and len(items) > 1:
+            return None
         b = smallest(len(items), BATCH_BUCKETS)
         t = smallest(max(len(it.token_ids) for it in items), TOKEN_BUCKETS)
         if b is None or t is None:

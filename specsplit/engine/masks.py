@@ -140,3 +140,20 @@ def sliding_windows(config, max_positions: int) -> SlidingWindows | None:
     if not isinstance(window, int) or window <= 0 or window >= max_positions:
         return None
     return SlidingWindows(window, per_layer=types is not None)
+
+
+DYNAMIC_ROPE = ("dynamic", "longrope")  # transformers recomputes their frequencies in each forward
+
+
+def forward_dependent_rope(config) -> str | None:
+    """The rotary type of ``config`` whose frequencies transformers recomputes from a forward's
+    largest position (dynamic NTK, LongRoPE: Phi-3 and Phi-4 mini), else None. One forward over
+    several sessions would give each the frequencies of the session furthest along, so such a
+    model's sessions are forwarded one at a time."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())  # by layer type
+    for p in (params.values() if per_type else [params]):
+        kind = p.get("rope_type") or p.get("type")
+        if kind in DYNAMIC_ROPE:
+            return kind
+    return None
