@@ -27,7 +27,12 @@ from specsplit.engine.graphs import GraphRunner
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
 from specsplit.engine.masks import (
-    SlidingWindows, TreeInputs, additive_mask, causal, forward_dependent_rope, sliding_windows,
+    SlidingWindows,
+    TreeInputs,
+    causal,
+    forward_dependent_rope,
+    forward_mask,
+    sliding_windows,
 )
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, ModelRefused, SpecError
@@ -191,7 +196,7 @@ class Engine:
         attn_config = getattr(cfg, "attn_config", None)  # MPT's
         if kind == "bloom" or getattr(cfg, "alibi", False) or getattr(attn_config, "alibi", False):
             raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its ALiBi position biases "
-                             "follow cache slots, which a tree's nodes do not hold in position order")
+                               "follow cache slots, which a tree's nodes do not hold in position order")
         layers = model_num_layers(self.model)
         ids = [t % self.vocab_size for t in self.CHECK_TOKENS]
         prompt, (a, b, c) = ids[:5], ids[5:]
@@ -211,7 +216,7 @@ class Engine:
             if is_device_failure(exc):  # out of memory, a lost device: not the model's doing, a restart may serve
                 raise
             raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: its start-up forward failed "
-                             f"({type(exc).__name__}: {exc})") from exc
+                               f"({type(exc).__name__}: {exc})") from exc
         seq = torch.stack(paths)  # [3, V]
         scale = float(seq.abs().max().clamp_min(1.0))
         diff = float((tree - seq).abs().max())
@@ -223,8 +228,8 @@ class Engine:
         exact = self.role == "target" and self.dtype in (torch.float32, torch.float64)
         if exact and not diff <= CHECK_TOLERANCE * scale:
             raise ModelRefused(f"the {self.role} engine cannot run this {kind} model: a tree's logits differ from its "
-                             f"paths' by {diff:.3g} (logits up to {scale:.3g}); its attention needs what the "
-                             "engines' masks do not carry")
+                               f"paths' by {diff:.3g} (logits up to {scale:.3g}); its attention needs what the "
+                               "engines' masks do not carry")
 
     def _allocate_pool(self, limits: EngineLimits) -> KVPool | None:
         """The KV pool of ``limits.kv_pool_gb``; "auto": on CUDA one of ``max_sessions`` slots or
@@ -334,14 +339,10 @@ class Engine:
         if visible is None:
             visible, position_ids = tree.on_device(self.device)
         assert visible.shape == (t, kv.length + t), (visible.shape, t, kv.length)
-        if self.windows is not None and kv.length + t > self.windows.window:  # else no key is out of reach
-            mask = self.windows.mask(visible, position_ids, kv.length, self.dtype)  # as batch.flatten does
-        else:
-            mask = additive_mask(visible, self.dtype)
         out = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=position_ids[None],
-            attention_mask=mask,
+            attention_mask=forward_mask(visible, position_ids, kv.length, self.dtype, self.windows),
             past_key_values=kv,
             use_cache=True,
             logits_to_keep=keep,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specsplit.engine.kvcache import SessionKV
-from specsplit.engine.masks import SlidingWindows, TreeInputs, additive_mask
+from specsplit.engine.masks import SlidingWindows, TreeInputs, forward_mask
 
 _PREFIX = "specsplit_segments_"
 PLAN_KWARG = "specsplit_segments"
@@ -164,13 +164,6 @@ class FlatBatch:
     plan: SegmentPlan
 
 
-def _mask(s: Segment, dtype: torch.dtype, windows: SlidingWindows | None):
-    t = len(s.token_ids)
-    if windows is not None and s.kv.length + t > windows.window:  # as ``Engine.forward`` builds it
-        return windows.mask(s.visible, s.position_ids, s.kv.length, dtype)
-    return additive_mask(s.visible, dtype)
-
-
 def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device,
             windows: SlidingWindows | None = None) -> FlatBatch:
     """Concatenate the segments' tokens and positions; each segment's mask as an additive one
@@ -186,7 +179,7 @@ def flatten(segments: list[Segment], dtype: torch.dtype, device: torch.device,
         position_ids=torch.cat([s.position_ids for s in segments])[None],
         keep_rows=torch.tensor(keep, dtype=torch.long, device=device),
         plan=SegmentPlan(tuple(bounds), tuple(s.kv for s in segments),
-                         tuple(_mask(s, dtype, windows) for s in segments)),
+                         tuple(forward_mask(s.visible, s.position_ids, s.kv.length, dtype, windows) for s in segments)),
     )
 
 

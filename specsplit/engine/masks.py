@@ -123,6 +123,15 @@ class SlidingWindows:
         return {FULL: additive_mask(visible, dtype), SLIDING: sliding} if self.per_layer else sliding
 
 
+def forward_mask(visible: torch.Tensor, position_ids: torch.Tensor, cached: int, dtype: torch.dtype,
+                 windows: SlidingWindows | None):
+    """The ``attention_mask`` of a forward of T new tokens on ``cached`` entries: the additive
+    mask of ``visible`` [T, P+T], or the ``windows``' masks where a key can be out of reach."""
+    if windows is not None and cached + len(position_ids) > windows.window:
+        return windows.mask(visible, position_ids, cached, dtype)
+    return additive_mask(visible, dtype)
+
+
 def sliding_windows(config, max_positions: int) -> SlidingWindows | None:
     """The sliding windows of a model ``config`` that a session of up to ``max_positions`` tokens
     can reach (a window at least that long hides nothing: None), or None where no layer slides.
