@@ -137,6 +137,15 @@ class WorkerSettings(SessionLimitSettings):
         "it (so a second worker on the card finds room); none if not one fits (logged); elsewhere 0."))
     target_kv_pool_gb: PoolGB = Field(default="auto", description=(
         "The same for a torch target engine (SPECSPLIT_DRAFT_KV_POOL_GB)."))
+    draft_prefix_cache_gb: float = Field(default=0.5, ge=0, le=65536, description=(
+        "Torch draft engine: GB (10^9 bytes) of K/V kept, on the model's device, from sessions that ended or "
+        "were evicted; a new session whose context starts with tokens held there (a conversation's next turn, "
+        "a shared system prompt) copies them, in whole blocks of 64 tokens, instead of forwarding them again. "
+        "Least recently used first out. 0: off. A hit answers sooner, which tells a client that some earlier "
+        "request began the same way (docs/operations.md)."))
+    target_prefix_cache_gb: float = Field(default=1.0, ge=0, le=65536, description=(
+        "The same for a torch target engine (SPECSPLIT_DRAFT_PREFIX_CACHE_GB). Its output is unchanged: it "
+        "reuses only positions its own prefill of the new context would compute the same way."))
     pack_weights: bool = Field(default=True, description=(
         "Reorder bf16/fp16 Linear weights once into oneDNN's layout (CPU): bit-identical, faster target "
         "forwards (specsplit.models.packing)."))
@@ -208,6 +217,9 @@ class WorkerSettings(SessionLimitSettings):
 
     def kv_pool_gb_for(self, service: str) -> float | str:
         return self.draft_kv_pool_gb if service == "draft" else self.target_kv_pool_gb
+
+    def prefix_cache_gb_for(self, service: str) -> float:
+        return self.draft_prefix_cache_gb if service == "draft" else self.target_prefix_cache_gb
 
     def quantize_for(self, service: str) -> str:
         return self.draft_quantize if service == "draft" else self.target_quantize

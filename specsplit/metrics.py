@@ -172,6 +172,23 @@ class WorkerMetrics:
         self.kv_bytes.set_function(store.bytes_held)
         self.queue_depth.set_function(queue_depth)
 
+    def watch_prefix(self, cache) -> None:
+        """A prefix cache's lookups (``specsplit.engine.prefix``): tokens looked up and tokens
+        reused (vLLM's prefix_cache_queries / _hits), and the bytes it holds."""
+        labels = {"service": self.service}
+        queries = Counter("specsplit:worker_prefix_cache_queries", "Tokens of new sessions' contexts looked up in "
+                          "the prefix cache", ["service"], registry=self.registry).labels(**labels)
+        hits = Counter("specsplit:worker_prefix_cache_hits", "Tokens copied from the prefix cache instead of "
+                       "forwarded", ["service"], registry=self.registry).labels(**labels)
+        Gauge("specsplit:worker_prefix_cache_bytes", "Bytes of K/V the prefix cache holds", ["service"],
+              registry=self.registry).labels(**labels).set_function(lambda: cache.bytes)
+
+        def on_lookup(queried: int, reused: int) -> None:
+            queries.inc(queried)
+            hits.inc(reused)
+
+        cache.on_lookup = on_lookup
+
     def watch_forwards(self, backend) -> None:
         """Count the new tokens of each forward: wraps ``backend.before_forward`` (the one call
         every engine forward makes, ``engine.base.Engine.forward``) on this instance."""

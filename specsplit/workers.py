@@ -71,7 +71,8 @@ def engine_limits(settings: WorkerSettings, service: str | None = None, backend=
     CUDA graphs over the pool where ``backend`` is CUDA's and SPECSPLIT_CUDA_GRAPHS allows)."""
     from specsplit.engine.base import EngineLimits  # torch: never at this module's import (see build_engine)
 
-    pool = settings.kv_pool_gb_for(service) if service and settings.engine_for(service) == "torch" else 0.0
+    torch_engine = bool(service) and settings.engine_for(service) == "torch"
+    pool = settings.kv_pool_gb_for(service) if torch_engine else 0.0
     cuda = getattr(backend, "name", None) == "cuda"  # with a pool ("auto": sized on CUDA), graphs replay
     return EngineLimits(
         max_sessions=settings.worker_max_sessions, session_ttl_s=settings.session_ttl_s,
@@ -79,6 +80,7 @@ def engine_limits(settings: WorkerSettings, service: str | None = None, backend=
         max_tree_depth=settings.max_tree_depth,
         kv_pool_gb=pool, graphs="cuda" if (pool == "auto" or pool > 0) and cuda and settings.cuda_graphs else "off",
         graph_body=settings.cuda_graph_body, gemm_tune=settings.cuda_gemm_tune,
+        prefix_cache_gb=settings.prefix_cache_gb_for(service) if torch_engine else 0.0,
     )
 
 
@@ -170,6 +172,8 @@ class _Role:
 
         settings, service, engine, log = self.settings, self.service, self.engine, self.log
         self.metrics.watch_forwards(engine.backend)
+        if getattr(engine, "prefix_cache", None) is not None:
+            self.metrics.watch_prefix(engine.prefix_cache)
         count_restarts(self.metrics.registry, self.metrics_settings)
         identity = settings.identity(service)
         # the socket thread's fast path, where a small forward starts no OpenMP team (specsplit.compute)

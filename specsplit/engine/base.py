@@ -34,6 +34,7 @@ from specsplit.engine.masks import (
     forward_mask,
     sliding_windows,
 )
+from specsplit.engine.prefix import PrefixCache
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, ModelRefused, SpecError
 from specsplit.logs import get_logger
@@ -54,6 +55,7 @@ class EngineLimits:
     graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
     graph_body: str = "fused"  # what the graphs run: "fused" (engine.fused) or "transformers" (the model's modules)
     gemm_tune: bool = True  # the triton_gemm body's tiles timed on the GPU (engine.matmul)
+    prefix_cache_gb: float = 0.0  # > 0: K/V of sessions that left kept for new ones (engine.prefix)
 
 
 def model_vocab_size(model) -> int:
@@ -138,6 +140,7 @@ class Engine:
     # set by __init__ where a KV pool is; engines that build their own state (llama.cpp's) have neither
     kv_pool: KVPool | None = None
     graphs: GraphRunner | None = None
+    prefix_cache: PrefixCache | None = None
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend: Backend | None = None):
@@ -171,11 +174,20 @@ class Engine:
                 self.graphs = GraphRunner(self.model, self.kv_pool, self.vocab_size, limits.graphs, log=self.log,
                                           body=limits.graph_body, gemm_tune=limits.gemm_tune, windows=self.windows,
                                           one_session=self.dynamic_rope is not None)
+        if limits.prefix_cache_gb > 0:
+            self.prefix_cache = PrefixCache(round(limits.prefix_cache_gb * GB), block=limits.cache_chunk)
+        release = on_evict
+
+        def session_left(session: Session) -> None:
+            self.keep_prefix(session)
+            if release is not None:
+                release(session)
+
         self.store = SessionStore(
             make_kv,
             max_sessions=limits.max_sessions,
             ttl_s=limits.session_ttl_s,
-            on_evict=on_evict,
+            on_evict=session_left if self.prefix_cache is not None else on_evict,
         )
 
     AUTO_POOL_TRIES = 3  # an automatic pool re-measures free memory after an allocation fails
@@ -298,6 +310,56 @@ class Engine:
     def committed_len(session: Session) -> int:
         """Committed tokens the session's cache holds (it may hold draft-tree entries after them)."""
         return session.kv.length
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def take_prefix(self, session: Session, sync: CacheSync, root: int) -> CacheSync:
+        """Under the session's lock, before a request's forwards: the session's tokens
+        (``Session.tokens``) follow its sync; and a sync from an empty cache copies the longest
+        prefix of its tokens that the prefix cache holds, and ``reusable`` allows, into the
+        session's cache. Returns the sync to apply: ``sync`` itself, or one that keeps the copied
+        prefix (its ``base_len``) and appends the rest."""
+        tokens = session.tokens
+        if sync.base_len <= len(tokens):  # else the tokens it keeps are not all named here: what is stays true
+            del tokens[sync.base_len:]
+            tokens.extend(sync.append_token_ids)
+            tokens.append(root)
+        if sync.base_len:
+            return sync
+        session.prompt_path = 0
+        cache, append = self.prefix_cache, sync.append_token_ids
+        if cache is None or len(append) < cache.block:
+            return sync
+        entry, n = cache.match(append, len(append))
+        n = self.reusable(sync, entry.prompt_path, n) if entry is not None else 0
+        cache.count(len(append), n)
+        if not n:
+            return sync
+        session.kv.crop_to(0)
+        session.specpv = None  # a partial view summarizes the cache it replaces (TargetEngine rebuilds one)
+        cache.restore(entry, n, session.kv)
+        session.prompt_path = min(entry.prompt_path, n)
+        self.log.debug("prefix_reused", session_id=session.session_id, tokens=n, of=len(append))
+        return sync.model_copy(update={"base_len": n, "append_token_ids": append[n:]})
+
+    def reusable(self, sync: CacheSync, prompt_path: int, n: int) -> int:
+        """How much of an ``n``-token cached prefix a new session with ``sync`` may reuse (its
+        first ``prompt_path`` positions were prefilled on a prompt attention): here all of it."""
+        return n
+
+    def keep_prefix(self, session: Session) -> None:
+        """A session left the store: the prefix cache keeps the K/V of its named tokens, unless it
+        was dropped after a failure or a request holds it (its cache may be moving)."""
+        if session.dropped or getattr(session.kv, "released", False) or not session.lock.acquire(blocking=False):
+            return
+        try:
+            n = min(self.committed_len(session), session.kv.length, len(session.tokens))
+            self.prefix_cache.put(session.tokens[:n], session.kv, session.prompt_path)
+        except Exception as exc:  # a copy that fails costs only the reuse
+            if is_device_failure(exc):
+                raise
+            self.log.warning("prefix_keep_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            session.lock.release()
 
     def check_locked(self, session: Session, round: int, sync: CacheSync) -> None:
         """Checks made under the session lock, before anything changes."""

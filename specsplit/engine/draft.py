@@ -119,8 +119,10 @@ class DraftEngine(Engine):
         """One DraftRequest (checks passed, session locked) as a generator: it yields each forward
         it needs as a Segment and is sent that forward's logits [keep, V]; returns (tree, reused).
         ``drive`` runs it alone, ``draft_batch`` in lockstep with other sessions'."""
-        kv, sync = session.kv, req.sync
+        kv, sync = session.kv, self.take_prefix(session, req.sync, req.root)
         kept, session.draft_tree = session.draft_tree, None
+        if sync is not req.sync:  # a cached prefix replaced the cache: nothing kept stands
+            kept = None
         if req.sampling.greedy:
             grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
             reused = len(grown.tokens) - 1 if grown is not None else 0

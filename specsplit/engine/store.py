@@ -29,6 +29,11 @@ class Session:
     last_used: float = 0.0
     draft_tree: object = None  # a greedy draft tree kept for the next request (DraftEngine)
     specpv: object = None  # the SpecPV partial view beside the cache (TargetEngine; engine.specpv)
+    # the committed tokens whose K/V the cache holds from position 0, as far as the worker can
+    # name them (what a prefix cache keeps when the session leaves: Engine.take_prefix)
+    tokens: list = field(default_factory=list)
+    prompt_path: int = 0  # leading positions prefilled on a prompt attention (TargetEngine)
+    dropped: bool = False  # removed after a failure: its cache is not to be trusted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -111,6 +116,7 @@ class SessionStore:
 
     def drop(self, session: Session) -> None:
         """Remove exactly this session object (not a newer one under the same id)."""
+        session.dropped = True
         with self._lock:
             if self._sessions.get(session.session_id) is session:
                 del self._sessions[session.session_id]

@@ -75,7 +75,7 @@ class TargetEngine(Engine):
         unexpected failure (``guarded``)."""
 
         def run() -> Outcome:
-            out = self._round(session, req, layout)
+            out = self._round(session, self.with_prefix(session, req), layout)
             session.last_round = req.round
             return out
 
@@ -105,6 +105,31 @@ class TargetEngine(Engine):
             batch_size=batch_size,
         )
 
+    def with_prefix(self, session: Session, req: VerifyRequest) -> VerifyRequest:
+        """``take_prefix`` for this request (its root is the tree's): the request itself, or one
+        whose sync keeps the cached prefix copied into the session's cache."""
+        sync = self.take_prefix(session, req.sync, req.tree.token_ids[0])
+        return req if sync is req.sync else req.model_copy(update={"sync": sync})
+
+    def reusable(self, sync, prompt_path: int, n: int) -> int:
+        """How much of an ``n``-token cached prefix (its first ``prompt_path`` positions prefilled
+        on the prompt attention) a new session may reuse: positions its own prefill would compute
+        the same way. A prompt this target prefills on the prompt attention (from position 0, in
+        ``linear_chunk`` chunks: ``_prompt_tokens``) reuses whole chunks of such positions; any
+        other, only positions computed on the decoding path (a cache with no prompt-path
+        positions). Without a prompt attention every position is computed one way: all of it."""
+        if not self._prompt_attn():
+            return n
+        if self._prompt_path_used(sync, 0):
+            return min(n, prompt_path) // self.linear_chunk * self.linear_chunk
+        return n if prompt_path == 0 else 0
+
+    def _prompt_path_used(self, sync, origin: int) -> bool:
+        """Whether a sync from an empty cache (``origin``: the positions copied from the prefix
+        cache before it) prefills its prompt on the prompt attention."""
+        chunk = self.linear_chunk
+        return bool(self._prompt_attn()) and sync.prompt_len - 1 > chunk and origin + len(sync.append_token_ids) > chunk
+
     # ---- several sessions in one forward ---------------------------------------------------
     def verify_batch(self, requests: Sequence[Message]) -> list[Message]:
         """Replies to ``requests`` in order, verifying the trees of the sessions that allow it in
@@ -124,18 +149,18 @@ class TargetEngine(Engine):
                                               self.limits.max_session_tokens)
         if pv is None:
             session.kv.crop_to(req.sync.base_len)
-            return self._full(session.kv, None, req, layout)
+            return self._full(session, None, req, layout)
         pv.crop(session.kv, req.sync.base_len)
         if self._partial_ok(session, pv, req, layout):
             try:
-                return self._partial(session.kv, pv, req, layout)
+                return self._partial(session, pv, req, layout)
             except SpecError:
                 raise
             except Exception as exc:
                 if is_device_failure(exc):
                     raise
                 self._fall_back(session, pv, f"{type(exc).__name__}: {exc}")
-        out = self._full(session.kv, pv, req, layout)
+        out = self._full(session, pv, req, layout)
         if req.specpv != pv.spec:  # turned off, or another spec: the next round starts afresh
             session.specpv = None if req.specpv is None else PartialView(
                 req.specpv, len(session.kv.layers), self.limits.max_tree_nodes, self.limits.max_session_tokens)
@@ -175,8 +200,9 @@ class TargetEngine(Engine):
                              action="full verification")
         pv.fallbacks += 1
 
-    def _partial(self, kv, pv: PartialView, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+    def _partial(self, session: Session, pv: PartialView, req: VerifyRequest, layout: TreeLayout) -> Outcome:
         """Verify the tree against the partial view; buffer the accepted path's K/V."""
+        kv = session.kv
         dev, n, m = self.device, layout.num_nodes, len(pv.pending)
         start = kv.length + m  # the root's position
         pv.summaries.extend(kv)
@@ -189,16 +215,19 @@ class TargetEngine(Engine):
         verdict = self.decide(req, layout, logits)
         pv.buffer.compact([m + i for i in verdict.path], m)
         pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
+        self.note_accepted(session, req, verdict)
         pv.rounds_since_full += 1
         # exact: what the full cache holds and the root after it were confirmed; the rest is provisional
         return Outcome(verdict, partial=True, confirmed_len=kv.length + 1 if pv.spec.exact else None,
                        forward_tokens=n)
 
-    def _full(self, kv, pv: PartialView | None, req: VerifyRequest, layout: TreeLayout) -> Outcome:
+    def _full(self, session: Session, pv: PartialView | None, req: VerifyRequest, layout: TreeLayout) -> Outcome:
         """One forward of [buffered ids + sync tokens + tree] against the whole cache. Exact
         mode (``req.confirmed_len``, greedy): the provisional tokens among them are re-checked
         first; at the first the target disagrees with, the round rolls back to it."""
+        kv = session.kv
         n, f = layout.num_nodes, kv.length
+        origin = session.prompt_path if f == session.prompt_path else 0  # a prompt prefilled from a cached prefix
         pending = list(pv.pending) if pv is not None else []
         refreshed = 0
         if pending and not pv.spec.exact and req.confirmed_len is None and self._prompt_attn():
@@ -206,6 +235,7 @@ class TargetEngine(Engine):
             # re-encoding against the whole cache (the refresh) runs as a prefill, on the prompt
             # attention; the tree stays on the decoding path
             self.forward_linear(kv, pending, attention=self._prompt_attention)
+            del session.tokens[f:]  # positions no prefill computes this way: no prefix cache keeps them
             refreshed, pending, f = len(pending), [], kv.length
         lin = [*pending, *req.sync.append_token_ids]
         s, root = len(lin), req.tree.token_ids[0]
@@ -216,11 +246,12 @@ class TargetEngine(Engine):
         check_from = s  # lin rows whose successor (in lin + [root]) is provisional
         if confirmed is not None and req.sampling.greedy:
             check_from = min(s, max(confirmed, f + 1) - 1 - f)
-        head = check_from if s > self.linear_chunk else 0
+        head = check_from if s + origin > self.linear_chunk else 0
         if head:
-            prompt = self._prompt_tokens(f, req.sync, pv, head)
+            prompt = self._prompt_tokens(f, req.sync, pv, head, origin)
             if prompt:
                 self.forward_linear(kv, lin[:prompt], attention=self._prompt_attention)
+                session.prompt_path = kv.length
             if head > prompt:
                 self.forward_linear(kv, lin[prompt:head])
         t = s - head
@@ -233,6 +264,7 @@ class TargetEngine(Engine):
                 j, token = wrong
                 cut = f + check_from + j + 1  # committed keeps its first `cut` tokens, then `token`
                 kv.crop_to(cut)
+                del session.tokens[cut:]
                 if pv is not None:
                     pv.summaries.crop(cut)
                     pv.after_refresh(rolled_back=True)
@@ -241,11 +273,19 @@ class TargetEngine(Engine):
                                forward_tokens=refreshed + s + n)
         verdict = self.decide(req, layout, logits[checked:])
         kv.compact([start + i for i in verdict.path], start)
+        self.note_accepted(session, req, verdict)
         if pv is not None:
             pv.after_refresh(rolled_back=False)
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
         return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=refreshed + s + n)
+
+    @staticmethod
+    def note_accepted(session: Session, req: VerifyRequest, verdict: Verdict) -> None:
+        """The session's tokens (``Session.tokens``) gain the path accepted after the root."""
+        root_at = req.sync.base_len + len(req.sync.append_token_ids)
+        if len(session.tokens) == root_at + 1:
+            session.tokens.extend(req.tree.token_ids[i] for i in verdict.path[1:])
 
     def _prompt_attn(self) -> str | None:
         """The model's prompt attention (``prompt_attention_name``), looked up once."""
@@ -253,16 +293,17 @@ class TargetEngine(Engine):
             self._prompt_attention = prompt_attention_name(self.model)
         return self._prompt_attention
 
-    def _prompt_tokens(self, f: int, sync, pv: PartialView | None, head: int) -> int:
+    def _prompt_tokens(self, f: int, sync, pv: PartialView | None, head: int, origin: int = 0) -> int:
         """How many of the first ``head`` tokens forwarded linearly are a long prompt's, prefilled
-        on the model's prompt attention (``prompt_attention_name``): only from an empty cache and
-        only for a prompt longer than one chunk (one prefilled with its first tree otherwise), so
-        its chunks are the same in its first prefill and in any resend. Tokens from its last
-        on (the first round's root, then the generation) take the decoding path."""
+        on the model's prompt attention (``prompt_attention_name``): only from an empty cache (or
+        from ``origin``, the whole chunks of it a prefix cache gave) and only for a prompt longer
+        than one chunk (one prefilled with its first tree otherwise), so its chunks are the same
+        in its first prefill and in any resend. Tokens from its last on (the first round's root,
+        then the generation) take the decoding path."""
         n = sync.prompt_len - 1
-        if not self._prompt_attn() or f != 0 or (pv is not None and pv.pending) or n <= self.linear_chunk:
+        if not self._prompt_attn() or f != origin or (pv is not None and pv.pending) or n <= self.linear_chunk:
             return 0
-        return min(n, head)
+        return min(n - origin, head)
 
     @staticmethod
     def _first_disagreement(logits: torch.Tensor, expected: list[int]) -> tuple[int, int] | None:

@@ -94,6 +94,11 @@ def verify_alone(engine, m: _Member, replies: list, t0: float) -> None:
 
 def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
     """The torch engines' ``verify_members``: the members' segments in one ``forward_segments``."""
+    members = _with_prefixes(engine, members, replies)
+    if len(members) < 2:
+        for m in members:
+            verify_alone(engine, m, replies, t0)
+        return
     for m in members:
         sync, kv = m.req.sync, m.session.kv
         kv.crop_to(sync.base_len)
@@ -129,6 +134,19 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
                                             batch_tokens=tokens, batch_size=len(members), verify_ms=ms)
 
 
+def _with_prefixes(engine, members: list[_Member], replies: list) -> list[_Member]:
+    """Each member's request after ``TargetEngine.with_prefix`` (a new session's cached prefix
+    copied into its cache); a member that fails there gets its reply and leaves the batch."""
+    kept = []
+    for m in members:
+        try:
+            m.req = engine.guarded(m.session, lambda m=m: engine.with_prefix(m.session, m.req))
+            kept.append(m)
+        except SpecError as exc:
+            replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
+    return kept
+
+
 def greedy_argmax(members: list[_Member], logits: list) -> list[list[int] | None]:
     """Per member its rows' argmax (greedy members; None for sampled ones): one device op and one
     host copy for all of them."""
@@ -146,6 +164,7 @@ def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outc
     """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); its cache
     keeps the accepted path's K/V once ``_keep_paths`` ran."""
     verdict = engine.decide(m.req, m.layout, logits, argmax)
+    engine.note_accepted(m.session, m.req, verdict)
     m.session.last_round = m.req.round
     return Outcome(verdict, forward_tokens=len(m.segment.token_ids))
 
