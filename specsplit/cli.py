@@ -233,6 +233,11 @@ def _bench(argv: list[str]) -> int:
 
         require_bench_extras()
         return main(argv[1:])
+    if argv and argv[0] == "chat":
+        from specsplit.bench.chat import main
+
+        require_bench_extras()
+        return main(argv[1:])
     from specsplit.bench.quality import main as bench_main
 
     require_bench_extras()
