@@ -323,7 +323,11 @@ class VerifyReply(Message):
 
     The forward that served the reply (what ``verify_ms`` measured): ``batch_tokens`` new tokens
     in it, every session's (0: not reported, as from a peer that predates the field) and
-    ``batch_size`` sessions (1: this one alone)."""
+    ``batch_size`` sessions (1: this one alone).
+
+    ``cached_tokens``: of this request's sync tokens, how many the worker copied from its prefix
+    cache instead of forwarding (a session's first request; 0: none, or a peer that predates the
+    field)."""
 
     session_id: SessionId
     round: Round
@@ -337,6 +341,7 @@ class VerifyReply(Message):
     confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
     batch_tokens: int = Field(default=0, ge=0, le=MAX_BATCH_TOKENS)
     batch_size: int = Field(default=1, ge=1, le=MAX_BATCH_SESSIONS)
+    cached_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
 
     @model_validator(mode="after")
     def _batch(self) -> VerifyReply:
@@ -459,6 +464,8 @@ class GenerateDone(Message):
     first_token_ms: float | None = Field(default=None, ge=0.0)
     # accepted tokens by position (index i: depth i + 1 of the tree; sums to accepted_tokens)
     accepted_per_pos: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TREE_DEPTH)
+    # prompt tokens the target copied from its prefix cache instead of forwarding (its first reply's)
+    cached_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
 
 
 class Cancel(Message):

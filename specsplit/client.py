@@ -90,6 +90,7 @@ class GenerationResult:
     # (None: none streamed), and accepted tokens by position (index i: depth i + 1)
     orchestrator_first_token_ms: float | None = None
     accepted_per_pos: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the target copied from its prefix cache (GenerateDone)
     chunks: list[int] = field(default_factory=list)  # tokens per streamed chunk
 
     @property
@@ -342,6 +343,7 @@ class SpecSplitClient:
                         res.predicted_tok_s = msg.predicted_tok_s
                         res.orchestrator_first_token_ms = msg.first_token_ms
                         res.accepted_per_pos = list(msg.accepted_per_pos)
+                        res.cached_tokens = msg.cached_tokens
                         break
                     elif isinstance(msg, ErrorReply):
                         raise GenerationError(msg)

@@ -105,7 +105,7 @@ class OrchestratorPool:
         deadline = time.monotonic() + self.timeout_s
         received: list[int] = []
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
-        resumes, delay, client, overloaded = 0, self.backoff_s, None, 0
+        resumes, delay, client, overloaded, answered = 0, self.backoff_s, None, 0, False
 
         def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
             if tokens and not total.first_token_s:
@@ -140,6 +140,8 @@ class OrchestratorPool:
                 total.accepted_per_pos = _add_lists(total.accepted_per_pos, res.accepted_per_pos)
                 if total.orchestrator_first_token_ms is None:  # the first attempt that streamed a token
                     total.orchestrator_first_token_ms = res.orchestrator_first_token_ms
+                if not answered:  # the first attempt that finished: its prompt's tokens (a resume's: part of them)
+                    total.cached_tokens, answered = min(res.cached_tokens, len(prompt)), True
                 if res.finish_reason in FINISHED:
                     total.finish_reason, total.session_id = res.finish_reason, res.session_id
                     total.predicted_tok_s = res.predicted_tok_s  # the last attempt's orchestrator

@@ -81,6 +81,37 @@ def test_completion_greedy_equals_target_and_stream_equals_whole(fleet, tiny):
         assert chunks[-1].usage.completion_tokens == len(want)
 
 
+def target_prefix_hits(fleet) -> float:
+    """Tokens the fleet's two target workers copied from their prefix caches so far."""
+    return sum(v for off in (400, 401) for k, v in scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics").items()
+               if k.startswith("specsplit:worker_prefix_cache_hits"))
+
+
+def test_a_repeated_context_is_answered_from_the_prefix_cache_and_the_same(fleet, tiny):
+    """The same 150-token prompt three times in a row (a new session each, on either of the two
+    targets): by the third a target holds it, so some answer reports 128 prompt tokens (two whole
+    blocks of 64, the last prompt token is always forwarded) in usage.prompt_tokens_details,
+    which the targets' metrics count too; every answer is the target's greedy decoding."""
+    model, tok, _ = tiny
+    client = openai_client(fleet)
+    prompt = [random.Random(77).randrange(tok.vocab_size) for _ in range(150)]
+    want = tok.decode(expected(model, tok, prompt, 16))
+    before = target_prefix_hits(fleet)
+    cached = []
+    for i in range(3):
+        if i == 2:  # streamed, with usage in its last chunk
+            chunks = list(client.completions.create(model="tiny-v1", prompt=prompt, max_tokens=16, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+        else:
+            res = client.completions.create(model="tiny-v1", prompt=prompt, max_tokens=16, temperature=0)
+            text, usage = res.choices[0].text, res.usage
+        assert text == want and usage.prompt_tokens == 150
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert set(cached) <= {0, 128} and 128 in cached, cached
+    assert target_prefix_hits(fleet) - before == sum(cached)
+
+
 def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
     from openai import AsyncOpenAI
 

@@ -157,10 +157,10 @@ def test_the_first_verify_forwards_only_what_the_cache_lacks(pair):
         return reply
 
     cold = first_round("a", prompt)
-    assert cold.batch_tokens == 100  # 99 prompt tokens + the root
+    assert cold.batch_tokens == 100 and cold.cached_tokens == 0  # 99 prompt tokens + the root
     warm = first_round("b", prompt)
     assert warm.batch_tokens == 100 - 96 and warm.bonus_token_id == cold.bonus_token_id
-    assert warm.cache_len == cold.cache_len == 100
+    assert warm.cache_len == cold.cache_len == 100 and warm.cached_tokens == 96
 
 
 def test_a_session_dropped_after_a_failure_is_not_kept(pair):
@@ -259,3 +259,15 @@ def test_a_long_context_with_specpv_reuses_and_stays_exact(pair):
         assert got == want and stats.partial_rounds > 0
         context = context + got + [rng.randrange(128) for _ in range(20)]
     assert t_eng.prefix_cache.hits == 1 and t_eng.prefix_cache.reused_tokens >= 384
+
+
+def test_usage_counts_each_prompts_cached_tokens_once():
+    """OpenAI's usage: a prompt's cached tokens once however many choices it has (the most any
+    of them had: n choices are n sessions, which may start before another one left)."""
+    from specsplit.api.generation import Done
+    from specsplit.api.server import usage
+
+    done = {0: Done(0, "", "length", 0, 100, 5, {}, 64), 1: Done(1, "", "length", 0, 100, 5, {}, 0),
+            2: Done(2, "", "stop", 1, 50, 3, {}, 0)}
+    assert usage(done) == {"prompt_tokens": 150, "completion_tokens": 13, "total_tokens": 163,
+                           "prompt_tokens_details": {"cached_tokens": 64}}

@@ -46,6 +46,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     speculative: dict
+    cached_tokens: int = 0  # of the prompt, from the target's prefix cache
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ class Generation:
         reason = "stop" if c.text.stopped or res is None else res.finish_reason
         spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)
         self.metrics.prompt_tokens.inc(len(c.job.prompt_ids))
-        self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec))
+        self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec,
+                                    res.cached_tokens if res is not None else 0))
         return reason
 
 

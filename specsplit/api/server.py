@@ -163,10 +163,16 @@ class Responder:
 
 
 def usage(done: dict[int, Done]) -> dict:
-    """OpenAI's usage: each prompt's tokens once (whatever n), every choice's tokens."""
+    """OpenAI's usage: each prompt's tokens once (whatever n), every choice's tokens; of the
+    prompts' tokens, those the target copied from its prefix cache (``cached_tokens``: per
+    prompt, the most any of its choices had)."""
     prompt = sum({d.prompt_index: d.prompt_tokens for d in done.values()}.values())
+    cached: dict[int, int] = {}
+    for d in done.values():
+        cached[d.prompt_index] = max(cached.get(d.prompt_index, 0), d.cached_tokens)
     completion = sum(d.completion_tokens for d in done.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 class EventStream(StreamingResponse):

@@ -6,8 +6,9 @@ prefix cache the workers forward the whole history at every turn, with it only w
 seen. Two fleets are started as people start one (``honcho start``, the repository's Procfile and
 .env, on free ports), one with ``SPECSPLIT_TARGET_PREFIX_CACHE_GB=0`` and
 ``SPECSPLIT_DRAFT_PREFIX_CACHE_GB=0`` ("off"), one with the settings as they are ("on"); they
-load side by side and then take turns: each turn of each conversation goes to both, the first one
-alternating, one request in flight at a time, so a drift of the machine weighs on both alike.
+load side by side and then take turns: each turn of each conversation goes to both, one request
+in flight at a time, the first one alternating from turn to turn and, at each turn, from
+conversation to conversation, so a drift of the machine, or going first, weighs on both alike.
 
 Each conversation starts from a chat10 prompt (or ``--prompts FILE``) and goes on with fixed
 follow-up questions; each fleet's answers go into its own history. Greedy: the two fleets'
@@ -129,12 +130,12 @@ async def run(args, fleets: dict[str, Fleet], prompts: list[str]) -> list[dict]:
     await asyncio.gather(*(f.connect() for f in fleets.values()))
     for f in fleets.values():  # warm-up: first-call costs out of the timing (and a context no turn shares)
         await f.turn(-1, "Say hello.")
-    records, k = [], 0
+    records = []
     for conv in range(args.conversations):
         for turn in range(args.turns):
             message = prompts[conv % len(prompts)] if turn == 0 else FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
-            order = ["off", "on"] if k % 2 == 0 else ["on", "off"]
-            k += 1
+            # the first fleet alternates turn by turn and, at each turn, conversation by conversation
+            order = ["off", "on"] if (conv + turn) % 2 == 0 else ["on", "off"]
             got = {name: await fleets[name].turn(conv, message) for name in order}
             same = all("error" not in got[n] for n in order) and got["off"]["text"] == got["on"]["text"]
             records.append({"conversation": conv, "turn": turn, "order": order, "identical": same, **got})

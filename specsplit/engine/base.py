@@ -323,6 +323,7 @@ class Engine:
             del tokens[sync.base_len:]
             tokens.extend(sync.append_token_ids)
             tokens.append(root)
+        session.reused = 0
         if sync.base_len:
             return sync
         session.prompt_path = 0
@@ -337,7 +338,7 @@ class Engine:
         session.kv.crop_to(0)
         session.specpv = None  # a partial view summarizes the cache it replaces (TargetEngine rebuilds one)
         cache.restore(entry, n, session.kv)
-        session.prompt_path = min(entry.prompt_path, n)
+        session.prompt_path, session.reused = min(entry.prompt_path, n), n
         self.log.debug("prefix_reused", session_id=session.session_id, tokens=n, of=len(append))
         return sync.model_copy(update={"base_len": n, "append_token_ids": append[n:]})
 

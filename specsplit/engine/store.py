@@ -33,6 +33,7 @@ class Session:
     # name them (what a prefix cache keeps when the session leaves: Engine.take_prefix)
     tokens: list = field(default_factory=list)
     prompt_path: int = 0  # leading positions prefilled on a prompt attention (TargetEngine)
+    reused: int = 0  # tokens the last request copied from the prefix cache
     dropped: bool = False  # removed after a failure: its cache is not to be trusted
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -9,6 +9,7 @@ mode: and re-checks them, rolling back to the first one the target disagrees wit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -76,6 +77,7 @@ class TargetEngine(Engine):
 
         def run() -> Outcome:
             out = self._round(session, self.with_prefix(session, req), layout)
+            out = dataclasses.replace(out, cached=session.reused) if session.reused else out
             session.last_round = req.round
             return out
 
@@ -103,6 +105,7 @@ class TargetEngine(Engine):
             confirmed_len=out.confirmed_len,
             batch_tokens=batch_tokens,
             batch_size=batch_size,
+            cached_tokens=out.cached,
         )
 
     def with_prefix(self, session: Session, req: VerifyRequest) -> VerifyRequest:

@@ -166,7 +166,7 @@ def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outc
     verdict = engine.decide(m.req, m.layout, logits, argmax)
     engine.note_accepted(m.session, m.req, verdict)
     m.session.last_round = m.req.round
-    return Outcome(verdict, forward_tokens=len(m.segment.token_ids))
+    return Outcome(verdict, forward_tokens=len(m.segment.token_ids), cached=m.session.reused)
 
 
 def _keep_paths(engine, done: list[tuple[_Member, Outcome]], replies: list) -> list[tuple[_Member, Outcome]]:

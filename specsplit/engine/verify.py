@@ -34,6 +34,7 @@ class Outcome:
     rollback_len: int | None = None  # committed is cut to this length first
     confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
     forward_tokens: int = 0  # new tokens the round forwarded (buffered, sync and tree; 0: unknown)
+    cached: int = 0  # sync tokens copied from the prefix cache instead (Engine.take_prefix)
 
 
 def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> Verdict:

@@ -121,6 +121,7 @@ class SessionActor:
         self.metrics = metrics
         self.queued_s = queued_s  # time the session waited for admission before this actor ran
         self.first_token_ms: float | None = None  # from the request's arrival (queueing included)
+        self.cached_tokens: int | None = None  # of the prompt, from the target's prefix cache (its first reply)
         self._t0 = time.perf_counter()
         self.log = get_logger("specsplit.orchestrator")
         self._sent: _Sent | None = None  # the round whose verify is under way (``_once_sent``)
@@ -152,6 +153,7 @@ class SessionActor:
                 predicted_tok_s=(1e3 * self.predicted_tokens / self.predicted_ms) if self.predicted_ms else 0.0,
                 first_token_ms=self.first_token_ms,
                 accepted_per_pos=self.stats.accepted_per_depth[:MAX_TREE_DEPTH],  # a tree is never deeper
+                cached_tokens=min(self.cached_tokens or 0, len(self.req.prompt_token_ids)),
             )
             if self.metrics is not None:
                 self.metrics.session_done(done)
@@ -310,7 +312,10 @@ class SessionActor:
                                  sampling=self.sampling, specpv=self.specpv, confirm=confirm,
                                  confirmed_len=self.cur.confirmed if self.exact else None)
 
-        return await self.call(self.target_rpc, build, self._reset_target)
+        reply = await self.call(self.target_rpc, build, self._reset_target)
+        if self.cached_tokens is None and isinstance(reply, VerifyReply):
+            self.cached_tokens = reply.cached_tokens
+        return reply
 
     def _reset_target(self) -> None:
         self.cur.target_len = 0
