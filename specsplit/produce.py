@@ -192,11 +192,13 @@ def request_figures(res) -> dict:
     """Per-request speculation figures (docs/operations.md, "Metrics": the counting rules): drafted tokens
     (tree nodes proposed, roots excluded), accepted tokens (bonus excluded) and by position,
     mean accepted length (tokens committed per round: (accepted + rounds) / rounds), time to
-    first token as this producer saw it and as the orchestrator measured it (from arrival)."""
+    first token as this producer saw it and as the orchestrator measured it (from arrival), and
+    the prompt's tokens the target copied from its prefix cache."""
     return {
         "drafted_tokens": res.drafted_tokens, "accepted_tokens": res.accepted_tokens,
         "accepted_per_pos": res.accepted_per_pos, "mean_accepted_length": res.mean_accepted,
         "time_to_first_token_s": res.first_token_s, "orchestrator_first_token_ms": res.orchestrator_first_token_ms,
+        "cached_tokens": res.cached_tokens,
     }
 
 

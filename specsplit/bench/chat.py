@@ -194,7 +194,9 @@ def parse(argv):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", default="chat10", help="first turns: a named set or a JSONL file ('prompt' per line)")
     p.add_argument("--preset", default=None, help="model preset (default: SPECSPLIT_PRESET or qwen-coder)")
-    p.add_argument("--env-file", default=None, help=".env to read the fleet's defaults from (default: the repository's)")
+    p.add_argument("--env-file", default=None,
+                   help="the fleets' default settings (default: ./.env, which every specsplit command applies, "
+                        "else the repository's; 'none': only what the command applied)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--keep-logs", action="store_true", help="keep the fleets' logs (kept anyway when the run fails)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="for the fleets to serve (models load)")
