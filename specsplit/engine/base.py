@@ -34,7 +34,7 @@ from specsplit.engine.masks import (
     forward_mask,
     sliding_windows,
 )
-from specsplit.engine.prefix import PrefixCache
+from specsplit.engine.prefix import PrefixCache, keep_prefix, take_prefix
 from specsplit.engine.store import Session, SessionStore, StoreFull
 from specsplit.errors import DeviceFailure, ModelRefused, SpecError
 from specsplit.logs import get_logger
@@ -318,29 +318,11 @@ class Engine:
         prefix of its tokens that the prefix cache holds, and ``reusable`` allows, into the
         session's cache. Returns the sync to apply: ``sync`` itself, or one that keeps the copied
         prefix (its ``base_len``) and appends the rest."""
-        tokens = session.tokens
-        if sync.base_len <= len(tokens):  # else the tokens it keeps are not all named here: what is stays true
-            del tokens[sync.base_len:]
-            tokens.extend(sync.append_token_ids)
-            tokens.append(root)
-        session.reused = 0
-        if sync.base_len:
-            return sync
-        session.prompt_path = 0
-        cache, append = self.prefix_cache, sync.append_token_ids
-        if cache is None or len(append) < cache.block:
-            return sync
-        entry, n = cache.match(append, len(append))
-        n = self.reusable(sync, entry.prompt_path, n) if entry is not None else 0
-        cache.count(len(append), n)
-        if not n:
-            return sync
-        session.kv.crop_to(0)
-        session.specpv = None  # a partial view summarizes the cache it replaces (TargetEngine rebuilds one)
-        cache.restore(entry, n, session.kv)
-        session.prompt_path, session.reused = min(entry.prompt_path, n), n
-        self.log.debug("prefix_reused", session_id=session.session_id, tokens=n, of=len(append))
-        return sync.model_copy(update={"base_len": n, "append_token_ids": append[n:]})
+        out = take_prefix(self.prefix_cache, session, sync, root, self.reusable)
+        if session.reused:
+            self.log.debug("prefix_reused", session_id=session.session_id, tokens=session.reused,
+                           of=len(sync.append_token_ids))
+        return out
 
     def reusable(self, sync: CacheSync, prompt_path: int, n: int) -> int:
         """How much of an ``n``-token cached prefix a new session with ``sync`` may reuse (its
@@ -350,17 +332,12 @@ class Engine:
     def keep_prefix(self, session: Session) -> None:
         """A session left the store: the prefix cache keeps the K/V of its named tokens, unless it
         was dropped after a failure or a request holds it (its cache may be moving)."""
-        if session.dropped or getattr(session.kv, "released", False) or not session.lock.acquire(blocking=False):
-            return
         try:
-            n = min(self.committed_len(session), session.kv.length, len(session.tokens))
-            self.prefix_cache.put(session.tokens[:n], session.kv, session.prompt_path)
+            keep_prefix(self.prefix_cache, session, self.committed_len)
         except Exception as exc:  # a copy that fails costs only the reuse
             if is_device_failure(exc):
                 raise
             self.log.warning("prefix_keep_failed", error=f"{type(exc).__name__}: {exc}"[:300])
-        finally:
-            session.lock.release()
 
     def check_locked(self, session: Session, round: int, sync: CacheSync) -> None:
         """Checks made under the session lock, before anything changes."""

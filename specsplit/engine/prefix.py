@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from schemas import CacheSync
 from specsplit.engine.kvcache import SessionKV
+from specsplit.engine.store import Session
 
 BLOCK = 64  # tokens per hashed block: a prefix is reused in whole blocks
 
@@ -159,3 +161,45 @@ class PrefixCache:
                 holders[:] = [e for e in holders if e is not entry]
                 if not holders:
                     del self._index[h]
+
+
+def take_prefix(cache: PrefixCache | None, session: Session, sync: CacheSync, root: int,
+                reusable: Callable[[CacheSync, int, int], int]) -> CacheSync:
+    """``Engine.take_prefix``: the session's tokens follow ``sync`` (+ ``root``); from an empty
+    cache, the longest cached prefix of its tokens that ``reusable(sync, prompt_path, n)``
+    allows is copied into the session's cache (``session.reused`` tokens). Returns the sync to
+    apply: ``sync``, or one that keeps the copied prefix and appends the rest."""
+    tokens = session.tokens
+    if sync.base_len <= len(tokens):  # else the tokens it keeps are not all named here: what is stays true
+        del tokens[sync.base_len:]
+        tokens.extend(sync.append_token_ids)
+        tokens.append(root)
+    session.reused = 0
+    if sync.base_len:
+        return sync
+    session.prompt_path = 0
+    append = sync.append_token_ids
+    if cache is None or len(append) < cache.block:
+        return sync
+    entry, n = cache.match(append, len(append))
+    n = reusable(sync, entry.prompt_path, n) if entry is not None else 0
+    cache.count(len(append), n)
+    if not n:
+        return sync
+    session.kv.crop_to(0)
+    session.specpv = None  # a partial view summarizes the cache it replaces (TargetEngine rebuilds one)
+    cache.restore(entry, n, session.kv)
+    session.prompt_path, session.reused = min(entry.prompt_path, n), n
+    return sync.model_copy(update={"base_len": n, "append_token_ids": append[n:]})
+
+
+def keep_prefix(cache: PrefixCache, session: Session, committed_len: Callable[[Session], int]) -> None:
+    """``Engine.keep_prefix``: the K/V of the tokens the session names, unless it was dropped
+    after a failure, its pool slot went back, or a request holds it (its cache may be moving)."""
+    if session.dropped or getattr(session.kv, "released", False) or not session.lock.acquire(blocking=False):
+        return
+    try:
+        n = min(committed_len(session), session.kv.length, len(session.tokens))
+        cache.put(session.tokens[:n], session.kv, session.prompt_path)
+    finally:
+        session.lock.release()
