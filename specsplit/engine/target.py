@@ -123,15 +123,10 @@ class TargetEngine(Engine):
         positions). Without a prompt attention every position is computed one way: all of it."""
         if not self._prompt_attn():
             return n
-        if self._prompt_path_used(sync, 0):
-            return min(n, prompt_path) // self.linear_chunk * self.linear_chunk
-        return n if prompt_path == 0 else 0
-
-    def _prompt_path_used(self, sync, origin: int) -> bool:
-        """Whether a sync from an empty cache (``origin``: the positions copied from the prefix
-        cache before it) prefills its prompt on the prompt attention."""
         chunk = self.linear_chunk
-        return bool(self._prompt_attn()) and sync.prompt_len - 1 > chunk and origin + len(sync.append_token_ids) > chunk
+        if sync.prompt_len - 1 > chunk and len(sync.append_token_ids) > chunk:  # as _full and _prompt_tokens decide
+            return min(n, prompt_path) // chunk * chunk
+        return n if prompt_path == 0 else 0
 
     # ---- several sessions in one forward ---------------------------------------------------
     def verify_batch(self, requests: Sequence[Message]) -> list[Message]:
@@ -230,7 +225,8 @@ class TargetEngine(Engine):
         first; at the first the target disagrees with, the round rolls back to it."""
         kv = session.kv
         n, f = layout.num_nodes, kv.length
-        origin = session.prompt_path if f == session.prompt_path else 0  # a prompt prefilled from a cached prefix
+        # this request's cache came from the prefix cache: its prompt goes on from there as from 0
+        origin = session.prompt_path if session.reused and f == session.reused else 0
         pending = list(pv.pending) if pv is not None else []
         refreshed = 0
         if pending and not pv.spec.exact and req.confirmed_len is None and self._prompt_attn():
