@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     with environ_with(defaults):
         ms = ModelSettings(**({"preset": args.preset} if args.preset else {}))
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-bench-chat-"))
-    load_before = os.getloadavg()
+    load_before, machine = os.getloadavg(), machine_info()  # the commit the fleets start from
     fleets: dict[str, Fleet] = {}
     bases: list[int] = []
     for name, extra in (("off", OFF), ("on", {})):
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items()} | {
         "preset": ms.preset, "model": fleets["on"].model, "follow_ups": FOLLOW_UPS,
         "fleet_settings": {n: f.fleet.settings for n, f in fleets.items()}, "honcho_exit_codes": codes,
-        **machine_info(), "load_avg_before": [round(x, 2) for x in load_before],
+        **machine, "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
