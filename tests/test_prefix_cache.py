@@ -163,16 +163,37 @@ def test_the_first_verify_forwards_only_what_the_cache_lacks(pair):
     assert warm.cache_len == cold.cache_len == 100 and warm.cached_tokens == 96
 
 
-def test_a_session_dropped_after_a_failure_is_not_kept(pair):
-    _, t_eng = engines(pair, gb=0.01)
+def test_a_context_is_kept_once_forwarded_and_a_failed_session_is_not(pair, monkeypatch):
+    """A new session's context is kept right after its first round (a session starting
+    meanwhile with it finds it); a session dropped after a failed forward is not kept again
+    (its cache may be half written); one evicted or ended is."""
+    from schemas import ErrorCode, ErrorReply
+
+    _, t_eng = engines(pair, gb=0.01, block=8)
+    cache, kept = t_eng.prefix_cache, []
+    put = cache.put
+    monkeypatch.setattr(cache, "put", lambda tokens, kv, pp=0: kept.append(len(tokens)) or put(tokens, kv, pp))
     prompt = list(range(50))
     cur = SessionCursor(list(prompt), prompt_len=len(prompt))
-    t_eng.handle(VerifyRequest(session_id="a", round=0, sync=cur.target_sync(), tree=root_only(prompt[-1])))
-    t_eng.store.drop(t_eng.store.get("a"))
-    assert len(t_eng.prefix_cache) == 0
-    t_eng.handle(VerifyRequest(session_id="b", round=0, sync=cur.target_sync(), tree=root_only(prompt[-1])))
+    first = t_eng.handle(VerifyRequest(session_id="a", round=0, sync=cur.target_sync(), tree=root_only(prompt[-1])))
+    assert kept == [50] and cache.match(prompt, 49)[1] == 48  # the prompt and its root, at once
+    cur.apply_verify(first)
+    forward = t_eng.forward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a forward that fails")
+
+    t_eng.forward = failing
+    reply = t_eng.handle(VerifyRequest(session_id="a", round=1, sync=cur.target_sync(),
+                                       tree=root_only(cur.committed[-1])))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.INTERNAL and "a" not in t_eng.store
+    assert kept == [50]  # dropped: not kept again
+    t_eng.forward = forward
+    fresh = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
+    again = t_eng.handle(VerifyRequest(session_id="b", round=0, sync=fresh, tree=root_only(prompt[-1])))
+    assert again.cached_tokens == 48 and len(kept) == 2
     t_eng.store.evict_oldest()  # evicted (LRU, TTL): kept
-    assert len(t_eng.prefix_cache) == 1
+    assert len(kept) == 3 and len(cache) == 1
 
 
 def test_sampling_with_a_cached_prefix_draws_what_it_draws_without(pair):
@@ -271,3 +292,25 @@ def test_usage_counts_each_prompts_cached_tokens_once():
             2: Done(2, "", "stop", 1, 50, 3, {}, 0)}
     assert usage(done) == {"prompt_tokens": 150, "completion_tokens": 13, "total_tokens": 163,
                            "prompt_tokens_details": {"cached_tokens": 64}}
+
+
+def test_sessions_verified_in_one_forward_are_kept_and_answer_as_alone(pair):
+    """Two new sessions verified in one batched forward: both contexts are kept at once, and a
+    third session with one of them copies it; every reply is what verifying alone gives."""
+    _, t_eng = engines(pair, gb=0.01)
+    _, plain = engines(pair, gb=0.0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(128) for _ in range(70)] for _ in range(2)]
+
+    def request(sid: str, prompt: list[int]) -> VerifyRequest:
+        sync = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
+        return VerifyRequest(session_id=sid, round=0, sync=sync, tree=root_only(prompt[-1]))
+
+    batch = t_eng.verify_batch([request("x", prompts[0]), request("y", prompts[1])])
+    assert [r.batch_size for r in batch] == [2, 2] and len(t_eng.prefix_cache) == 2
+    third = t_eng.handle(request("z", prompts[1]))
+    assert third.cached_tokens == 64
+    for reply, prompt in zip([*batch, third], [*prompts, prompts[1]]):
+        alone = plain.handle(request("alone", prompt))
+        plain.handle(EndSession(session_id="alone"))
+        assert (reply.bonus_token_id, reply.cache_len) == (alone.bonus_token_id, alone.cache_len)

@@ -329,11 +329,16 @@ class Engine:
         first ``prompt_path`` positions were prefilled on a prompt attention): here all of it."""
         return n
 
-    def keep_prefix(self, session: Session) -> None:
-        """A session left the store: the prefix cache keeps the K/V of its named tokens, unless it
-        was dropped after a failure or a request holds it (its cache may be moving)."""
+    def keep_prefix(self, session: Session, held: bool = False) -> None:
+        """The prefix cache keeps the K/V of the session's named tokens: when it left the store
+        (unless it was dropped after a failure or a request holds it: its cache may be moving),
+        and right after its context was forwarded (``held``: by the request holding it), so that
+        sessions starting meanwhile with the same context (``n`` choices, a shared system
+        prompt) find it too."""
+        if self.prefix_cache is None:
+            return
         try:
-            keep_prefix(self.prefix_cache, session, self.committed_len)
+            keep_prefix(self.prefix_cache, session, self.committed_len, held)
         except Exception as exc:  # a copy that fails costs only the reuse
             if is_device_failure(exc):
                 raise

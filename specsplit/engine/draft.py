@@ -128,6 +128,8 @@ class DraftEngine(Engine):
             reused = len(grown.tokens) - 1 if grown is not None else 0
             if grown is None:
                 root_logits = yield from self._root_forward(kv, sync, req.root)
+                if not req.sync.base_len:  # a context forwarded: kept at once (Engine.keep_prefix)
+                    self.keep_prefix(session, held=True)
                 grown = DraftTree(req.root, kv.length, spec.branch)
                 self._add_top_children(grown, [0], root_logits[None])
             grown.round, grown.branch = req.round, spec.branch
@@ -139,6 +141,8 @@ class DraftEngine(Engine):
             session.last_round = req.round
             return tree, reused
         root_logits = yield from self._root_forward(kv, sync, req.root)
+        if not req.sync.base_len:
+            self.keep_prefix(session, held=True)
         committed = kv.length
         try:
             return (yield from self._build(kv, req.root, root_logits, spec, req.sampling, req.round)), 0

@@ -193,13 +193,17 @@ def take_prefix(cache: PrefixCache | None, session: Session, sync: CacheSync, ro
     return sync.model_copy(update={"base_len": n, "append_token_ids": append[n:]})
 
 
-def keep_prefix(cache: PrefixCache, session: Session, committed_len: Callable[[Session], int]) -> None:
+def keep_prefix(cache: PrefixCache, session: Session, committed_len: Callable[[Session], int],
+                held: bool = False) -> None:
     """``Engine.keep_prefix``: the K/V of the tokens the session names, unless it was dropped
-    after a failure, its pool slot went back, or a request holds it (its cache may be moving)."""
-    if session.dropped or getattr(session.kv, "released", False) or not session.lock.acquire(blocking=False):
+    after a failure, its pool slot went back, or (``held`` False) a request holds it."""
+    if session.dropped or getattr(session.kv, "released", False):
+        return
+    if not held and not session.lock.acquire(blocking=False):
         return
     try:
         n = min(committed_len(session), session.kv.length, len(session.tokens))
         cache.put(session.tokens[:n], session.kv, session.prompt_path)
     finally:
-        session.lock.release()
+        if not held:
+            session.lock.release()

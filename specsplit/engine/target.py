@@ -79,6 +79,8 @@ class TargetEngine(Engine):
             out = self._round(session, self.with_prefix(session, req), layout)
             out = dataclasses.replace(out, cached=session.reused) if session.reused else out
             session.last_round = req.round
+            if req.sync.base_len == 0:  # a context forwarded: kept at once (Engine.keep_prefix)
+                self.keep_prefix(session, held=True)
             return out
 
         return self.guarded(session, run)

@@ -126,6 +126,9 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
     done = _keep_paths(engine, done, replies)
+    for m, _ in done:
+        if m.req.sync.base_len == m.session.reused:  # its request came from an empty cache
+            engine.keep_prefix(m.session, held=True)
     # one wait for the device for every reply: one forward served them all (a wait per reply
     # cost each member a device synchronization)
     ms = engine.elapsed_ms(t0)
