@@ -138,8 +138,8 @@ class WorkerSettings(SessionLimitSettings):
     target_kv_pool_gb: PoolGB = Field(default="auto", description=(
         "The same for a torch target engine (SPECSPLIT_DRAFT_KV_POOL_GB)."))
     draft_prefix_cache_gb: float = Field(default=0.5, ge=0, le=65536, description=(
-        "Torch draft engine: GB (10^9 bytes) of K/V kept, on the model's device, from sessions that ended or "
-        "were evicted; a new session whose context starts with tokens held there (a conversation's next turn, "
+        "Torch draft engine: GB (10^9 bytes) of K/V kept, on the model's device, of new sessions' contexts once "
+        "forwarded and of sessions that ended or were evicted; a new session whose context starts with tokens held there (a conversation's next turn, "
         "a shared system prompt) copies them, in whole blocks of 64 tokens, instead of forwarding them again. "
         "Least recently used first out. 0: off. A hit answers sooner, which tells a client that some earlier "
         "request began the same way (docs/operations.md)."))

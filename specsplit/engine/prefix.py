@@ -1,11 +1,11 @@
-"""Prefix cache: the K/V of sessions that left, copied into new sessions whose context starts alike.
+"""Prefix cache: the K/V of contexts forwarded before, copied into new sessions that start alike.
 
 A conversation's next turn, or a request with the same system prompt or few-shot examples as an
 earlier one, starts with tokens a worker already forwarded. Without this cache a new session
 forwards its whole context again (a 2,000-token history: seconds on a CPU). With it, the worker
-keeps, within a byte budget, the K/V of the committed tokens of sessions that ended (or were
-evicted); a later session's first request copies the longest cached prefix of its context into
-its own cache and forwards only the rest.
+keeps, within a byte budget, the K/V of each new session's context once forwarded, and of the
+committed tokens of sessions that ended (or were evicted); a later session's first request copies
+the longest cached prefix of its context into its own cache and forwards only the rest.
 
 Keys are hash chains over whole blocks of tokens (as vLLM's automatic prefix caching): a hit is
 then confirmed token by token, so a hash collision costs a miss, never another context's K/V.
