@@ -94,6 +94,25 @@ def test_an_entry_that_extends_another_replaces_it():
     assert cache.match([*tokens[:16], *[5] * 8], limit=24)[1] == 24
 
 
+def test_the_same_tokens_computed_two_ways_are_two_entries_and_each_found_where_usable():
+    """An int8 target's prompt path and decoding path give the same tokens other bits: an entry
+    of one neither holds nor replaces the other's, and a lookup takes the entry it may use even
+    when another, more recent, holds more."""
+    cache = PrefixCache(10**6, block=8)
+    tokens = list(range(48))
+    cache.put(tokens[:32], filled(32, seed=1), prompt_path=0)
+    assert cache.put(tokens, filled(48, seed=2), prompt_path=40) == 48  # not held, and no replacement
+    assert len(cache) == 2
+    assert cache.put(tokens[:32], filled(32, seed=3), prompt_path=0) == 0  # held: the first entry
+    decoding_path_only = lambda e, n: n if e.prompt_path == 0 else 0  # noqa: E731
+    entry, n = cache.match(tokens, 48, decoding_path_only)
+    assert n == 32 and entry.prompt_path == 0
+    entry, n = cache.match(tokens, 48)
+    assert n == 48 and entry.prompt_path == 40
+    chunks_of_16 = lambda e, n: min(n, e.prompt_path) // 16 * 16  # noqa: E731
+    assert cache.match(tokens, 48, chunks_of_16)[1] == 32
+
+
 # ---- engines ------------------------------------------------------------------------------
 
 

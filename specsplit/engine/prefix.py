@@ -77,25 +77,36 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[Entry | None, int]:
+    def match(self, tokens: Sequence[int], limit: int,
+              usable: Callable[[Entry, int], int] | None = None) -> tuple[Entry | None, int]:
         """The entry holding the longest prefix of ``tokens`` of whole blocks and at most
-        ``limit`` tokens, and that prefix's length; (None, 0) when none holds a block."""
+        ``limit`` tokens, and how many tokens of it may be used: ``usable(entry, n)`` of the
+        ``n`` it holds (default: all), the most over the entries holding any; (None, 0) when
+        none gives a token."""
         hashes = chain(tokens[:limit], self.block)
         with self._lock:
-            found, n = None, 0
-            for i, h in enumerate(hashes):
+            levels = []  # per block, the entries holding the prefix through it
+            for h in hashes:
                 holders = self._index.get(h)
                 if not holders:
                     break
-                found, n = holders[-1], (i + 1) * self.block
-            if found is not None:
-                self._entries.move_to_end(id(found))
-        if found is None:
-            return None, 0
-        same = 0  # confirmed token by token: after a hash collision only the blocks that match count
-        while same < n and found.tokens[same:same + self.block] == list(tokens[same:same + self.block]):
-            same += self.block
-        return (found, same) if same else (None, 0)
+                levels.append(list(holders))
+        best, best_n = None, 0
+        for i in range(len(levels) - 1, -1, -1):  # deepest first: the most any entry here can give
+            if (i + 1) * self.block <= best_n:
+                break
+            for e in reversed(levels[i]):  # the most recent first
+                same = 0  # confirmed token by token: after a hash collision only the blocks that match count
+                while same < (i + 1) * self.block and e.tokens[same:same + self.block] == list(tokens[same:same + self.block]):
+                    same += self.block
+                got = usable(e, same) if usable is not None and same else same
+                if got > best_n:
+                    best, best_n = e, got
+        if best is not None:
+            with self._lock:
+                if id(best) in self._entries:
+                    self._entries.move_to_end(id(best))
+        return best, best_n
 
     def count(self, queried: int, reused: int) -> None:
         """Record a lookup of ``queried`` tokens that reused ``reused`` of them (0: a miss)."""
@@ -122,8 +133,10 @@ class PrefixCache:
             return 0
         tokens = list(tokens[:n])
         hashes = chain(tokens, self.block)
-        with self._lock:
-            held = next((e for e in self._index.get(hashes[-1], ()) if e.tokens[:n] == tokens), None)
+        prompt_path = min(prompt_path, n)
+        with self._lock:  # an entry holding the same tokens, computed the same way
+            held = next((e for e in self._index.get(hashes[-1], ())
+                         if e.tokens[:n] == tokens and min(e.prompt_path, n) == prompt_path), None)
             if held is not None:
                 self._entries.move_to_end(id(held))
                 return 0
@@ -132,10 +145,11 @@ class PrefixCache:
         for i, layer in enumerate(layers):
             keys[i].copy_(layer.keys[0, :, :n])
             values[i].copy_(layer.values[0, :, :n])
-        entry = Entry(tokens, keys, values, min(prompt_path, n), hashes)
+        entry = Entry(tokens, keys, values, prompt_path, hashes)
         with self._lock:
-            for i, h in enumerate(hashes):  # entries that are a prefix of this one: it replaces them
-                for old in [e for e in self._index.get(h, ()) if len(e.hashes) == i + 1 and e.tokens == tokens[:len(e.tokens)]]:
+            for i, h in enumerate(hashes):  # entries that are a prefix of this one, computed alike: it replaces them
+                for old in [e for e in self._index.get(h, ()) if len(e.hashes) == i + 1 and e.tokens == tokens[:len(e.tokens)]
+                            and e.prompt_path == min(prompt_path, len(e.tokens))]:
                     self._remove_locked(old)
             for h in hashes:
                 self._index.setdefault(h, []).append(entry)
@@ -181,8 +195,7 @@ def take_prefix(cache: PrefixCache | None, session: Session, sync: CacheSync, ro
     append = sync.append_token_ids
     if cache is None or len(append) < cache.block:
         return sync
-    entry, n = cache.match(append, len(append))
-    n = reusable(sync, entry.prompt_path, n) if entry is not None else 0
+    entry, n = cache.match(append, len(append), lambda e, held: reusable(sync, e.prompt_path, held))
     cache.count(len(append), n)
     if not n:
         return sync
