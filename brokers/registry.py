@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from brokers.auth import BoundedTable
-from brokers.rendezvous import pick
+from brokers.rendezvous import pick, route_key
 from schemas.messages import WorkerHello
 
 
@@ -116,8 +116,9 @@ class WorkerRegistry:
         return dead
 
     def pick(self, session_id: str) -> bytes | None:
-        """Rendezvous hash of ``session_id`` over the live workers (None when there are none)."""
-        return pick(session_id, self._live)
+        """Rendezvous hash of the session's route key (``route_key``: its id, or its group) over
+        the live workers (None when there are none)."""
+        return pick(route_key(session_id), self._live)
 
     def _refresh(self) -> None:
         self._live = tuple(sorted(self._workers))

@@ -14,6 +14,17 @@ from collections.abc import Iterable
 from hashlib import blake2b
 
 
+ROUTE_SEP = "~"  # a session id "GROUP~UNIQUE" is routed by GROUP: its sessions share a worker
+
+
+def route_key(session_id: str) -> str:
+    """What a session is routed by: the part of its id before the first "~" when that part is
+    not empty (sessions of one group, e.g. a conversation's turns, go to one worker, whose
+    prefix cache holds what they share), else the whole id."""
+    group, sep, _ = session_id.partition(ROUTE_SEP)
+    return group if sep and group else session_id
+
+
 def _session_bytes(session_id: str | bytes) -> bytes:
     return session_id.encode() if isinstance(session_id, str) else bytes(session_id)
 

@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from schemas import ErrorCode, ErrorReply, SamplingSpec, TreeSpec
 from brokers.curve import CurveKeys
+from brokers.rendezvous import ROUTE_SEP
 from specsplit.client import GenerationError, GenerationResult, OrchestratorLost, OrchestratorRefused, SpecSplitClient
 from specsplit.logs import get_logger
 
@@ -99,6 +100,7 @@ class OrchestratorPool:
     async def generate(
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), on_tokens: Callable[[list[int]], None] | None = None,
+        session_group: str | None = None,
     ) -> GenerationResult:
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
@@ -118,8 +120,12 @@ class OrchestratorPool:
             wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
             try:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                    # a session per attempt; in ``session_group`` its id routes it by the group
+                    # (brokers.rendezvous.route_key): to the workers holding the group's prefixes
+                    sid = f"{session_group}{ROUTE_SEP}{uuid.uuid4().hex}" if session_group else None
                     res = await client.generate(prompt + received, max_new_tokens=max_new_tokens - len(received),
-                                                sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen)
+                                                sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen,
+                                                session_id=sid)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

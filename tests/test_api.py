@@ -112,6 +112,28 @@ def test_a_repeated_context_is_answered_from_the_prefix_cache_and_the_same(fleet
     assert target_prefix_hits(fleet) - before == sum(cached)
 
 
+def test_a_prompt_cache_key_keeps_a_conversation_on_the_worker_holding_it(fleet, tiny):
+    """OpenAI's ``prompt_cache_key``: requests with the same key go to the same target, so after
+    the first every one copies the context from its prefix cache (two targets: without the key,
+    one time in two); the answers stay the target's greedy decoding."""
+    model, tok, _ = tiny
+    client = openai_client(fleet)
+    rng = random.Random(12)
+    words = ["def", "return", "value", "list", "for", "print", "while", "self"]
+    messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(120))}]
+    want = tok.decode(expected(model, tok, tok.encode_chat(messages), 8))
+    cached = []
+    for i in range(4):
+        res = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=8, temperature=0,
+                                             prompt_cache_key="conversation-12")
+        assert res.choices[0].message.content == want
+        cached.append(res.usage.prompt_tokens_details.cached_tokens)
+    held = (res.usage.prompt_tokens - 1) // 64 * 64
+    assert held >= 128 and cached[1:] == [held] * 3, cached
+    api_error(post_json(fleet, "/v1/chat/completions", {"model": "tiny-v1", "messages": messages,
+                                                        "prompt_cache_key": ""}), 400, param="prompt_cache_key")
+
+
 def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
     from openai import AsyncOpenAI
 

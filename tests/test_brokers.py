@@ -67,6 +67,20 @@ def test_rendezvous_is_roughly_uniform():
     assert all(abs(c - 2000) < 250 for c in counts.values()), counts
 
 
+def test_sessions_of_one_group_go_to_one_worker_and_groups_spread():
+    """A session id "GROUP~UNIQUE" routes by its group (a conversation's turns, sharing a prefix
+    cache); an id without a group, or with an empty one, by itself."""
+    assert rendezvous.route_key("abc~123") == "abc" and rendezvous.route_key("abc~1~2") == "abc"
+    assert rendezvous.route_key("~123") == "~123" and rendezvous.route_key("plain") == "plain"
+    reg = WorkerRegistry("target", ttl_s=10.0)
+    for w in (b"w0", b"w1", b"w2", b"w3"):
+        assert reg.admit(w, make_hello(), now=0.0).ok
+    for g in range(50):
+        assert len({reg.pick(f"g{g}~{u}") for u in range(20)}) == 1
+    assert len({reg.pick(f"g{g}~x") for g in range(200)}) == 4  # groups spread over the workers
+    assert len({reg.pick(f"s{u}") for u in range(200)}) == 4
+
+
 # -------------------------------------------------------------------------------- registry
 def test_registry_admits_refuses_and_expires():
     reg = WorkerRegistry("target", ttl_s=1.0, max_workers=3)

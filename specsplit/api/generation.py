@@ -29,6 +29,7 @@ class Job:
     sampling: SamplingSpec
     stops: tuple[str, ...] = ()
     prompt_index: int = 0  # which of the request's prompts (usage counts each prompt once)
+    group: str | None = None  # its sessions' routing group (``brokers.rendezvous.route_key``), or None
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class Generation:
         reason = "abort"
         try:
             res = await self.pool.generate(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
-                                           stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t))
+                                           stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t),
+                                           session_group=job.group)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.text.stopped:  # our own cut at a stop string: a normal end

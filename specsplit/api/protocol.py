@@ -75,6 +75,9 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
+    # OpenAI's cache hint: requests with the same key (a conversation's turns) go to the same
+    # workers, whose prefix caches hold what they share (Job.group)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
     # accepted at their "off" value only (UNSUPPORTED)
     logprobs: Any = None
     top_logprobs: Any = None

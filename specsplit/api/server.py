@@ -14,6 +14,7 @@ within ``api_header_timeout_s`` of connecting (the connection is closed otherwis
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import secrets
@@ -102,6 +103,9 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     jobs: list[Job] = []
     all_seeds = seeds(req, len(prompts) * req.n)
+    group = None
+    if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
+        group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
     for p, ids in enumerate(prompts):
         max_tokens = req.budget if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if max_tokens is None:
@@ -112,7 +116,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                            param=param, code="context_length_exceeded")
         for j in range(req.n):
             k = p * req.n + j
-            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p))
+            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group))
     return jobs
 
 
