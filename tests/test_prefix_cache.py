@@ -333,3 +333,30 @@ def test_sessions_verified_in_one_forward_are_kept_and_answer_as_alone(pair):
         alone = plain.handle(request("alone", prompt))
         plain.handle(EndSession(session_id="alone"))
         assert (reply.bonus_token_id, reply.cache_len) == (alone.bonus_token_id, alone.cache_len)
+
+
+def test_a_failed_batched_forward_verifies_each_alone_from_its_prefix_again(pair):
+    """When the batched forward fails (not the device), each member is verified alone from its
+    request: its cached prefix copied again, its reply what verifying alone gives."""
+    _, t_eng = engines(pair, gb=0.01)
+    _, plain = engines(pair, gb=0.0)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(80)] for _ in range(2)]
+
+    def request(sid: str, prompt: list[int]) -> VerifyRequest:
+        sync = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
+        return VerifyRequest(session_id=sid, round=0, sync=sync, tree=root_only(prompt[-1]))
+
+    for i, p in enumerate(prompts):  # both contexts cached
+        t_eng.handle(request(f"seed{i}", p))
+
+    def failing(segments):
+        raise RuntimeError("a batched forward that fails")
+
+    t_eng.forward_segments = failing
+    replies = t_eng.verify_batch([request("x", prompts[0]), request("y", prompts[1])])
+    for reply, prompt in zip(replies, prompts):
+        alone = plain.handle(request("alone", prompt))
+        plain.handle(EndSession(session_id="alone"))
+        assert reply.cached_tokens == 64 and reply.batch_size == 1
+        assert (reply.bonus_token_id, reply.cache_len) == (alone.bonus_token_id, alone.cache_len)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas import ErrorCode, Message, VerifyRequest
+from schemas import CacheSync, ErrorCode, Message, VerifyRequest
 from specsplit.engine.base import LINEAR_CHUNK, is_device_failure
 from specsplit.engine.batch import Segment, admitted_and_locked, select_fused
 from specsplit.engine.kvpool import PooledKV
@@ -46,6 +46,7 @@ class _Member:
     layout: TreeLayout
     session: Session  # locked while a member
     segment: Segment | None = None
+    sync: CacheSync | None = None  # the sync to apply: the request's, or one after a copied prefix
 
 
 def verify_batch(engine, requests: Sequence[Message]) -> list[Message]:
@@ -95,12 +96,12 @@ def verify_alone(engine, m: _Member, replies: list, t0: float) -> None:
 def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
     """The torch engines' ``verify_members``: the members' segments in one ``forward_segments``."""
     members = _with_prefixes(engine, members, replies)
-    if len(members) < 2:
+    if len(members) < 2:  # (alone, its request copies the prefix again: the same one)
         for m in members:
             verify_alone(engine, m, replies, t0)
         return
     for m in members:
-        sync, kv = m.req.sync, m.session.kv
+        sync, kv = m.sync, m.session.kv
         kv.crop_to(sync.base_len)
         tree = TreeInputs(sync.base_len, len(sync.append_token_ids), m.layout.parents, m.layout.depths)
         m.segment = Segment(kv, [*sync.append_token_ids, *m.req.tree.token_ids], None, None, m.layout.num_nodes, tree)
@@ -113,7 +114,7 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
             raise DeviceFailure(f"{engine.role} on {engine.device}: {type(exc).__name__}: {exc}") from exc
         engine.log.warning("batch_forward_failed", sessions=len(members), error=f"{type(exc).__name__}: {exc}"[:500],
                            action="verify each alone")
-        for m in members:  # what the forward appended is dropped: each starts from its base again
+        for m in members:  # what the forward appended is dropped: each starts from its request's base again
             m.session.kv.crop_to(m.req.sync.base_len)
             verify_alone(engine, m, replies, t0)
         return
@@ -127,7 +128,7 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
     done = _keep_paths(engine, done, replies)
     for m, _ in done:
-        if m.req.sync.base_len == m.session.reused:  # its request came from an empty cache
+        if m.req.sync.base_len == 0:  # its request forwarded a context
             engine.keep_prefix(m.session, held=True)
     # one wait for the device for every reply: one forward served them all (a wait per reply
     # cost each member a device synchronization)
@@ -138,12 +139,14 @@ def fused(engine, members: list[_Member], replies: list, t0: float) -> None:
 
 
 def _with_prefixes(engine, members: list[_Member], replies: list) -> list[_Member]:
-    """Each member's request after ``TargetEngine.with_prefix`` (a new session's cached prefix
-    copied into its cache); a member that fails there gets its reply and leaves the batch."""
+    """Each member's sync after ``TargetEngine.with_prefix`` (a new session's cached prefix
+    copied into its cache; ``sync + append`` still ends where the request's does, so the root's
+    position and the replies are the request's); a member that fails there gets its reply and
+    leaves the batch."""
     kept = []
     for m in members:
         try:
-            m.req = engine.guarded(m.session, lambda m=m: engine.with_prefix(m.session, m.req))
+            m.sync = engine.guarded(m.session, lambda m=m: engine.with_prefix(m.session, m.req)).sync
             kept.append(m)
         except SpecError as exc:
             replies[m.index] = exc.to_reply(m.req.session_id, m.req.round)
