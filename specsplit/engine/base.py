@@ -55,7 +55,7 @@ class EngineLimits:
     graphs: str = "off"  # with a pool: "cuda" replays CUDA graphs, "static" their bodies eagerly (engine.graphs)
     graph_body: str = "fused"  # what the graphs run: "fused" (engine.fused) or "transformers" (the model's modules)
     gemm_tune: bool = True  # the triton_gemm body's tiles timed on the GPU (engine.matmul)
-    prefix_cache_gb: float = 0.0  # > 0: K/V of sessions that left kept for new ones (engine.prefix)
+    prefix_cache_gb: float = 0.0  # > 0: K/V of contexts forwarded before, kept for new sessions (engine.prefix)
 
 
 def model_vocab_size(model) -> int:

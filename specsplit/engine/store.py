@@ -30,7 +30,7 @@ class Session:
     draft_tree: object = None  # a greedy draft tree kept for the next request (DraftEngine)
     specpv: object = None  # the SpecPV partial view beside the cache (TargetEngine; engine.specpv)
     # the committed tokens whose K/V the cache holds from position 0, as far as the worker can
-    # name them (what a prefix cache keeps when the session leaves: Engine.take_prefix)
+    # name them (what a prefix cache keeps of it: Engine.take_prefix, Engine.keep_prefix)
     tokens: list = field(default_factory=list)
     prompt_path: int = 0  # leading positions prefilled on a prompt attention (TargetEngine)
     reused: int = 0  # tokens the last request copied from the prefix cache
