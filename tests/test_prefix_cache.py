@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import greedy_reference, perturbed, tiny_model
+from conftest import greedy_cached, greedy_reference, perturbed, tiny_model
 
 from schemas import EndSession, SamplingSpec, TreeSpec, VerifyRequest
 from specsplit.engine import prefix as P
@@ -58,7 +58,7 @@ def test_a_hash_collision_costs_a_miss_never_another_contexts_kv(monkeypatch):
     cache = PrefixCache(10**6, block=8)
     cache.put(list(range(32)), filled(32))
     assert cache.match([0] * 32, limit=32) == (None, 0)
-    entry, n = cache.match([*range(8), 9, 9, 9, 9, 9, 9, 9, 9], limit=16)
+    _, n = cache.match([*range(8), 9, 9, 9, 9, 9, 9, 9, 9], limit=16)
     assert n == 8  # the first block is the same tokens; the second only hashes alike
 
 
@@ -104,12 +104,12 @@ def test_the_same_tokens_computed_two_ways_are_two_entries_and_each_found_where_
     assert cache.put(tokens, filled(48, seed=2), prompt_path=40) == 48  # not held, and no replacement
     assert len(cache) == 2
     assert cache.put(tokens[:32], filled(32, seed=3), prompt_path=0) == 0  # held: the first entry
-    decoding_path_only = lambda e, n: n if e.prompt_path == 0 else 0  # noqa: E731
+    decoding_path_only = lambda e, n: n if e.prompt_path == 0 else 0
     entry, n = cache.match(tokens, 48, decoding_path_only)
     assert n == 32 and entry.prompt_path == 0
     entry, n = cache.match(tokens, 48)
     assert n == 48 and entry.prompt_path == 40
-    chunks_of_16 = lambda e, n: min(n, e.prompt_path) // 16 * 16  # noqa: E731
+    chunks_of_16 = lambda e, n: min(n, e.prompt_path) // 16 * 16
     assert cache.match(tokens, 48, chunks_of_16)[1] == 32
 
 
@@ -126,6 +126,12 @@ def engines(pair, gb: float, block: int = 16):
     draft, target = pair
     limits = EngineLimits(max_sessions=4, max_session_tokens=1024, cache_chunk=block, prefix_cache_gb=gb)
     return DraftEngine(draft, limits), TargetEngine(target, limits)
+
+
+def request(sid: str, prompt: list[int]) -> VerifyRequest:
+    """A new session's first verify of ``prompt`` (its last token the root), root-only."""
+    sync = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
+    return VerifyRequest(session_id=sid, round=0, sync=sync, tree=root_only(prompt[-1]))
 
 
 def run(d_eng, t_eng, sid: str, prompt: list[int], n: int, **kw) -> list[int]:
@@ -284,8 +290,6 @@ def test_a_long_context_with_specpv_reuses_and_stays_exact(pair):
     from schemas import SpecPVSpec
     from specsplit.orchestrator.state import RoundStats
 
-    from conftest import greedy_cached
-
     spec = SpecPVSpec(block_size=16, sink_blocks=1, retrieval_blocks=2, window_blocks=1, buffer_tokens=32,
                       threshold=256, refresh_every=4)
     d_eng, t_eng = engines(pair, gb=0.05)
@@ -321,10 +325,6 @@ def test_sessions_verified_in_one_forward_are_kept_and_answer_as_alone(pair):
     rng = random.Random(3)
     prompts = [[rng.randrange(128) for _ in range(70)] for _ in range(2)]
 
-    def request(sid: str, prompt: list[int]) -> VerifyRequest:
-        sync = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
-        return VerifyRequest(session_id=sid, round=0, sync=sync, tree=root_only(prompt[-1]))
-
     batch = t_eng.verify_batch([request("x", prompts[0]), request("y", prompts[1])])
     assert [r.batch_size for r in batch] == [2, 2] and len(t_eng.prefix_cache) == 2
     third = t_eng.handle(request("z", prompts[1]))
@@ -342,10 +342,6 @@ def test_a_failed_batched_forward_verifies_each_alone_from_its_prefix_again(pair
     _, plain = engines(pair, gb=0.0)
     rng = random.Random(5)
     prompts = [[rng.randrange(128) for _ in range(80)] for _ in range(2)]
-
-    def request(sid: str, prompt: list[int]) -> VerifyRequest:
-        sync = SessionCursor(list(prompt), prompt_len=len(prompt)).target_sync()
-        return VerifyRequest(session_id=sid, round=0, sync=sync, tree=root_only(prompt[-1]))
 
     for i, p in enumerate(prompts):  # both contexts cached
         t_eng.handle(request(f"seed{i}", p))
