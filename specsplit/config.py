@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from brokers.settings import CommonSettings, FleetAddresses, HeartbeatSettings, check_binds
 from brokers.sockets import is_loopback_address
@@ -442,6 +442,16 @@ class ApiSettings(ProducerSettings):
         "Seconds the API waits at startup for the target's tokenizer files (the workers provision the models)."))
     api_max_concurrent_requests: int = Field(default=1024, ge=1, description=(
         "Requests served at once; beyond it a request gets 429 at once."))
+    api_chat_template: Path | None = Field(default=None, description=(
+        "A Jinja chat template file used instead of the served model's own (as vLLM's --chat-template); "
+        "tool calls need one that shows tools and calls in <tool_call> tags."))
+
+    @field_validator("api_chat_template")
+    @classmethod
+    def _template_readable(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.expanduser().is_file():
+            raise ValueError(f"SPECSPLIT_API_CHAT_TEMPLATE={v}: no such file")
+        return v
 
     @model_validator(mode="after")
     def _check_api_bind(self) -> ApiSettings:

@@ -1,8 +1,10 @@
 """The choices of one HTTP request, each an orchestrator session on the pool, as one stream of
-events: ``Delta(index, text)`` as tokens arrive, then ``Done(index, ...)`` or ``Failed(index,
-error)`` per choice. Text goes through ``textstream.ChoiceText`` (incremental decoding, stop
-strings); a stop string ends its session at once (the pool's client sends Cancel), and so does
-``cancel()`` (the HTTP client went away). No torch.
+events: ``Delta(index, text, calls)`` as tokens arrive, then ``Done(index, ...)`` or
+``Failed(index, error)`` per choice. Text goes through ``textstream.ChoiceText`` (incremental
+decoding, stop strings), then, for a request with tools, ``tools.CallParser`` (the model's tool
+calls). A stop string ends its session at once (the pool's client sends Cancel), and so do the
+first call under ``parallel_tool_calls: false`` and ``cancel()`` (the HTTP client went away).
+No torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from schemas import ErrorCode, SamplingSpec
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.textstream import ChoiceText
+from specsplit.api.tools import CallParser, ParsedCall, ToolPlan
 from specsplit.client import GenerationError, GenerationResult, OrchestratorRefused
 from specsplit.pool import NoOrchestrator
 
@@ -30,24 +33,27 @@ class Job:
     stops: tuple[str, ...] = ()
     prompt_index: int = 0  # which of the request's prompts (usage counts each prompt once)
     group: str | None = None  # its sessions' routing group (``brokers.rendezvous.route_key``), or None
+    tools: ToolPlan | None = None  # the request's tools: calls are parsed out of the text
 
 
 @dataclass(frozen=True)
 class Delta:
     index: int
     text: str
+    calls: tuple[ParsedCall, ...] = ()
 
 
 @dataclass(frozen=True)
 class Done:
     index: int
     text: str  # the last of the text (held back until the end)
-    finish_reason: str  # stop | length
+    finish_reason: str  # stop | length | tool_calls (the answer made calls and was not cut short)
     prompt_index: int
     prompt_tokens: int
     completion_tokens: int
     speculative: dict
     cached_tokens: int = 0  # of the prompt, from the target's prefix cache
+    calls: tuple[ParsedCall, ...] = ()  # found in the last of the text
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,27 @@ class _Choice:
     cut: bool = False  # ended here: a stop string, or the caller cancelled
     task: asyncio.Task | None = None
     streamed: list[int] = field(default_factory=list)
+    parser: CallParser | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """The answer is complete before its session ended: a stop string, or its one call."""
+        return self.text.stopped or (self.parser is not None and self.parser.ended)
+
+    def push(self, ids: list[int]) -> tuple[str, tuple[ParsedCall, ...]]:
+        text = self.text.push(ids)
+        if self.parser is None:
+            return text, ()
+        text, calls = self.parser.feed(text)
+        return text, tuple(calls)
+
+    def finish(self) -> tuple[str, tuple[ParsedCall, ...]]:
+        tail = self.text.finish()
+        if self.parser is None:
+            return tail, ()
+        text, calls = self.parser.feed(tail)
+        rest, more = self.parser.finish()
+        return text + rest, tuple(calls + more)
 
 
 class Generation:
@@ -77,7 +104,9 @@ class Generation:
         self.pool, self.metrics, self.stop_token_ids = pool, metrics, list(stop_token_ids)
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops)) for job in jobs]
+        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops),
+                                parser=job.tools.parser() if job.tools else None)
+                        for job in jobs]
         self.open = len(self.choices)
 
     def start(self) -> Generation:
@@ -111,7 +140,7 @@ class Generation:
                                            session_group=job.group)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
-            if c.text.stopped:  # our own cut at a stop string: a normal end
+            if c.stopped:  # our own cut at a stop string or a call: a normal end
                 reason = self._finish(c, None)
             elif not c.cut:
                 raise
@@ -143,22 +172,25 @@ class Generation:
         c.tokens += len(tokens)
         c.streamed.extend(tokens)
         m.generation_tokens.inc(len(tokens))
-        delta = c.text.push(tokens)
-        if delta:
-            self.events.put_nowait(Delta(c.job.index, delta))
-        if c.text.stopped and c.task is not None and not c.cut:
+        delta, calls = c.push(tokens)
+        if delta or calls:
+            self.events.put_nowait(Delta(c.job.index, delta, calls))
+        if c.stopped and c.task is not None and not c.cut:
             c.cut = True
             c.task.cancel()  # ends the session on the orchestrator and the workers (Cancel)
 
     def _finish(self, c: _Choice, res: GenerationResult | None) -> str:
         if res is not None and len(res.token_ids) > len(c.streamed):  # tokens that came only with the end
             self._on_tokens(c, res.token_ids[len(c.streamed):])
-        tail = c.text.finish()
-        reason = "stop" if c.text.stopped or res is None else res.finish_reason
+        stopped = c.stopped
+        tail, calls = c.finish()
+        reason = "stop" if stopped or res is None else res.finish_reason
+        if reason == "stop" and c.parser is not None and c.parser.calls:
+            reason = "tool_calls"
         spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)
         self.metrics.prompt_tokens.inc(len(c.job.prompt_ids))
         self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec,
-                                    res.cached_tokens if res is not None else 0))
+                                    res.cached_tokens if res is not None else 0, calls))
         return reason
 
 

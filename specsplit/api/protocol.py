@@ -2,9 +2,12 @@
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
 ignored. Parameters the fleet cannot honour exactly (log-probabilities, penalties, logit bias,
-tools, response formats, echo, best_of, suffix) are accepted only at the value that means "off"
-(what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a 400
-naming the parameter. Every validation failure becomes ``ApiError`` (400), never a 422.
+response formats, the deprecated ``functions``, echo, best_of, suffix) are accepted only at the
+value that means "off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any
+other value is a 400 naming the parameter. So is a strict function schema (``strict: true``
+needs constrained decoding). Tools, tool choices and the messages of a tool call are typed here;
+``specsplit.api.tools`` renders and parses them. Every validation failure becomes ``ApiError``
+(400), never a 422.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
 MAX_STOP_CHARS = 1024
 MAX_N = 16
 MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # parameter -> the values that mean "off" (accepted, honoured exactly by doing nothing)
@@ -30,11 +36,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -153,11 +156,75 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=65536)
+    parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as sent
+    strict: bool | None = None
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, v):
+        if v:
+            raise ValueError("strict function schemas need constrained decoding, which this server does not do "
+                             "(only false or absent)")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # assistant only
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)  # tool only, and required
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -166,15 +233,17 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    """POST /v1/chat/completions: system (or developer), user and assistant turns; text only."""
+    """POST /v1/chat/completions: system (or developer), user, assistant and tool turns; text only.
+    ``tools`` with ``tool_choice`` "auto" (the default with tools), "none", "required" or a named
+    function (``specsplit.api.tools``)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
 
     @model_validator(mode="after")
     def _one_budget(self):
@@ -183,13 +252,22 @@ class ChatCompletionRequest(_Request):
             raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one", param="max_completion_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = {t.function.name for t in self.tools or ()}
+        if len(names) < len(self.tools or ()):
+            raise ApiError(400, "two tools have the same name", param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        return self
+
     @property
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    def turns(self) -> list[dict[str, str]]:
-        """The conversation for a chat template (a developer turn is a system turn)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 def parse(cls: type[_Request], body: Any) -> _Request:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas import SamplingSpec
+from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
@@ -97,7 +98,8 @@ def seeds(req, count: int) -> list[int]:
     return [(req.seed + i) % SEED_MOD for i in range(count)]
 
 
-def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str) -> list[Job]:
+def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str,
+              tool_plan: tools.ToolPlan | None = None) -> list[Job]:
     limit = state.max_model_len()
     if not limit:  # no orchestrator has said what it admits yet
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
@@ -116,7 +118,8 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                            param=param, code="context_length_exceeded")
         for j in range(req.n):
             k = p * req.n + j
-            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group))
+            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group,
+                            tool_plan))
     return jobs
 
 
@@ -136,22 +139,27 @@ class Responder:
             out["usage"] = usage
         return out
 
-    def full(self, done: dict[int, Done], texts: dict[int, str]) -> dict:
+    def full(self, done: dict[int, Done], texts: dict[int, str], calls: dict[int, list] | None = None) -> dict:
         choices = []
         for i in sorted(done):
             d = done[i]
             if self.chat:
-                c = {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-                     "finish_reason": d.finish_reason}
+                made = (calls or {}).get(i)
+                message = {"role": "assistant", "content": texts[i] or (None if made else texts[i])}
+                if made:
+                    message["tool_calls"] = [call.message() for call in made]
+                c = {"index": i, "message": message, "logprobs": None, "finish_reason": d.finish_reason}
             else:
                 c = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": d.finish_reason}
             choices.append({**c, "speculative": d.speculative})
         return self._envelope(self.object, choices, usage(done))
 
     def chunk(self, index: int, text: str | None, finish: Done | None = None, *, first: bool = False,
-              include_usage: bool = False) -> dict:
+              include_usage: bool = False, calls=()) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if calls:
+                delta["tool_calls"] = [call.delta() for call in calls]
             c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         else:
             c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
@@ -215,8 +223,8 @@ async def watch_disconnect(request: Request) -> None:
 
 
 async def run_generation(request: Request, state: ApiState, req, prompts: list[list[int]], chat: bool,
-                         default_max: int | None, param: str) -> Response:
-    jobs = plan_jobs(req, prompts, state, default_max, param)
+                         default_max: int | None, param: str, tool_plan: tools.ToolPlan | None = None) -> Response:
+    jobs = plan_jobs(req, prompts, state, default_max, param, tool_plan)
     if state.inflight + len(jobs) > state.settings.api_max_concurrent_requests:
         raise ApiError(429, f"more than {state.settings.api_max_concurrent_requests} requests in flight",
                        type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
@@ -268,6 +276,7 @@ async def _first_event(request: Request, gen: Generation):
 async def _collect(request: Request, gen: Generation, responder: Responder) -> dict:
     watcher = asyncio.ensure_future(watch_disconnect(request))
     texts: dict[int, str] = {j.index: "" for j in (c.job for c in gen.choices)}
+    calls: dict[int, list] = {i: [] for i in texts}
     done: dict[int, Done] = {}
     try:
         while True:
@@ -282,11 +291,12 @@ async def _collect(request: Request, gen: Generation, responder: Responder) -> d
             if isinstance(ev, Failed):
                 raise ev.error
             texts[ev.index] += ev.text
+            calls[ev.index].extend(ev.calls)
             if isinstance(ev, Done):
                 done[ev.index] = ev
     finally:
         watcher.cancel()
-    return responder.full(done, texts)
+    return responder.full(done, texts, calls)
 
 
 async def stream_events(gen: Generation, first, responder: Responder, req, release):
@@ -303,13 +313,13 @@ async def stream_events(gen: Generation, first, responder: Responder, req, relea
             if isinstance(ev, Failed):
                 yield sse(ev.error.body())
                 break
+            if ev.text:
+                yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
+            if ev.calls:
+                yield sse(responder.chunk(ev.index, None, include_usage=include, calls=ev.calls))
             if isinstance(ev, Done):
                 done[ev.index] = ev
-                if ev.text:
-                    yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
                 yield sse(responder.chunk(ev.index, None, ev, include_usage=include))
-            elif ev.text:
-                yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
             ev = await gen.next()
         if include and len(done) == len(gen.choices):
             yield sse(responder.usage_chunk(done))
@@ -343,12 +353,18 @@ async def chat_completions(request: Request) -> Response:
     tok = state.require_ready()
     if not tok.has_chat_template:
         raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
+    tool_plan = tools.plan(req)
+    if (tool_plan or tools.has_tool_turns(req)) and not tools.template_takes_tools(tok.chat_template):
+        raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
+                            "to one that does)", param="tools" if tool_plan else "messages")
+    turns = tools.turns(req)
     try:
-        ids = tok.encode_chat(req.turns())
+        ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
+                              prefill=tool_plan.prefill if tool_plan else "")
     except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return await run_generation(request, state, req, [ids], True, None,
-                                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+                                "max_completion_tokens" if req.max_completion_tokens else "max_tokens", tool_plan)
 
 
 async def models(request: Request) -> Response:

@@ -69,7 +69,8 @@ class ApiState:
 
     def _load_tokenizer(self) -> None:
         path = wait_for_tokenizer_dir(self.model_settings, self.settings.api_tokenizer_wait_s, log=self.log)
-        self.tokenizer = ServedTokenizer(path)
+        template = self.settings.api_chat_template
+        self.tokenizer = ServedTokenizer(path, template.expanduser().read_text() if template else None)
         if not self.model_name:
             default, _ = target_model_dir(self.model_settings)
             self.model_name = default.name if default.name != "target" else default.parent.name

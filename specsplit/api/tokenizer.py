@@ -77,15 +77,19 @@ def wait_for_tokenizer_dir(settings, timeout_s: float, *, poll_s: float = 1.0, l
 class ServedTokenizer:
     """Text <-> ids for the served model, its chat template and its end-of-generation ids."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template to use instead of the model's own (its text)."""
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
         from transformers import AutoTokenizer
 
         self.path = Path(path)
         self.tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
-        self.fingerprint = tokenizer_fingerprint(self.tok)
-        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+        self.fingerprint = tokenizer_fingerprint(self.tok)  # of the vocabulary and its processing: no template
+        if chat_template is not None:
+            self.tok.chat_template = chat_template
+        self.chat_template: str | None = getattr(self.tok, "chat_template", None) or None
+        self.has_chat_template = bool(self.chat_template)
         self.stop_token_ids = sorted(self._stop_ids())
         self.vocab_size = len(self.tok)
 
@@ -103,9 +107,13 @@ class ServedTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tok.encode(text)]
 
-    def encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
-        """The conversation through the model's own chat template, ready for the assistant's turn."""
-        ids = self.tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, turns: list[dict], tools: list[dict] | None = None, prefill: str = "") -> list[int]:
+        """The conversation through the model's chat template, ready for the assistant's turn
+        (shown ``tools`` when given), which begins with ``prefill``."""
+        if prefill:
+            text = self.tok.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
+            return [int(t) for t in self.tok(text + prefill, add_special_tokens=False)["input_ids"]]
+        ids = self.tok.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
