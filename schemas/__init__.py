@@ -41,6 +41,7 @@ from schemas.messages import (
     ErrorCode,
     ErrorReply,
     FlatTree,
+    GrammarSpec,
     GenerateDone,
     GenerateRequest,
     Heartbeat,

@@ -8,7 +8,7 @@ tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.t
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -73,6 +73,19 @@ class SamplingSpec(Message):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_GRAMMAR_CHARS = 65536
+
+
+class GrammarSpec(Message):
+    """A constraint on a session's output: the target samples only tokens that keep it a prefix
+    of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
+    as llguidance reads it). Sent with every verify request of the session (so any target can
+    rebuild its state); the draft proposes unconstrained."""
+
+    kind: Literal["json_schema", "lark"]
+    text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
 
 class TreeSpec(Message):
@@ -310,6 +323,13 @@ class VerifyRequest(Message):
     specpv: SpecPVSpec | None = None
     confirm: bool = False
     confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
+    grammar: GrammarSpec | None = None  # constrained decoding (no SpecPV with it)
+
+    @model_validator(mode="after")
+    def _grammar_alone(self) -> VerifyRequest:
+        if self.grammar is not None and (self.specpv is not None or self.confirmed_len is not None):
+            raise ValueError("a grammar is verified against the full cache: no specpv, no confirmed_len")
+        return self
 
 
 class VerifyReply(Message):
@@ -436,6 +456,16 @@ class GenerateRequest(Message):
     tree: TreeSpec | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     specpv: SpecPVSpec | None = None  # None: the orchestrator's default (SPECSPLIT_SPECPV_*; off unless set)
+    grammar: GrammarSpec | None = None  # constrained decoding: the session runs without SpecPV
+    # a resumed generation: prompt_token_ids[output_from:] is output an earlier session generated
+    # (the grammar holds from there); None: all of prompt_token_ids is the prompt
+    output_from: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _output_in_prompt(self) -> GenerateRequest:
+        if self.output_from is not None and self.output_from > len(self.prompt_token_ids):
+            raise ValueError(f"output_from {self.output_from} is past the {len(self.prompt_token_ids)} prompt tokens")
+        return self
 
 
 class TokenChunk(Message):

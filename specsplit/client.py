@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 
 from schemas import (
-    Cancel, CodecError, ErrorReply, GenerateDone, GenerateRequest, Heartbeat, Message, SamplingSpec, SpecPVSpec, TokenChunk,
-    TreeSpec, pack_frames, unpack_frames,
+    Cancel, CodecError, ErrorReply, GenerateDone, GenerateRequest, GrammarSpec, Heartbeat, Message, SamplingSpec,
+    SpecPVSpec, TokenChunk, TreeSpec, pack_frames, unpack_frames,
 )
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from specsplit.logs import get_logger
@@ -316,11 +316,14 @@ class SpecSplitClient:
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), session_id: str | None = None,
         on_tokens: Callable[[list[int]], None] | None = None, specpv: SpecPVSpec | None = None,
+        grammar: GrammarSpec | None = None, output_from: int | None = None,
     ) -> GenerationResult:
+        """``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
+        there on are output already generated (a resumed generation; see GenerateRequest)."""
         sid = session_id or uuid.uuid4().hex
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
                               sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
-                              specpv=specpv)
+                              specpv=specpv, grammar=grammar, output_from=output_from)
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 
-from schemas import DraftRequest, ErrorReply, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
+from schemas import DraftRequest, ErrorReply, GrammarSpec, GrowRequest, SamplingSpec, SpecPVSpec, TreeSpec, VerifyRequest
 from specsplit.orchestrator.costmodel import SMALL_SYNC, CostModel, expanded_nodes
 from specsplit.orchestrator.hints import growth_hint
 from specsplit.orchestrator.state import Candidates, RoundStats, SessionCursor, plan_round, remaining_tree, root_only
@@ -37,6 +37,8 @@ def generate(
     cost_model: CostModel | None = None,
     specpv: SpecPVSpec | None = None,
     grow_chains: bool = True,
+    grammar: GrammarSpec | None = None,
+    grammars=None,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -50,7 +52,9 @@ def generate(
     hangs prompt-lookup candidates under each tree's root, and ``cost_model`` chooses each greedy
     round's nodes, as the orchestrator does. ``specpv`` verifies long contexts against a partial
     KV view (None: full verification); in its exact mode only confirmed tokens are returned, and
-    they equal full verification's."""
+    they equal full verification's. ``grammar`` constrains the output (the target's
+    ``grammars``, a ``specsplit.engine.grammar.GrammarBook``, compiles it); at temperature 0 the
+    result equals greedy decoding of ``target`` masked to the grammar."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -67,6 +71,8 @@ def generate(
         max_tree_depth=max(tree.max_depth, 1),
     )
     d_eng, t_eng = make_draft_engine(draft, limits), make_target_engine(target, limits)
+    if grammars is not None:
+        t_eng.grammars = grammars
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
     exact = specpv is not None and specpv.exact
@@ -93,9 +99,9 @@ def generate(
                 _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms,
                                                          tree=hint, node_probs=probs)))
         verify_tree = plan.tree
-        v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(),
+        v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(grammar is not None),
                                              tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,
-                                             confirmed_len=cur.confirmed if exact else None))
+                                             confirmed_len=cur.confirmed if exact else None, grammar=grammar))
         _raise_if_error(v_reply)
         new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:

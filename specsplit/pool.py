@@ -29,7 +29,7 @@ from typing import Callable
 
 import zmq.asyncio
 
-from schemas import ErrorCode, ErrorReply, SamplingSpec, TreeSpec
+from schemas import ErrorCode, ErrorReply, GrammarSpec, SamplingSpec, TreeSpec
 from brokers.curve import CurveKeys
 from brokers.rendezvous import ROUTE_SEP
 from specsplit.client import GenerationError, GenerationResult, OrchestratorLost, OrchestratorRefused, SpecSplitClient
@@ -100,7 +100,7 @@ class OrchestratorPool:
     async def generate(
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), on_tokens: Callable[[list[int]], None] | None = None,
-        session_group: str | None = None,
+        session_group: str | None = None, grammar: GrammarSpec | None = None,
     ) -> GenerationResult:
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
@@ -125,7 +125,8 @@ class OrchestratorPool:
                     sid = f"{session_group}{ROUTE_SEP}{uuid.uuid4().hex}" if session_group else None
                     res = await client.generate(prompt + received, max_new_tokens=max_new_tokens - len(received),
                                                 sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen,
-                                                session_id=sid)
+                                                session_id=sid, grammar=grammar,
+                                                output_from=len(prompt) if grammar is not None and received else None)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

@@ -49,6 +49,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
     engine = role_engine(service, settings, model, backend, DraftEngine, TargetEngine)
+    take_grammars(engine, tokenizer, path)
     engine.check_runs()  # a model the engines cannot run is refused here, naming why
     if engine.graphs is not None:  # one session's first forwards, captured before any request
         engine.graphs.warm(compact=service == "target")
@@ -116,11 +117,20 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
                        prefill_threads=backend.prefill_threads)
     lm.threads_for = backend.threads_for
     engine = role_engine(service, settings, lm, backend, LlamaDraftEngine, LlamaTargetEngine)
+    take_grammars(engine, tokenizer, tokenizer_dir)
     hello = WorkerHello(
         service=service, model_id=str(gguf), vocab_size=lm.vocab_size,
         tokenizer_hash=tokenizer_fingerprint(tokenizer, fingerprint_memo_dir(model_settings)), pid=os.getpid(),
     )
     return engine, hello
+
+
+def take_grammars(engine, tokenizer, model_dir) -> None:
+    """A target constrains sessions to grammars (``engine.grammar``) with the served tokenizer."""
+    from specsplit.engine.grammar import GrammarBook  # torch: never at this module's import
+
+    if getattr(engine, "role", None) == "target":
+        engine.grammars = GrammarBook.for_model(tokenizer, model_dir, engine.vocab_size)
 
 
 DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code

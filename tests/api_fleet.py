@@ -52,8 +52,9 @@ def tiny_pair():
 SLOW_CLIENT_S = 4  # the fleet's header and body timeouts
 
 
-def api_fleet(tmp_path_factory):
-    """The fleet, yielded as {url, tmp, proc, env, ports, metrics}; stopped on the way out."""
+def api_fleet(tmp_path_factory, **settings: str):
+    """The fleet (``settings``: SPECSPLIT_* over its own), yielded as {url, tmp, proc, env, ports,
+    metrics}; stopped on the way out."""
     tmp = tmp_path_factory.mktemp("api")
     base = metrics_base()
     proc, ports, env = honcho_fleet(tmp, "draft=1,target=2,orchestrator=1,api=1", SPECSPLIT_ORCHESTRATOR_COUNT="1",
@@ -61,7 +62,7 @@ def api_fleet(tmp_path_factory):
                                     SPECSPLIT_RPC_TIMEOUT_S="60",
                                     # the slow-client test waits these out (defaults 10 and 30 s)
                                     SPECSPLIT_API_HEADER_TIMEOUT_S=str(SLOW_CLIENT_S),
-                                    SPECSPLIT_API_BODY_TIMEOUT_S=str(SLOW_CLIENT_S))
+                                    SPECSPLIT_API_BODY_TIMEOUT_S=str(SLOW_CLIENT_S), **settings)
     url = f"http://127.0.0.1:{ports['api']}"
     try:
         wait_until(lambda: api_health(url) == 200 or proc.poll() is not None, 240, "the API serves")

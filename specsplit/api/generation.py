@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from schemas import ErrorCode, SamplingSpec
+from schemas import ErrorCode, GrammarSpec, SamplingSpec
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.textstream import ChoiceText
@@ -34,6 +34,7 @@ class Job:
     prompt_index: int = 0  # which of the request's prompts (usage counts each prompt once)
     group: str | None = None  # its sessions' routing group (``brokers.rendezvous.route_key``), or None
     tools: ToolPlan | None = None  # the request's tools: calls are parsed out of the text
+    grammar: GrammarSpec | None = None  # the output held to it (response_format)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class Generation:
         try:
             res = await self.pool.generate(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
                                            stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t),
-                                           session_group=job.group)
+                                           session_group=job.group, grammar=job.grammar)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.stopped:  # our own cut at a stop string or a call: a normal end

@@ -2,12 +2,13 @@
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
 ignored. Parameters the fleet cannot honour exactly (log-probabilities, penalties, logit bias,
-response formats, the deprecated ``functions``, echo, best_of, suffix) are accepted only at the
-value that means "off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any
-other value is a 400 naming the parameter. So is a strict function schema (``strict: true``
-needs constrained decoding). Tools, tool choices and the messages of a tool call are typed here;
-``specsplit.api.tools`` renders and parses them. Every validation failure becomes ``ApiError``
-(400), never a 422.
+the deprecated ``functions``, echo, best_of, suffix) are accepted only at the value that means
+"off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a
+400 naming the parameter. So is a strict function schema (its calls are not constrained). Tools,
+tool choices and the messages of a tool call are typed here (``specsplit.api.tools`` renders and
+parses them), and so is ``response_format``: a JSON schema (or any JSON object) the target
+holds the output to (``grammar``). Every validation failure becomes ``ApiError`` (400), never a
+422.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from schemas import SamplingSpec
+from schemas import GrammarSpec, SamplingSpec
+from schemas.messages import MAX_GRAMMAR_CHARS
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -38,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -62,6 +63,53 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=65536)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # honoured either way: the output is held to the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+
+def grammar_of(fmt: ResponseFormat | None) -> GrammarSpec | None:
+    """The constraint a response format puts on the output (None: text); a 400 naming
+    ``response_format`` when its schema is not one the grammar engine takes."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        schema: Any = {"type": "object"}
+    else:
+        schema = fmt.json_schema.json_schema if fmt.json_schema.json_schema is not None else {}
+    import json
+
+    from llguidance import LLMatcher  # no torch: a Rust wheel
+
+    text = json.dumps(schema)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ApiError(400, f"the schema is over {MAX_GRAMMAR_CHARS} characters", param="response_format")
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(text))
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    if error and not error.startswith("WARNING"):
+        raise ApiError(400, f"the JSON schema cannot be enforced: {error[:300]}", param="response_format")
+    return GrammarSpec(kind="json_schema", text=text)
 
 
 class _Request(BaseModel):
@@ -88,7 +136,7 @@ class _Request(BaseModel):
     presence_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
 
     @field_validator("stop")
     @classmethod

@@ -31,7 +31,7 @@ from schemas import SamplingSpec
 from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.metrics import ApiMetrics
-from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, grammar_of, parse
 from specsplit.api.state import ApiState
 
 SEED_MOD = 2**63
@@ -105,6 +105,10 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     jobs: list[Job] = []
     all_seeds = seeds(req, len(prompts) * req.n)
+    grammar = grammar_of(req.response_format)
+    if grammar is not None and tool_plan is not None:
+        raise ApiError(400, "response_format with tools is not supported: the calls' tags are no JSON",
+                       param="response_format")
     group = None
     if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
         group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
@@ -119,7 +123,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         for j in range(req.n):
             k = p * req.n + j
             jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group,
-                            tool_plan))
+                            tool_plan, grammar))
     return jobs
 
 

@@ -144,7 +144,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
 
             def settle(m=m, plan=plan, lg=lg) -> Outcome:
                 try:
-                    verdict = self._settle(m.session.kv, m.req, plan, lg)
+                    verdict = self._settle(m.session.kv, m.req, plan, lg, m.session)
                 finally:
                     self._release(m.session.kv, plan)
                 m.session.last_round = m.req.round
@@ -164,7 +164,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
         try:
             logits = torch.from_numpy(self._retry_out_of_cells(
                 kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs, plan.outputs)))  # [N, V]
-            verdict = self._settle(kv, req, plan, logits)
+            verdict = self._settle(kv, req, plan, logits, session)
         finally:
             self._release(kv, plan)
         return Outcome(verdict, forward_tokens=len(req.sync.append_token_ids) + layout.num_nodes)
@@ -191,11 +191,11 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
             positions=[*range(kv.prefix, start), *(start + d for d in layout.depths)],
             seqs=[[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)])
 
-    def _settle(self, kv: LlamaKV, req, plan: "_Planned", logits: torch.Tensor) -> Verdict:
+    def _settle(self, kv: LlamaKV, req, plan: "_Planned", logits: torch.Tensor, session: Session) -> Verdict:
         """After the decode (the sync's tokens are committed): the verdict from the tree's logits
         [N, V], and the accepted path's cells handed to the main sequence."""
         kv.prefix = kv.length = plan.start
-        verdict: Verdict = self.decide(req, plan.layout, logits)
+        verdict: Verdict = self.decide(req, plan.layout, logits, session=session)
         path_seq = plan.scratch[plan.below[verdict.path[-1]][0]]
         self.lm.seq_cp(path_seq, kv.seq, plan.start, plan.start + len(verdict.path))  # root + accepted nodes
         kv.prefix = kv.length = plan.start + len(verdict.path)

@@ -35,6 +35,7 @@ class Session:
     prompt_path: int = 0  # leading positions prefilled on a prompt attention (TargetEngine)
     reused: int = 0  # tokens the last request copied from the prefix cache
     dropped: bool = False  # removed after a failure: its cache is not to be trusted
+    grammar: object = None  # the grammar's state of a constrained session (engine.grammar.SessionGrammar)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -35,6 +35,7 @@ class TargetEngine(Engine):
         super().__init__(*args, **kwargs)
         self._view_attention: str | None | bool = False  # False: not looked up yet
         self._prompt_attention: str | None | bool = False  # False: not looked up yet
+        self.grammars = None  # a GrammarBook (set by the worker: it has the tokenizer); None: no grammars
 
     def _dispatch(self, msg: Message) -> Message:
         if isinstance(msg, VerifyRequest):
@@ -69,6 +70,8 @@ class TargetEngine(Engine):
         if req.confirmed_len is not None and req.confirmed_len > total:
             raise SpecError(ErrorCode.BAD_REQUEST, f"confirmed_len {req.confirmed_len} exceeds the {total} "
                                                    "committed tokens")
+        if req.grammar is not None and self.grammars is None:
+            raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
 
     def run_locked(self, session: Session, req: VerifyRequest, layout: TreeLayout) -> Outcome:
@@ -212,7 +215,7 @@ class TargetEngine(Engine):
         pos = positions(layout.depths, start, dev)  # [N]
         with view_attention_of(self.model, self._view_attention):
             logits = self.forward(pv.buffer, req.tree.token_ids, pos, visible, keep=n, specpv_view=plan)  # [N, V]
-        verdict = self.decide(req, layout, logits)
+        verdict = self.decide(req, layout, logits, session=session)
         pv.buffer.compact([m + i for i in verdict.path], m)
         pv.pending.extend(req.tree.token_ids[i] for i in verdict.path)
         self.note_accepted(session, req, verdict)
@@ -272,7 +275,7 @@ class TargetEngine(Engine):
                     pv.reset_buffer()
                 return Outcome(Verdict([0], token), rollback_len=cut, confirmed_len=cut + 1,
                                forward_tokens=refreshed + s + n)
-        verdict = self.decide(req, layout, logits[checked:])
+        verdict = self.decide(req, layout, logits[checked:], session=session)
         kv.compact([start + i for i in verdict.path], start)
         self.note_accepted(session, req, verdict)
         if pv is not None:
@@ -317,9 +320,18 @@ class TargetEngine(Engine):
         return (j, token) if any_wrong else None
 
     def decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor,
-               argmax: list[int] | None = None) -> Verdict:
+               argmax: list[int] | None = None, *, session: Session | None = None) -> Verdict:
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
-        computed for several sessions at once)."""
+        computed for several sessions at once). With a grammar, from the logits it allows
+        (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path."""
+        if req.grammar is not None:
+            logits = self.grammars.constrain(session, req, layout, logits)
+            verdict = self._decide(req, layout, logits, None)
+            self.grammars.accepted(session, req, verdict.path)
+            return verdict
+        return self._decide(req, layout, logits, argmax)
+
+    def _decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, argmax: list[int] | None) -> Verdict:
         if req.sampling.greedy:
             return verify_greedy(req.tree, layout, logits) if argmax is None else \
                 greedy_verdict(req.tree, layout, argmax)

@@ -169,7 +169,7 @@ def greedy_argmax(members: list[_Member], logits: list) -> list[list[int] | None
 def _finish(engine, m: _Member, logits, argmax: list[int] | None = None) -> Outcome:
     """Verify one member's tree from its logits [N, V] (greedy: their ``argmax``); its cache
     keeps the accepted path's K/V once ``_keep_paths`` ran."""
-    verdict = engine.decide(m.req, m.layout, logits, argmax)
+    verdict = engine.decide(m.req, m.layout, logits, argmax, session=m.session)
     engine.note_accepted(m.session, m.req, verdict)
     m.session.last_round = m.req.round
     return Outcome(verdict, forward_tokens=len(m.segment.token_ids), cached=m.session.reused)

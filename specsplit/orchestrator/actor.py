@@ -102,9 +102,12 @@ class SessionActor:
         self.sid = req.session_id
         self.tree = req.tree or policy.tree
         self.sampling: SamplingSpec = req.sampling
-        self.specpv: SpecPVSpec | None = req.specpv or policy.specpv
+        # a grammar is verified against the full cache: its sessions run without SpecPV
+        self.specpv: SpecPVSpec | None = None if req.grammar is not None else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
-        self.cur = SessionCursor(list(req.prompt_token_ids))
+        # a resumed grammar's session: its output (which the grammar holds) began before this prompt's end
+        self.cur = SessionCursor(list(req.prompt_token_ids),
+                                 prompt_len=req.output_from if req.grammar is not None and req.output_from else -1)
         self.stats = RoundStats()
         self.out: list[int] = []
         self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
@@ -308,9 +311,10 @@ class SessionActor:
     # ---- one request each, with recovery --------------------------------------------------
     async def _verify(self, rnd: int, tree: FlatTree, confirm: bool = False) -> VerifyReply:
         def build():
-            return VerifyRequest(session_id=self.sid, round=rnd, sync=self.cur.target_sync(), tree=tree,
-                                 sampling=self.sampling, specpv=self.specpv, confirm=confirm,
-                                 confirmed_len=self.cur.confirmed if self.exact else None)
+            sync = self.cur.target_sync(self.req.grammar is not None)
+            return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=self.sampling,
+                                 specpv=self.specpv, confirm=confirm, confirmed_len=self.cur.confirmed if self.exact else None,
+                                 grammar=self.req.grammar)
 
         reply = await self.call(self.target_rpc, build, self._reset_target)
         if self.cached_tokens is None and isinstance(reply, VerifyReply):

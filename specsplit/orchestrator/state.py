@@ -48,10 +48,11 @@ class SessionCursor:
         base = min(self.draft_len, len(self.committed) - 1)
         return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
 
-    def target_sync(self) -> CacheSync:
-        """The target's sync; it names the prompt (``CacheSync.prompt_len``) while it is part of it."""
+    def target_sync(self, name_prompt: bool = False) -> CacheSync:
+        """The target's sync; it names the prompt (``CacheSync.prompt_len``) while it is part of
+        it, or always (``name_prompt``: a grammar's session, whose output starts there)."""
         base = min(self.target_len, len(self.committed) - 1)
-        prompt = self.prompt_len if base < self.prompt_len - 1 else 0
+        prompt = self.prompt_len if name_prompt or base < self.prompt_len - 1 else 0
         return CacheSync(base_len=base, append_token_ids=self.committed[base:-1], prompt_len=prompt)
 
     def after_draft(self) -> None:

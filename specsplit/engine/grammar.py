@@ -1,0 +1,187 @@
+"""Constrained decoding on the target: a session's output held to a grammar (a JSON schema).
+
+The target's distribution at a tree node becomes its distribution masked to the tokens the
+grammar allows after the node's path (the committed output, then the path's tokens), then
+renormalized: what plain decoding under the same grammar samples from, greedy or not. The
+verification rules are unchanged: they get the masked logits (``constrain``), so greedy output
+equals masked greedy decoding and sampling stays lossless against the masked distribution. The
+draft proposes unconstrained; a proposal the grammar forbids is simply rejected.
+
+Grammars are llguidance's (https://github.com/guidance-ai/llguidance, the engine vLLM and
+llama.cpp use for structured output): compiled per request text (an LRU of compiled grammars),
+one matcher per session on the session object (bounded as sessions are). A matcher holds the
+session's generated tokens; a request that does not continue them (a resend from an empty cache,
+a retried round, a cache copied from the prefix cache) rebuilds it from the request's tokens and
+the session's (``Session.tokens``), and one it cannot rebuild (its cache holds output no one
+names) is a CACHE_MISS, which makes the client resend the whole context.
+
+Masks are computed on the host (~20-70 us each) for every tree node the grammar allows
+(depth-first, consuming and rolling back the path's tokens), then copied to the device at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from schemas import ErrorCode, GrammarSpec
+from specsplit.errors import SpecError
+
+MAX_COMPILED = 64  # compiled grammars kept (by the text's hash)
+
+
+@dataclass
+class SessionGrammar:
+    """A session's matcher: it has consumed ``generated`` (the committed tokens from
+    ``prompt_len`` on) and is in the state after the last of them."""
+
+    key: str
+    prompt_len: int
+    matcher: object
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """The committed length the matcher covers."""
+        return self.prompt_len + len(self.generated)
+
+
+class GrammarBook:
+    """Compiles grammars for one tokenizer and keeps each session's matcher in step."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+        self._hf, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, sorted(set(eos_ids))
+        self._lltok = None
+        self._compiled: OrderedDict[str, str] = OrderedDict()
+
+    @classmethod
+    def for_model(cls, hf_tokenizer, model_dir: str | Path, vocab_size: int) -> GrammarBook:
+        """End ids: the tokenizer's eos and the generation config's (as the API stops at)."""
+        eos = [int(hf_tokenizer.eos_token_id)] if hf_tokenizer.eos_token_id is not None else []
+        try:
+            gen = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+            eos += [gen] if isinstance(gen, int) else [int(e) for e in gen or []]
+        except (OSError, ValueError):
+            pass
+        return cls(hf_tokenizer, vocab_size, eos)
+
+    # ---- grammars ------------------------------------------------------------------------
+    def _tokenizer(self):
+        if self._lltok is None:  # ~2 s for a 150K vocabulary: once, at the first grammar
+            import llguidance.hf
+
+            self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        return self._lltok
+
+    def compile(self, spec: GrammarSpec) -> str:
+        """The spec's llguidance grammar; BAD_REQUEST when it is not one."""
+        key = hashlib.sha256(f"{spec.kind}\0{spec.text}".encode()).hexdigest()
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return key
+        grammar = to_grammar(spec)
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(grammar, self._tokenizer())
+        if error and not error.startswith("WARNING"):
+            raise SpecError(ErrorCode.BAD_REQUEST, f"the grammar is not valid: {error[:300]}")
+        self._compiled[key] = grammar
+        while len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return key
+
+    def _matcher(self, key: str):
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._tokenizer(), self._compiled[key], log_level=0)
+        if m.is_error():
+            raise SpecError(ErrorCode.BAD_REQUEST, f"the grammar is not valid: {m.get_error()[:300]}")
+        return m
+
+    # ---- a session's state ----------------------------------------------------------------
+    def at_root(self, session, req) -> SessionGrammar:
+        """The session's matcher in the state after the request's root (every committed token
+        from the prompt's end on consumed), rebuilt from the request where it must be."""
+        sync, root = req.sync, req.tree.token_ids[0]
+        key = self.compile(req.grammar)
+        if sync.prompt_len < 1:
+            raise SpecError(ErrorCode.BAD_REQUEST, "a grammar needs the sync's prompt_len")
+        st: SessionGrammar | None = getattr(session, "grammar", None)
+        root_at = sync.base_len + len(sync.append_token_ids)
+        if st is None or st.key != key or st.prompt_len != sync.prompt_len or st.end < sync.base_len:
+            st = session.grammar = SessionGrammar(key, sync.prompt_len, self._matcher(key))
+            if sync.base_len > sync.prompt_len:  # output in the cache: named by the session's tokens
+                held = session.tokens[st.prompt_len:sync.base_len] if len(session.tokens) >= sync.base_len else None
+                if held is None or not st.matcher.consume_tokens(held):
+                    session.grammar = None
+                    raise SpecError(ErrorCode.CACHE_MISS, "no grammar state for the cached tokens: resend them")
+                st.generated.extend(held)
+        keep = max(0, sync.base_len - st.prompt_len)  # generated tokens the cache holds
+        if len(st.generated) > keep:  # a retried round, or a cut: back to the cache's end
+            st.matcher.rollback(len(st.generated) - keep)
+            del st.generated[keep:]
+        committed = [*sync.append_token_ids, root]  # positions base_len .. root_at
+        new = committed[max(0, st.prompt_len - sync.base_len):] if root_at >= st.prompt_len else []
+        if new and not st.matcher.consume_tokens(new):
+            session.grammar = None
+            raise SpecError(ErrorCode.BAD_REQUEST, f"committed tokens the grammar does not allow: "
+                                                   f"{st.matcher.get_error()[:200]}")
+        st.generated.extend(new)
+        return st
+
+    def accepted(self, session, req, path: list[int]) -> None:
+        """The round's accepted nodes after the root are committed: the matcher consumes them."""
+        st: SessionGrammar | None = getattr(session, "grammar", None)
+        tokens = [req.tree.token_ids[i] for i in path[1:]]
+        if st is not None and tokens:
+            if st.matcher.consume_tokens(tokens):
+                st.generated.extend(tokens)
+            else:  # cannot happen for tokens chosen under the masks; the next request rebuilds it
+                session.grammar = None
+
+    # ---- masks ----------------------------------------------------------------------------
+    def constrain(self, session, req, layout, logits: torch.Tensor) -> torch.Tensor:
+        """The tree's logits [N, V] with every token the grammar forbids after each node's path
+        set to -inf. A node the grammar cannot reach (its token forbidden at its parent) is left
+        as it is: no rule accepts it, so its row is never read."""
+        st = self.at_root(session, req)
+        n, vocab = logits.shape
+        words = (self.vocab_size + 31) // 32
+        bits = torch.full((n, words * 4), 255, dtype=torch.uint8)  # host; all allowed until computed
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[layout.parents[i]].append(i)
+        tokens, m = req.tree.token_ids, st.matcher
+
+        def visit(node: int) -> None:
+            row = bits[node]
+            row.copy_(torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.uint8)[:row.numel()])
+            for c in children[node]:
+                t = tokens[c]
+                if row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
+                    visit(c)
+                    m.rollback(1)
+
+        visit(0)
+        shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+        allowed = (bits.to(logits.device).unsqueeze(-1) >> shifts & 1).flatten(1)[:, :vocab].bool()  # [N, V]
+        if allowed.shape[1] < vocab:  # rows past the tokenizer's words: never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
+def to_grammar(spec: GrammarSpec) -> str:
+    """An llguidance grammar from the request's spec (BAD_REQUEST when it is not one)."""
+    from llguidance import LLMatcher
+
+    try:
+        if spec.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(spec.text)
+        return LLMatcher.grammar_from_lark(spec.text)
+    except (ValueError, TypeError) as exc:
+        raise SpecError(ErrorCode.BAD_REQUEST, f"the grammar is not valid: {exc}") from None

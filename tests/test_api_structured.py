@@ -1,0 +1,155 @@
+"""Tool calls and JSON output as people use them: ``honcho start`` of the repository's Procfile
+and .env (the ``api`` line included; tiny fp32 pair, two targets, free ports), the API serving
+the Qwen2.5 chat template (SPECSPLIT_API_CHAT_TEMPLATE: the tiny model's own takes no tools), the
+official ``openai`` client.
+
+- Tools: for each tool choice the prompt is the template's (a forced opening included) and the
+  answer, whole and streamed (the client's own accumulator), is the API's parser over the
+  target's greedy text.
+- ``response_format``: the answer equals greedy decoding of the target masked to the schema
+  (tests/test_grammar.py's oracle), whole and streamed, and stays so when the process of the
+  target serving it is killed -9 mid-stream (the other target rebuilds the grammar's state from
+  the resend). Schemas the grammar engine cannot take, and JSON output with tools, are a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, target_sessions, tiny_pair
+from tests.conftest import wait_until
+from tests.test_api_tools import TEMPLATE, WEATHER, history
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny):  # tiny first: it provisions the pair the fleet loads
+    yield from api_fleet(tmp_path_factory, SPECSPLIT_API_CHAT_TEMPLATE=str(TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    from specsplit.api.tokenizer import ServedTokenizer
+
+    return ServedTokenizer(tiny[2].target, TEMPLATE.read_text())
+
+
+@pytest.fixture(scope="module")
+def book(tiny):
+    from specsplit.engine.grammar import GrammarBook
+
+    model, tok, paths = tiny
+    return GrammarBook.for_model(tok.tok, paths.target, model.config.vocab_size)
+
+
+def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served):
+    from specsplit.api import protocol, tools
+
+    model, _, _ = tiny
+    client = openai_client(fleet)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "18C"}
+    for extra in ({}, {"tool_choice": "required"}, {"tool_choice": named}, {"tool_choice": "none"},
+                  {"parallel_tool_calls": False, "messages": history(result)}):
+        body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "tools": [WEATHER], "max_tokens": 12, "temperature": 0, **extra}
+        req = protocol.parse(protocol.ChatCompletionRequest, body)
+        plan = tools.plan(req)
+        ids = served.encode_chat(tools.turns(req), tools=plan and plan.tools, prefill=plan.prefill if plan else "")
+        generated = expected(model, served, ids, 12)
+        parser = plan.parser() if plan else tools.CallParser()
+        content, calls = parser.feed(served.decode(generated))
+        rest, more = parser.finish()
+        want = (content + rest, [(c.name, c.arguments) for c in calls + more])
+        ended = generated[-1] in served.stop_token_ids or parser.single and want[1]
+        finish = ("tool_calls" if want[1] else "stop") if ended else "length"
+        whole = client.chat.completions.create(**body)
+        assert whole.usage.prompt_tokens == len(ids), extra
+        with client.chat.completions.stream(**body) as stream:  # the client's own accumulator
+            for _ in stream:
+                pass
+            streamed = stream.current_completion_snapshot  # (its final one refuses "length")
+        for res in (whole, streamed):
+            msg = res.choices[0].message
+            got = (msg.content or "", [(c.function.name, c.function.arguments) for c in msg.tool_calls or []])
+            assert got == want, extra
+            assert res.choices[0].finish_reason == finish, extra
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {
+    "type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["n", "tags"], "additionalProperties": False}
+
+
+def test_json_output_is_the_targets_greedy_answer_masked_to_the_schema(fleet, tiny, served, book):
+    from tests.test_grammar import masked_greedy
+
+    model, _, _ = tiny
+    client = openai_client(fleet)
+    messages = [{"role": "user", "content": "Describe it as JSON."}]
+    ids = served.encode_chat(messages)
+    for fmt, schema in (({"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}},
+                         SCHEMA), ({"type": "json_object"}, {"type": "object"})):
+        want = masked_greedy(model, book, ids, 64, served.stop_token_ids, schema)
+        text = served.decode(want)
+        res = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=64, temperature=0,
+                                             response_format=fmt)
+        assert res.choices[0].message.content == text and res.usage.completion_tokens == len(want)
+        stream = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=64, temperature=0,
+                                                response_format=fmt, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+        if want[-1] in served.stop_token_ids:
+            value = json.loads(text)
+            assert isinstance(value, dict) and (schema is not SCHEMA or set(value) == {"n", "tags"})
+    bad = {"model": "tiny-v1", "messages": messages}
+    api_error(post_json(fleet, "/v1/chat/completions", {**bad, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}), 400, param="response_format")
+    api_error(post_json(fleet, "/v1/chat/completions", {**bad, "response_format": {"type": "json_schema"}}), 400,
+              param="response_format")
+    api_error(post_json(fleet, "/v1/chat/completions", {**bad, "tools": [WEATHER],
+                                                        "response_format": {"type": "json_object"}}), 400,
+              param="response_format")
+
+
+def test_json_output_survives_a_kill_of_its_target(fleet, tiny, served, book):
+    """A long constrained answer (120 items, compact JSON) streams while the process of the
+    target serving it is killed -9: the other target takes the session (a resend from an empty
+    cache, the grammar's state rebuilt from it) and the answer is the oracle's."""
+    from tests.honcho_fleet import worker_pid
+    from tests.test_grammar import masked_greedy
+
+    model, _, _ = tiny
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 120, "maxItems": 120,
+              "x-guidance": {"whitespace_flexible": False}}
+    prompt = served.encode("Colours:")
+    want = masked_greedy(model, book, prompt, 900, served.stop_token_ids, schema)
+    assert want[-1] in served.stop_token_ids and len(want) > 200
+    body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 900, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": schema}}}
+    wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
+    text, killed = "", None
+    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            text += json.loads(line[6:])["choices"][0]["text"]
+            if killed is None and len(text) > 40:
+                home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
+                                  "a target worker holds the session")
+                killed = worker_pid(fleet["proc"].pid, f"target.{home}")
+                os.kill(killed, signal.SIGKILL)
+    assert killed is not None, "the answer ended before the kill"
+    assert text == served.decode(want)
+    assert len(json.loads(text)) == 120
