@@ -53,25 +53,43 @@ def book(tiny):
     return GrammarBook.for_model(tok.tok, paths.target, model.config.vocab_size)
 
 
-def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served):
+# a tool whose arguments the grammar leaves few choices (compact JSON, a city from a list): the
+# tiny random model completes a call within a few tokens once "required" or a name forces one
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+
+
+def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served, book):
+    """"required" and a named function hold the calls to the tools' schemas: their reference is
+    greedy decoding masked to the plan's grammar, and their answers are calls."""
     from specsplit.api import protocol, tools
+    from tests.test_grammar import masked_greedy
 
     model, _, _ = tiny
     client = openai_client(fleet)
     named = {"type": "function", "function": {"name": "get_weather"}}
     result = {"role": "tool", "tool_call_id": "call_1", "content": "18C"}
     for extra in ({}, {"tool_choice": "required"}, {"tool_choice": named}, {"tool_choice": "none"},
-                  {"parallel_tool_calls": False, "messages": history(result)}):
+                  {"parallel_tool_calls": False, "messages": history(result)},
+                  {"tool_choice": "required", "tools": [CITY], "max_tokens": 64, "parallel_tool_calls": False},
+                  {"tool_choice": named, "tools": [CITY], "max_tokens": 64}):
         body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                 "tools": [WEATHER], "max_tokens": 12, "temperature": 0, **extra}
         req = protocol.parse(protocol.ChatCompletionRequest, body)
-        plan = tools.plan(req)
+        plan = tools.plan(req, served.added_tokens)
         ids = served.encode_chat(tools.turns(req), tools=plan and plan.tools, prefill=plan.prefill if plan else "")
-        generated = expected(model, served, ids, 12)
+        assert (plan is not None and plan.grammar is not None) == (extra.get("tool_choice") in ("required", named))
+        n = body["max_tokens"]
+        generated = masked_greedy(model, book, ids, n, served.stop_token_ids, plan.grammar) \
+            if plan and plan.grammar else expected(model, served, ids, n)
         parser = plan.parser() if plan else tools.CallParser()
         content, calls = parser.feed(served.decode(generated))
         rest, more = parser.finish()
         want = (content + rest, [(c.name, c.arguments) for c in calls + more])
+        if body["tools"] == [CITY]:
+            assert [name for name, _ in want[1]] == ["get_weather"] and not want[0], want
+            assert json.loads(want[1][0][1])["city"] in ("Paris", "Oslo")
         ended = generated[-1] in served.stop_token_ids or parser.single and want[1]
         finish = ("tool_calls" if want[1] else "stop") if ended else "length"
         whole = client.chat.completions.create(**body)

@@ -162,6 +162,7 @@ def chat(**kw) -> ChatCompletionRequest:
 def refused(param: str, **kw) -> str:
     with pytest.raises(ApiError) as e:
         req = chat(**kw)
+        tools.plan(req)
         tools.turns(req)
     assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
     return e.value.message
@@ -184,7 +185,10 @@ def test_tool_choices_plan_what_the_turn_begins_with():
 
 def test_what_cannot_be_honoured_or_is_malformed_is_a_400_naming_it():
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    assert "constrained decoding" in refused("tools", tools=[strict])
+    assert "required" in refused("tools", tools=[strict])  # with "auto" nothing holds the calls to it
+    assert tools.plan(chat(tools=[strict], tool_choice="required")).grammar is not None
+    unenforceable = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
+    assert "'f'" in refused("tools", tools=[unenforceable], tool_choice="required")
     refused("tool_choice", tool_choice="required")
     refused("tool_choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     refused("tool_choice", tools=[WEATHER], tool_choice="sometimes")
@@ -194,6 +198,36 @@ def test_what_cannot_be_honoured_or_is_malformed_is_a_400_naming_it():
     refused("tools", tools=[WEATHER] * 129)
     refused("parallel_tool_calls", tools=[WEATHER], parallel_tool_calls="sometimes")
     refused("functions", functions=[WEATHER["function"]])
+
+
+def test_required_and_named_calls_are_held_to_the_tools_schemas():
+    """The grammar after a forced opening (llguidance, on the tiny tokenizer, whose tags are text):
+    a call of one of the tools with fitting arguments passes, anything else does not."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from specsplit.engine.grammar import to_grammar
+    from tests.api_fleet import tiny_pair
+
+    hf = tiny_pair()[1].tok
+    lltok = llguidance.hf.from_tokenizer(hf)
+    time_fn = {"type": "function", "function": {"name": "get_time"}}
+
+    def passes(plan, text: str) -> bool:
+        m = LLMatcher(lltok, to_grammar(plan.grammar))
+        ids = hf.encode(text, add_special_tokens=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    required = tools.plan(chat(tools=[WEATHER, time_fn], tool_choice="required"))
+    one = 'get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert passes(required, one)
+    assert passes(required, one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not passes(required, 'reverse", "arguments": {}}\n</tool_call>')  # not a tool
+    assert not passes(required, 'get_weather", "arguments": {"town": "Paris"}}\n</tool_call>')  # no city
+    single = tools.plan(chat(tools=[WEATHER, time_fn], tool_choice="required", parallel_tool_calls=False))
+    assert passes(single, one) and not passes(single, one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}')
+    named = tools.plan(chat(tools=[WEATHER, time_fn], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert passes(named, '{"tz": 1}}\n</tool_call>') and not passes(named, '[]}\n</tool_call>')
 
 
 def history(*extra: dict) -> list[dict]:

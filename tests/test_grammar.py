@@ -44,11 +44,14 @@ def spec(schema) -> GrammarSpec:
 
 
 def masked_greedy(model, book: GrammarBook, prompt: list[int], n: int, stops: list[int], schema) -> list[int]:
-    """Greedy decoding of ``model`` with every token the schema forbids masked out, one full
-    re-forward a token: the oracle."""
+    """Greedy decoding of ``model`` with every token the ``schema`` (a JSON schema, or a
+    GrammarSpec) forbids masked out, one full re-forward a token: the oracle."""
     from llguidance import LLMatcher
 
-    m = LLMatcher(book._tokenizer(), LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    from specsplit.engine.grammar import to_grammar
+
+    grammar = to_grammar(schema if isinstance(schema, GrammarSpec) else spec(schema))
+    m = LLMatcher(book._tokenizer(), grammar)
     ids, out = list(prompt), []
     for _ in range(n):
         logits = model(torch.tensor([ids])).logits[0, -1].float()

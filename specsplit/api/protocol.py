@@ -4,7 +4,7 @@ Requests are pydantic models that forbid unknown fields, so nothing a client sen
 ignored. Parameters the fleet cannot honour exactly (log-probabilities, penalties, logit bias,
 the deprecated ``functions``, echo, best_of, suffix) are accepted only at the value that means
 "off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a
-400 naming the parameter. So is a strict function schema (its calls are not constrained). Tools,
+400 naming the parameter. So is a strict function where its calls are not constrained. Tools,
 tool choices and the messages of a tool call are typed here (``specsplit.api.tools`` renders and
 parses them), and so is ``response_format``: a JSON schema (or any JSON object) the target
 holds the output to (``grammar``). Every validation failure becomes ``ApiError`` (400), never a
@@ -212,14 +212,8 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as sent
     strict: bool | None = None
 
-    @field_validator("strict")
-    @classmethod
-    def _not_strict(cls, v):
-        if v:
-            raise ValueError("strict function schemas need constrained decoding, which this server does not do "
-                             "(only false or absent)")
-        return v
-
+    # strict: honoured where the calls are held to the schemas ("required", a named function);
+    # with "auto" a 400 (specsplit.api.tools.plan)
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -109,6 +109,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
     if grammar is not None and tool_plan is not None:
         raise ApiError(400, "response_format with tools is not supported: the calls' tags are no JSON",
                        param="response_format")
+    grammar = grammar or (tool_plan.grammar if tool_plan else None)  # "required" / named: the calls' schemas
     group = None
     if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
         group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
@@ -357,7 +358,7 @@ async def chat_completions(request: Request) -> Response:
     tok = state.require_ready()
     if not tok.has_chat_template:
         raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
-    tool_plan = tools.plan(req)
+    tool_plan = tools.plan(req, tok.added_tokens)
     if (tool_plan or tools.has_tool_turns(req)) and not tools.template_takes_tools(tok.chat_template):
         raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
                             "to one that does)", param="tools" if tool_plan else "messages")

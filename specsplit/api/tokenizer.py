@@ -91,6 +91,7 @@ class ServedTokenizer:
         self.chat_template: str | None = getattr(self.tok, "chat_template", None) or None
         self.has_chat_template = bool(self.chat_template)
         self.stop_token_ids = sorted(self._stop_ids())
+        self.added_tokens = frozenset(self.tok.get_added_vocab())  # e.g. "<tool_call>": one token each
         self.vocab_size = len(self.tok)
 
     def _stop_ids(self) -> set[int]:

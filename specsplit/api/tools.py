@@ -5,12 +5,13 @@ calls and results; the model writes a call as ``<tool_call>\n{"name": ..., "argu
 </tool_call>``. The API parses those blocks out of each choice's text, as it streams, into
 OpenAI's ``tool_calls``:
 
-- ``tool_choice`` "auto" (the default with tools): the model decides. "none": the tools are not
-  shown, so the answer is text. "required" or a named function: the assistant's turn begins with
-  the call's opening (``<tool_call>\n{"name": "``, or ``<tool_call>\n{"name": "NAME",
-  "arguments": ``), counted in the prompt's tokens, and the model writes the rest. Nothing
-  constrains what it writes (OpenAI warns the same of its models: arguments may not fit the
-  schema), so a block that is not a call (not JSON, no name) comes back as text.
+- ``tool_choice`` "auto" (the default with tools): the model decides, unconstrained (OpenAI
+  warns the same of its models without strict mode: arguments may not fit the schema), so a
+  block that is not a call (not JSON, no name) comes back as text, and a strict function is a
+  400. "none": the tools are not shown, so the answer is text. "required" or a named function:
+  the assistant's turn begins with the call's opening (``<tool_call>\n{"name": "``, or
+  ``<tool_call>\n{"name": "NAME", "arguments": ``), counted in the prompt's tokens, and the
+  rest is held to the tools' schemas (``calls_grammar``: the target's constrained decoding).
 - Small models do not always close the tags: a block still open when the answer ends is a call
   when its body is one (as vLLM's Hermes parser takes it), and an answer that is nothing but a
   call object naming one of the tools, bare or in a ```json fence, is that call (as llama.cpp's
@@ -32,6 +33,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from schemas import GrammarSpec
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -51,21 +53,63 @@ class ToolPlan:
     tools: list[dict]
     prefill: str = ""
     single: bool = False
+    grammar: GrammarSpec | None = None  # "required" or a named function: the calls held to the tools' schemas
 
     def parser(self) -> CallParser:
         return CallParser(self.prefill, self.single, frozenset(t["function"]["name"] for t in self.tools))
 
 
-def plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """None when the model is shown no tools (none sent, or ``tool_choice`` "none")."""
+def plan(req: ChatCompletionRequest, special: frozenset[str] = frozenset()) -> ToolPlan | None:
+    """None when the model is shown no tools (none sent, or ``tool_choice`` "none"). ``special``:
+    the tokenizer's added tokens (a tag that is one is matched as that token by the grammar)."""
     if not req.tools or req.tool_choice == "none":
         return None
     shown = [t.model_dump(exclude_none=True) for t in req.tools]
+    single = req.parallel_tool_calls is False
     if isinstance(req.tool_choice, NamedToolChoice):
-        prefill = f'{OPEN}\n{{"name": {json.dumps(req.tool_choice.function.name)}, "arguments": '
-    else:
-        prefill = f'{OPEN}\n{{"name": "' if req.tool_choice == "required" else ""
-    return ToolPlan(shown, prefill, req.parallel_tool_calls is False)
+        name = req.tool_choice.function.name
+        prefill = f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+        return ToolPlan(shown, prefill, single, calls_grammar(req, special, name))
+    if req.tool_choice == "required":
+        return ToolPlan(shown, f'{OPEN}\n{{"name": "', single, calls_grammar(req, special))
+    if any(t.function.strict for t in req.tools):
+        raise ApiError(400, 'a strict function is enforced only with tool_choice "required" or a named function',
+                       param="tools")
+    return ToolPlan(shown, "", single)
+
+
+def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: str | None = None) -> GrammarSpec:
+    """The rest of the assistant's turn after a forced opening, as a Lark grammar (llguidance's):
+    for a named function its arguments (the function's JSON schema) and the closing tag; for
+    "required", a call of one of the tools, its arguments fitting that tool's schema, then (with
+    parallel calls) more calls. The model's end token follows. 400 naming ``tools`` when a
+    schema cannot be enforced."""
+    from llguidance import LLMatcher  # no torch: a Rust wheel
+
+    def tag(t: str) -> str:  # the tokenizer's own token where it has one, else the text
+        return t if t in special else json.dumps(t)
+
+    close = json.dumps("}\n") + " " + tag(CLOSE)
+    rules, calls = [], []
+    for i, t in enumerate(req.tools or ()):
+        fn = t.function
+        schema = json.dumps(fn.parameters if fn.parameters is not None else {"type": "object"})
+        try:
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+        except (ValueError, TypeError) as exc:
+            error = str(exc)
+        if error and not error.startswith("WARNING"):
+            raise ApiError(400, f"the parameters of {fn.name!r} cannot be enforced: {error[:300]}", param="tools")
+        rules.append(f"args{i}: %json {schema}")
+        if named is None:  # after '{"name": "': the name, then its arguments
+            calls.append(json.dumps(fn.name + '", "arguments": ') + f" args{i} {close}")
+        elif fn.name == named:  # after '"arguments": ': its arguments
+            rules.insert(0, f"start: args{i} {close}")
+    if named is None:
+        reopen = " ".join([json.dumps("\n"), tag(OPEN), json.dumps('\n{"name": "')])
+        rules[:0] = ["start: call" + ("" if req.parallel_tool_calls is False else " more*"),
+                     "call: " + " | ".join(calls), f"more: {reopen} call"]
+    return GrammarSpec(kind="lark", text="\n".join(rules) + "\n")
 
 
 def has_tool_turns(req: ChatCompletionRequest) -> bool:

@@ -159,8 +159,9 @@ class GrammarBook:
         tokens, m = req.tree.token_ids, st.matcher
 
         def visit(node: int) -> None:
-            row = bits[node]
-            row.copy_(torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.uint8)[:row.numel()])
+            row, mask = bits[node], m.compute_bitmask()
+            if mask.count(0) < len(mask):  # none allowed (past an end token): the row is never read
+                row.copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8)[:row.numel()])
             for c in children[node]:
                 t = tokens[c]
                 if row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
