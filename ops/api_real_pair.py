@@ -146,13 +146,22 @@ def main(argv=None) -> int:
         report["model"] = model
         asyncio.run(run_checks(url, model, tok, refs, args.max_new_tokens, report))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=120)
+        stop_fleet(proc)
+    return report_checks(report, tmp, args.json)
+
+
+def stop_fleet(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def report_checks(report: dict, tmp: Path, path: str | None) -> int:
+    """Prints the tally, writes the report (when ``path``); 0 when every check passed."""
     ok = all(c["ok"] for c in report["checks"])
     print(f"{sum(c['ok'] for c in report['checks'])}/{len(report['checks'])} checks passed (fleet log: {tmp})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ops.api_real_pair import check, start_fleet, wait_health
+from ops.api_real_pair import check, report_checks, start_fleet, stop_fleet, wait_health
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -233,14 +232,8 @@ def main(argv=None) -> int:
               and results["parallel_tool_calls false"]["finish"] == "tool_calls")
         run_json(sync, ref, tok, model, max(args.max_new_tokens, 160), report)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=120)
-    ok = all(c["ok"] for c in report["checks"])
-    print(f"{sum(c['ok'] for c in report['checks'])}/{len(report['checks'])} checks passed (fleet log: {tmp})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if ok else 1
+        stop_fleet(proc)
+    return report_checks(report, tmp, args.json)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ holds the output to (``grammar``). Every validation failure becomes ``ApiError``
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -87,6 +88,18 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def schema_error(text: str) -> str:
+    """Why the grammar engine (llguidance: no torch, a Rust wheel) cannot enforce a JSON
+    schema's text; "" when it can."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(text))
+    except Exception as exc:  # noqa: BLE001  (whatever a client's schema does is the client's 400)
+        return str(exc) or type(exc).__name__
+    return "" if not error or error.startswith("WARNING") else error
+
+
 def grammar_of(fmt: ResponseFormat | None) -> GrammarSpec | None:
     """The constraint a response format puts on the output (None: text); a 400 naming
     ``response_format`` when its schema is not one the grammar engine takes."""
@@ -96,18 +109,11 @@ def grammar_of(fmt: ResponseFormat | None) -> GrammarSpec | None:
         schema: Any = {"type": "object"}
     else:
         schema = fmt.json_schema.json_schema if fmt.json_schema.json_schema is not None else {}
-    import json
-
-    from llguidance import LLMatcher  # no torch: a Rust wheel
-
     text = json.dumps(schema)
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ApiError(400, f"the schema is over {MAX_GRAMMAR_CHARS} characters", param="response_format")
-    try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(text))
-    except (ValueError, TypeError) as exc:
-        error = str(exc)
-    if error and not error.startswith("WARNING"):
+    error = schema_error(text)
+    if error:
         raise ApiError(400, f"the JSON schema cannot be enforced: {error[:300]}", param="response_format")
     return GrammarSpec(kind="json_schema", text=text)
 
@@ -210,10 +216,9 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = Field(default=None, max_length=65536)
     parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as sent
+    # honoured where the calls are held to the schemas ("required", a named function); with
+    # "auto" a 400 (specsplit.api.tools.plan)
     strict: bool | None = None
-
-    # strict: honoured where the calls are held to the schemas ("required", a named function);
-    # with "auto" a 400 (specsplit.api.tools.plan)
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

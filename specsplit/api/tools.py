@@ -34,7 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from schemas import GrammarSpec
-from specsplit.api.protocol import ApiError, ChatCompletionRequest, NamedToolChoice
+from schemas.messages import MAX_GRAMMAR_CHARS
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, NamedToolChoice, schema_error
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -84,8 +85,6 @@ def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: st
     "required", a call of one of the tools, its arguments fitting that tool's schema, then (with
     parallel calls) more calls. The model's end token follows. 400 naming ``tools`` when a
     schema cannot be enforced."""
-    from llguidance import LLMatcher  # no torch: a Rust wheel
-
     def tag(t: str) -> str:  # the tokenizer's own token where it has one, else the text
         return t if t in special else json.dumps(t)
 
@@ -93,23 +92,25 @@ def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: st
     rules, calls = [], []
     for i, t in enumerate(req.tools or ()):
         fn = t.function
+        if named is not None and fn.name != named:
+            continue
         schema = json.dumps(fn.parameters if fn.parameters is not None else {"type": "object"})
-        try:
-            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-        except (ValueError, TypeError) as exc:
-            error = str(exc)
-        if error and not error.startswith("WARNING"):
+        error = schema_error(schema)
+        if error:
             raise ApiError(400, f"the parameters of {fn.name!r} cannot be enforced: {error[:300]}", param="tools")
         rules.append(f"args{i}: %json {schema}")
         if named is None:  # after '{"name": "': the name, then its arguments
             calls.append(json.dumps(fn.name + '", "arguments": ') + f" args{i} {close}")
-        elif fn.name == named:  # after '"arguments": ': its arguments
+        else:  # after '"arguments": ': its arguments
             rules.insert(0, f"start: args{i} {close}")
     if named is None:
         reopen = " ".join([json.dumps("\n"), tag(OPEN), json.dumps('\n{"name": "')])
         rules[:0] = ["start: call" + ("" if req.parallel_tool_calls is False else " more*"),
                      "call: " + " | ".join(calls), f"more: {reopen} call"]
-    return GrammarSpec(kind="lark", text="\n".join(rules) + "\n")
+    text = "\n".join(rules) + "\n"
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ApiError(400, f"the tools' schemas make a grammar over {MAX_GRAMMAR_CHARS} characters", param="tools")
+    return GrammarSpec(kind="lark", text=text)
 
 
 def has_tool_turns(req: ChatCompletionRequest) -> bool:
