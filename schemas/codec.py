@@ -122,9 +122,11 @@ def parse_kind(raw: bytes | int) -> MsgKind:
 
 
 def encode(msg: Message) -> bytes:
-    """Message -> msgpack body bytes."""
+    """Message -> msgpack body bytes. Fields at None are left out: every optional field defaults
+    to None, so the receiver reads the same message, and a peer that predates an optional field
+    takes a message that does not use it."""
     kind_of(msg)
-    return msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
+    return msgpack.packb(msg.model_dump(mode="json", exclude_none=True), use_bin_type=True)
 
 
 def decode(kind: bytes | int | MsgKind, body: bytes) -> Message:

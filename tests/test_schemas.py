@@ -148,3 +148,23 @@ def test_wellformed_msgpack_wrong_schema_raises_only_codec_error(kind, obj):
         decode(kind, msgpack.packb(obj))
     except CodecError:
         pass
+
+
+def test_optional_fields_at_none_stay_off_the_wire():
+    """Every ``X | None`` field of every message defaults to None, so leaving the Nones out is
+    lossless, and a peer that predates an optional field (a GenerateRequest's ``grammar``, a
+    rolling upgrade) still takes a message that does not use it."""
+    import typing
+
+    import msgpack
+
+    from schemas import GenerateRequest, KIND_TO_CLASS
+
+    for cls in KIND_TO_CLASS.values():
+        for name, field in cls.model_fields.items():
+            if type(None) in typing.get_args(field.annotation):
+                assert field.default is None, (cls.__name__, name)
+    req = GenerateRequest(session_id="s", prompt_token_ids=[1, 2])
+    body = msgpack.unpackb(encode(req))
+    assert "grammar" not in body and "output_from" not in body and "specpv" not in body
+    assert decode(MsgKind.GENERATE_REQUEST, encode(req)) == req

@@ -33,6 +33,8 @@ BAD_VALUES = (None, True, False, "x", "", "1", "true", 1.5, -1, 0, -0.0, 2**53 +
               1e308, float("nan"), float("inf"), float("-inf"), [], {}, [1, 2], ["x"], [None], {"a": 1}, [[[]]],
               "é" * 3000, "\ud800", [1.5], [True])
 DELETE = object()  # a field left out
+RESPONSE_FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
+    "name": "n", "schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}}]
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class Builder:
         body["temperature"] = g.choice([0, 0, 0.7, 1.0, 2])
         for name, values in (("top_p", [0.5, 1.0]), ("top_k", [-1, 0, 5]), ("seed", [0, 7, 2**63, -(2**63)]),
                              ("stop", ["\n", ["a", "the"]]), ("user", ["u1"]), ("frequency_penalty", [0]),
-                             ("logprobs", [None])):
+                             ("logprobs", [None]), ("response_format", RESPONSE_FORMATS)):
             if g.random() < 0.2:
                 body[name] = g.choice(values)
 
