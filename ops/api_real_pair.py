@@ -34,7 +34,8 @@ MESSAGES = [
 ]
 
 
-def start_fleet(tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_fleet(tmp: Path, **settings: str) -> tuple[subprocess.Popen, str]:
+    """``honcho start`` of the Procfile and .env on free ports (``settings``: SPECSPLIT_* over them)."""
     from specsplit.launch import free_ports
 
     names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch", "api"]
@@ -44,6 +45,7 @@ def start_fleet(tmp: Path) -> tuple[subprocess.Popen, str]:
         f"SPECSPLIT_DRAFT_ROUTER={addr['draft_fe']}", f"SPECSPLIT_DRAFT_BACKEND={addr['draft_be']}",
         f"SPECSPLIT_TARGET_ROUTER={addr['target_fe']}", f"SPECSPLIT_TARGET_BACKEND={addr['target_be']}",
         f"SPECSPLIT_ORCHESTRATOR={addr['orch']}", f"SPECSPLIT_API_PORT={ports['api']}", "SPECSPLIT_METRICS_PORT=0",
+        *(f"{k}={v}" for k, v in settings.items()),
     ]) + "\n")
     for k, v in (line.split("=", 1) for line in (tmp / "ports.env").read_text().split()):
         os.environ[k] = v  # this process's producer and reference read the same settings

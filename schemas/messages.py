@@ -76,6 +76,7 @@ class SamplingSpec(Message):
 
 
 MAX_GRAMMAR_CHARS = 65536
+MAX_FORCED_TOKENS = 64
 
 
 class GrammarSpec(Message):
@@ -362,6 +363,9 @@ class VerifyReply(Message):
     batch_tokens: int = Field(default=0, ge=0, le=MAX_BATCH_TOKENS)
     batch_size: int = Field(default=1, ge=1, le=MAX_BATCH_SESSIONS)
     cached_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
+    # a grammar's session: the tokens the grammar forces after the bonus (llguidance's
+    # fast-forward tokens), which the orchestrator proposes in the next round's tree
+    forced_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_FORCED_TOKENS)
 
     @model_validator(mode="after")
     def _batch(self) -> VerifyReply:

@@ -39,6 +39,7 @@ def generate(
     grow_chains: bool = True,
     grammar: GrammarSpec | None = None,
     grammars=None,
+    grammar_chains: bool = True,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -54,7 +55,9 @@ def generate(
     KV view (None: full verification); in its exact mode only confirmed tokens are returned, and
     they equal full verification's. ``grammar`` constrains the output (the target's
     ``grammars``, a ``specsplit.engine.grammar.GrammarBook``, compiles it); at temperature 0 the
-    result equals greedy decoding of ``target`` masked to the grammar."""
+    result equals greedy decoding of ``target`` masked to the grammar; with ``lookup_max_tokens``
+    > 0 (and ``grammar_chains``) each greedy round also proposes the tokens the grammar forces
+    after its root, as the target reported them (the ``grammar`` proposer's chain)."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -76,7 +79,7 @@ def generate(
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
     exact = specpv is not None and specpv.exact
-    rnd = 0
+    rnd, forced = 0, []
     while True:
         t_round = time.perf_counter()
         confirm = exact and cur.must_confirm(out, len(prompt_ids), max_new_tokens, stop)
@@ -93,7 +96,8 @@ def generate(
             cur.after_draft()
             stats.reused_rounds += d_reply.reused_nodes > 0
             plan = plan_round(d_reply.tree, cur.committed, spec, sampling, lookup_max_tokens=lookup_max_tokens,
-                              lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens)
+                              lookup_min_ngram=lookup_min_ngram, cost=cost_model, sync_tokens=sync_tokens,
+                              forced=forced if grammar_chains else ())
             if grow_budget_ms > 0 and sampling.greedy:
                 hint, probs = growth_hint(plan, cost_model) if grow_chains else (None, [])
                 _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms,
@@ -103,6 +107,7 @@ def generate(
                                              tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,
                                              confirmed_len=cur.confirmed if exact else None, grammar=grammar))
         _raise_if_error(v_reply)
+        forced = v_reply.forced_token_ids or []
         new = cur.apply_verify(v_reply)
         if cost_model is not None and plan.choice is not None:
             cost_model.observe_round(verify_tree, v_reply.accepted_nodes, sources=plan.sources)

@@ -189,6 +189,9 @@ def test_what_cannot_be_honoured_or_is_malformed_is_a_400_naming_it():
     assert tools.plan(chat(tools=[strict], tool_choice="required")).grammar is not None
     unenforceable = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
     assert "'f'" in refused("tools", tools=[unenforceable], tool_choice="required")
+    huge = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(100)}}}} for i in range(40)]
+    assert "grammar over" in refused("tools", tools=huge, tool_choice="required")
     refused("tool_choice", tool_choice="required")
     refused("tool_choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     refused("tool_choice", tools=[WEATHER], tool_choice="sometimes")

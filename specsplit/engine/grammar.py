@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from schemas import ErrorCode, GrammarSpec
+from schemas.messages import MAX_FORCED_TOKENS
 from specsplit.errors import SpecError
 
 MAX_COMPILED = 64  # compiled grammars kept (by the text's hash)
@@ -143,6 +144,20 @@ class GrammarBook:
                 st.generated.extend(tokens)
             else:  # cannot happen for tokens chosen under the masks; the next request rebuilds it
                 session.grammar = None
+
+    def forced_after(self, session, bonus: int) -> tuple[int, ...]:
+        """The tokens the grammar forces after the committed path and ``bonus`` (llguidance's
+        fast-forward tokens; at most MAX_FORCED_TOKENS), for the orchestrator to propose: the
+        matcher is left as it was."""
+        st: SessionGrammar | None = getattr(session, "grammar", None)
+        if st is None or not st.matcher.consume_token(bonus):
+            if st is not None and st.matcher.is_error():  # a bonus the grammar forbids: cannot happen
+                session.grammar = None
+            return ()
+        try:
+            return tuple(st.matcher.compute_ff_tokens()[:MAX_FORCED_TOKENS])
+        finally:
+            st.matcher.rollback(1)
 
     # ---- masks ----------------------------------------------------------------------------
     def constrain(self, session, req, layout, logits: torch.Tensor) -> torch.Tensor:

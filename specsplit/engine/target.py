@@ -111,6 +111,7 @@ class TargetEngine(Engine):
             batch_tokens=batch_tokens,
             batch_size=batch_size,
             cached_tokens=out.cached,
+            forced_token_ids=list(out.verdict.forced) or None,
         )
 
     def with_prefix(self, session: Session, req: VerifyRequest) -> VerifyRequest:
@@ -328,7 +329,7 @@ class TargetEngine(Engine):
             logits = self.grammars.constrain(session, req, layout, logits)
             verdict = self._decide(req, layout, logits, None)
             self.grammars.accepted(session, req, verdict.path)
-            return verdict
+            return dataclasses.replace(verdict, forced=self.grammars.forced_after(session, verdict.bonus))
         return self._decide(req, layout, logits, argmax)
 
     def _decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, argmax: list[int] | None) -> Verdict:

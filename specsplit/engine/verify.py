@@ -23,6 +23,7 @@ from specsplit.tree import TreeLayout, path_to
 class Verdict:
     path: list[int]  # accepted node indices, root (0) first
     bonus: int  # token sampled/argmaxed after the last accepted node
+    forced: tuple[int, ...] = ()  # a grammar's session: the tokens it forces after the bonus
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,13 +67,14 @@ class ActorPolicy:
     proposers: tuple[str, ...] | None = None
 
     def proposer_names(self, ngrams: bool = False) -> tuple[str, ...]:
-        """The proposers the fleet runs: the draft model unless ``lookup_only``, then prompt
-        lookup and (``ngrams``: an n-gram cache is kept) the cache when lookup tokens are on."""
+        """The proposers the fleet runs: the draft model unless ``lookup_only``, then the tokens a
+        grammar forces, prompt lookup and (``ngrams``: an n-gram cache is kept) the cache when
+        lookup tokens are on."""
         if self.proposers is not None:
             return self.proposers
         names = [] if self.lookup_only else ["draft"]
-        if self.lookup_max_tokens > 0:
-            names += ["lookup", "ngrams"] if ngrams else ["lookup"]
+        if self.lookup_max_tokens > 0:  # "grammar" proposes only in sessions held to a grammar
+            names += ["grammar", "lookup", "ngrams"] if ngrams else ["grammar", "lookup"]
         return tuple(names)
 
 

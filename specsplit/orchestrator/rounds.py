@@ -132,7 +132,8 @@ def learn(cost: CostModel | None, proposers: Sequence[Proposer], rp: RoundPlan, 
     measured time and tokens, so ``predicted_tok_s`` is end to end like the measured rate it is
     compared with. A plain round teaches the forward's cost, the chains' acceptance and what
     plain rounds deliver, never the speculative rate (``observe_plain``)."""
-    verdict = Verdict(cands.tree, cands.sources, reply.accepted_nodes, list(new), reply.verify_ms)
+    verdict = Verdict(cands.tree, cands.sources, reply.accepted_nodes, list(new), reply.verify_ms,
+                      reply.forced_token_ids or ())
     for p in proposers:
         p.learn(verdict)
     if cost is None:

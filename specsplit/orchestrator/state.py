@@ -256,14 +256,16 @@ def select(tree: FlatTree, sources: dict[int, tuple[str, int]], cost: CostModel 
 
 def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: SamplingSpec, *,
                lookup_max_tokens: int = 0, lookup_min_ngram: int = 3, cost: CostModel | None = None,
-               sync_tokens: int = 0, plain: bool = False, ngrams: NgramCache | None = None) -> Candidates:
+               sync_tokens: int = 0, plain: bool = False, ngrams: NgramCache | None = None,
+               forced: Sequence[int] = ()) -> Candidates:
     """Greedy rounds: the draft's tree plus the prompt-lookup continuation of ``committed`` (which
     ends with the tree's root) or, where the context has none, the cross-session n-gram cache's
     (``ngrams``), within the round's depth and ``lookup_max_tokens`` extra nodes; then, with a
     cost model, only the nodes that pay for their verify time. Sampled rounds keep the draft's
     tree as drawn. ``plain``: a round that called no draft (``tree`` is its root alone), priced as
     such. The in-process reference loop's (``specsplit.local``) form of ``rounds.propose``, with
-    the same chain proposers."""
+    the same chain proposers (``forced``: the tokens the session's grammar forces after the root,
+    as the target reported them: the ``grammar`` proposer's chain, first)."""
     if not sampling.greedy:
         return Candidates(tree, merged=tree)
     shared = Shared(policy=SimpleNamespace(lookup_min_ngram=lookup_min_ngram),
@@ -271,6 +273,9 @@ def plan_round(tree: FlatTree, committed: list[int], spec: TreeSpec, sampling: S
     chains: list[tuple[str, Proposal]] = []
     if lookup_max_tokens > 0 and spec.max_depth >= 1:
         budget = Budget(spec, min(lookup_max_tokens, spec.max_depth))
+        if forced:
+            chains.append(("grammar", Proposal(chain=list(forced[:budget.chain_tokens]),
+                                               keys=[0] * min(len(forced), budget.chain_tokens))))
         for p in (PromptLookup(None, shared), NgramCacheProposer(None, shared)):
             if asks(p, chains) and (prop := p.suggest(committed, budget)) is not None and prop.chain:
                 chains.append((p.name, prop))

@@ -2,7 +2,9 @@
 
 Importing a module registers its proposer; a new proposer is one module plus one line here."""
 
-from specsplit.proposers import draft_model, ngram_cache, prompt_lookup, repeat_line  # noqa: F401  (registration)
+from specsplit.proposers import (  # noqa: F401  (registration)
+    draft_model, grammar_forced, ngram_cache, prompt_lookup, repeat_line,
+)
 from specsplit.proposers.base import REGISTRY, Budget, Proposal, Proposer, Shared, Verdict, register, resolve
 
 __all__ = ["REGISTRY", "Budget", "Proposal", "Proposer", "Shared", "Verdict", "register", "resolve"]

@@ -63,6 +63,7 @@ class Verdict:
     accepted_nodes: Sequence[int]
     new_tokens: Sequence[int]
     verify_ms: float
+    forced: Sequence[int] = ()  # a grammar's session: the tokens it forces after new_tokens (the target's)
 
 
 @dataclass

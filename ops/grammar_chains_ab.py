@@ -1,0 +1,115 @@
+"""The ``grammar`` proposer on the real pair: two default fleets side by side (``honcho start``,
+one with SPECSPLIT_PROPOSERS=draft,lookup,ngrams, i.e. without it), the same JSON-schema requests
+through the ``openai`` client to each in turn (the first fleet alternating), greedy. Prints per
+request the tokens, seconds and tokens a round of each, and writes JSON; exit 1 unless every
+answer is the same from both (the forced tokens are verified like any node).
+
+    python ops/grammar_chains_ab.py --json ops/results/grammar-chains-ab-qwen-coder.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ops.api_real_pair import start_fleet, stop_fleet, wait_health
+
+ITEM = {"type": "object", "properties": {"sku": {"type": "string"}, "name": {"type": "string"},
+                                         "quantity": {"type": "integer"}, "price": {"type": "number"}},
+        "required": ["sku", "name", "quantity", "price"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "email": {"type": "string"}, "languages": {
+                                               "type": "array", "items": {"type": "string"}, "maxItems": 3}},
+          "required": ["name", "age", "email", "languages"], "additionalProperties": False}
+TASKS = [
+    ("An inventory of four items in a hardware store.", {"type": "object", "properties": {
+        "items": {"type": "array", "items": ITEM, "minItems": 4, "maxItems": 4}}, "required": ["items"],
+        "additionalProperties": False}),
+    ("Three fictional software engineers.", {"type": "object", "properties": {
+        "people": {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}}, "required": ["people"],
+        "additionalProperties": False}),
+    ("A Python package's metadata.", {"type": "object", "properties": {
+        "name": {"type": "string"}, "version": {"type": "string"}, "description": {"type": "string"},
+        "license": {"enum": ["MIT", "Apache-2.0", "BSD-3-Clause"]}, "python_requires": {"type": "string"},
+        "dependencies": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+        "required": ["name", "version", "description", "license", "python_requires", "dependencies"],
+        "additionalProperties": False}),
+    ("The weather in four European capitals.", {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "properties": {"city": {"type": "string"}, "temperature_c": {"type": "integer"},
+                                         "sky": {"enum": ["clear", "cloudy", "rain", "snow"]}},
+        "required": ["city", "temperature_c", "sky"], "additionalProperties": False}}),
+]
+
+
+def ask(client, model: str, prompt: str, schema: dict, max_new: int) -> dict:
+    t0 = time.perf_counter()
+    res = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}], max_tokens=max_new,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    wall = time.perf_counter() - t0
+    spec = res.choices[0].model_extra.get("speculative") or {}
+    return {"text": res.choices[0].message.content, "tokens": res.usage.completion_tokens, "wall_s": wall,
+            "rounds": spec.get("rounds"), "tokens_per_round": spec.get("mean_accepted_length"),
+            "finish": res.choices[0].finish_reason}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    from openai import OpenAI
+
+    tmp = Path(tempfile.mkdtemp(prefix="specsplit-grammar-ab-"))
+    fleets = {}
+    try:
+        for name, settings in (("with", {}), ("without", {"SPECSPLIT_PROPOSERS": "draft,lookup,ngrams"})):
+            (tmp / name).mkdir()
+            fleets[name] = start_fleet(tmp / name, **settings)
+        clients = {}
+        for name, (proc, url) in fleets.items():
+            wait_health(url, proc)
+            clients[name] = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+        model = httpx.get(f"{fleets['with'][1]}/v1/models", timeout=10).json()["data"][0]["id"]
+        for name, client in clients.items():  # the first grammar builds the target's grammar tokenizer
+            ask(client, model, TASKS[0][0], {"type": "object"}, 1)
+        rows = []
+        for i, (prompt, schema) in enumerate(TASKS):
+            order = ["with", "without"] if i % 2 == 0 else ["without", "with"]
+            row = {"task": prompt, **{name: ask(clients[name], model, prompt, schema, args.max_new_tokens)
+                                      for name in order}}
+            row["identical"] = row["with"]["text"] == row["without"]["text"]
+            rows.append(row)
+            w, o = row["with"], row["without"]
+            print(f"{prompt[:40]:40s} {w['tokens']:4d} tokens  with {w['wall_s']:6.2f} s "
+                  f"{w['tokens_per_round']:.2f}/round  without {o['wall_s']:6.2f} s {o['tokens_per_round']:.2f}/round  "
+                  f"identical={row['identical']}", flush=True)
+    finally:
+        for proc, _ in fleets.values():
+            stop_fleet(proc)
+    total = {name: sum(r[name]["tokens"] for r in rows) / sum(r[name]["wall_s"] for r in rows)
+             for name in ("with", "without")}
+    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens, "rows": rows,
+              "tok_s": total, "speedup": total["with"] / total["without"],
+              "identical": sum(r["identical"] for r in rows)}
+    print(f"tok/s with {total['with']:.2f}, without {total['without']:.2f}: {report['speedup']:.3f}x; "
+          f"identical {report['identical']}/{len(rows)} (fleet logs: {tmp})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["identical"] == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
