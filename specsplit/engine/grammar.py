@@ -124,7 +124,7 @@ class GrammarBook:
                 st.generated.extend(held)
         keep = max(0, sync.base_len - st.prompt_len)  # generated tokens the cache holds
         if len(st.generated) > keep:  # a retried round, or a cut: back to the cache's end
-            st.matcher.rollback(len(st.generated) - keep)
+            rollback(session, st.matcher, len(st.generated) - keep)
             del st.generated[keep:]
         committed = [*sync.append_token_ids, root]  # positions base_len .. root_at
         new = committed[max(0, st.prompt_len - sync.base_len):] if root_at >= st.prompt_len else []
@@ -154,10 +154,9 @@ class GrammarBook:
             if st is not None and st.matcher.is_error():  # a bonus the grammar forbids: cannot happen
                 session.grammar = None
             return ()
-        try:
-            return tuple(st.matcher.compute_ff_tokens()[:MAX_FORCED_TOKENS])
-        finally:
-            st.matcher.rollback(1)
+        forced = tuple(st.matcher.compute_ff_tokens()[:MAX_FORCED_TOKENS])
+        rollback(session, st.matcher, 1)
+        return forced
 
     # ---- masks ----------------------------------------------------------------------------
     def constrain(self, session, req, layout, logits: torch.Tensor) -> torch.Tensor:
@@ -181,7 +180,7 @@ class GrammarBook:
                 t = tokens[c]
                 if row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
                     visit(c)
-                    m.rollback(1)
+                    rollback(session, m, 1)
 
         visit(0)
         shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
@@ -189,6 +188,14 @@ class GrammarBook:
         if allowed.shape[1] < vocab:  # rows past the tokenizer's words: never allowed
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
         return logits.masked_fill(~allowed, float("-inf"))
+
+
+def rollback(session, matcher, n: int) -> None:
+    """Undo the matcher's last ``n`` tokens; where it cannot, its state is lost: the session's
+    grammar goes, and the request is a CACHE_MISS (the resend rebuilds it)."""
+    if not matcher.rollback(n):
+        session.grammar = None
+        raise SpecError(ErrorCode.CACHE_MISS, "the grammar's state could not be rolled back: resend")
 
 
 def to_grammar(spec: GrammarSpec) -> str:
