@@ -112,9 +112,9 @@ def test_tree_forward_matches_sequential_paths(lm, lm_draft):
     captured = {}
     real_decide = eng.decide
 
-    def capture(req, layout, logits, argmax=None):
+    def capture(req, layout, logits, argmax=None, **kw):
         captured["logits"] = logits.clone()
-        return real_decide(req, layout, logits, argmax)
+        return real_decide(req, layout, logits, argmax, **kw)
 
     eng.decide = capture
     req = VerifyRequest(session_id="s", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]), tree=tree,
@@ -267,9 +267,9 @@ def _capture_logits(eng) -> dict:
     """The tree logits [N, V] each session's latest round was decided on, by session id."""
     log, real = {}, eng.decide
 
-    def capture(req, layout, logits, argmax=None):
+    def capture(req, layout, logits, argmax=None, **kw):
         log[req.session_id] = logits.numpy().copy()
-        return real(req, layout, logits, argmax)
+        return real(req, layout, logits, argmax, **kw)
 
     eng.decide = capture
     return log

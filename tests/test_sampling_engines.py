@@ -98,9 +98,9 @@ class Recorder:
         self._probs: list | None = None
         decide = engine.decide
 
-        def recording(req, layout, logits, argmax=None):
+        def recording(req, layout, logits, argmax=None, **kw):
             self.calls.append((req.tree, layout, logits.detach().clone(), req.sampling, req.round))
-            return decide(req, layout, logits, argmax)
+            return decide(req, layout, logits, argmax, **kw)
 
         engine.decide = recording
 
