@@ -140,21 +140,26 @@ def test_json_output_is_the_targets_greedy_answer_masked_to_the_schema(fleet, ti
               param="response_format")
 
 
-def test_json_output_survives_a_kill_of_its_target(fleet, tiny, served, book):
-    """A long constrained answer (120 items, compact JSON) streams while the process of the
-    target serving it is killed -9: the other target takes the session (a resend from an empty
-    cache, the grammar's state rebuilt from it) and the answer is the oracle's."""
+COLOURS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 120, "maxItems": 120,
+           "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.mark.parametrize("role", ["target", "orchestrator"])
+def test_json_output_survives_a_kill(fleet, tiny, served, book, role):
+    """A long constrained answer (120 items, compact JSON) streams while a process serving it is
+    killed -9. The target's: the other target takes the session (a resend from an empty cache,
+    the grammar's state rebuilt from it). The orchestrator's: the API resumes the generation on
+    its successor, the output so far sent as prompt with ``output_from`` where the output began,
+    so the grammar holds from there. Either way the answer is the oracle's."""
     from tests.honcho_fleet import worker_pid
     from tests.test_grammar import masked_greedy
 
     model, _, _ = tiny
-    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 120, "maxItems": 120,
-              "x-guidance": {"whitespace_flexible": False}}
     prompt = served.encode("Colours:")
-    want = masked_greedy(model, book, prompt, 900, served.stop_token_ids, schema)
+    want = masked_greedy(model, book, prompt, 900, served.stop_token_ids, COLOURS)
     assert want[-1] in served.stop_token_ids and len(want) > 200
     body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 900, "temperature": 0, "stream": True,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": schema}}}
+            "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": COLOURS}}}
     wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
     text, killed = "", None
     with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
@@ -164,9 +169,12 @@ def test_json_output_survives_a_kill_of_its_target(fleet, tiny, served, book):
                 continue
             text += json.loads(line[6:])["choices"][0]["text"]
             if killed is None and len(text) > 40:
-                home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
-                                  "a target worker holds the session")
-                killed = worker_pid(fleet["proc"].pid, f"target.{home}")
+                if role == "target":
+                    home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
+                                      "a target worker holds the session")
+                    killed = worker_pid(fleet["proc"].pid, f"target.{home}")
+                else:
+                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
                 os.kill(killed, signal.SIGKILL)
     assert killed is not None, "the answer ended before the kill"
     assert text == served.decode(want)
