@@ -76,7 +76,11 @@ class GrammarBook:
         if self._lltok is None:  # ~2 s for a 150K vocabulary: once, at the first grammar
             import llguidance.hf
 
-            self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            try:
+                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            except Exception as exc:  # noqa: BLE001  (a tokenizer llguidance cannot read: no grammars here)
+                raise SpecError(ErrorCode.BAD_REQUEST, f"this target cannot apply grammars with its tokenizer: "
+                                                       f"{type(exc).__name__}: {str(exc)[:200]}") from None
         return self._lltok
 
     def compile(self, spec: GrammarSpec) -> str:
