@@ -123,10 +123,15 @@ WORKER_METRICS = (300, 400, 401)  # the workers' metrics ports, as offsets from 
 
 
 def worker_sessions(fleet, offsets=WORKER_METRICS) -> float:
+    """Sessions the workers at ``offsets`` hold; NaN while one of them does not answer (a worker
+    killed by an earlier test, not yet restarted), so waits on a count keep waiting."""
     total = 0.0
     for off in offsets:
-        total += sum(v for k, v in scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics").items()
-                     if k.startswith("specsplit:worker_sessions"))
+        try:
+            page = scrape(f"http://127.0.0.1:{fleet['metrics'] + off}/metrics", timeout_s=5.0)
+        except OSError:
+            return float("nan")
+        total += sum(v for k, v in page.items() if k.startswith("specsplit:worker_sessions"))
     return total
 
 
