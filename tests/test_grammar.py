@@ -159,6 +159,37 @@ def test_each_nodes_mask_is_what_its_paths_tokens_leave(pair):
         assert torch.equal(rows[node][want], logits[node][want])
 
 
+def test_end_tokens_in_several_branches_verify_and_the_session_goes_on(pair):
+    """Where the output may end, a tree proposes the end token in several branches (and past
+    one). Every round verifies: llguidance's matcher, stepped past an end and rolled back,
+    refused the next end, so such trees were a CACHE_MISS at every resend (found on the real
+    pair); the masks never step past an end now."""
+    from llguidance import LLMatcher
+
+    from specsplit.engine.grammar import to_grammar
+
+    target, _, tok, book, prompt = pair
+    end = tok.stop_token_ids[0]
+    out = tok.encode('{"a": 1')
+    close, space = tok.encode("}")[0], tok.encode(" ")[0]
+    committed = [*prompt, *out]
+    eng = engine(target, book)
+    for rnd in range(3):
+        # root -> } -> end -> end; root -> " " -> } -> end; root -> end (forbidden here)
+        tree = FlatTree(token_ids=[committed[-1], close, end, end, space, close, end, end],
+                        parents=[-1, 0, 1, 2, 0, 4, 5, 0])
+        sync = CacheSync(base_len=0, append_token_ids=committed[:-1], prompt_len=len(prompt))
+        reply = eng.handle(VerifyRequest(session_id="e", round=rnd, sync=sync, tree=tree, grammar=spec({"type": "object"})))
+        assert not isinstance(reply, ErrorReply), reply
+        fresh = LLMatcher(book._tokenizer(), to_grammar(spec({"type": "object"})))
+        assert fresh.consume_tokens(out + reply.accepted_token_ids)
+        assert fresh.validate_tokens([reply.bonus_token_id]) == 1
+        held = eng.store.get("e").grammar  # the session's matcher: after exactly the accepted path
+        assert held is not None and held.generated == out + reply.accepted_token_ids
+        assert held.matcher.compute_bitmask() == fresh.compute_bitmask()
+        eng.store.end_session("e")  # the same tree again, from an empty cache (as a resend is)
+
+
 def test_a_session_its_target_lost_is_rebuilt_from_the_resend(pair):
     """Rounds of a one-token tree (the root alone): after two, the target drops the session;
     the next request (its cache assumed) is a CACHE_MISS, the resend from an empty cache

@@ -154,6 +154,8 @@ class GrammarBook:
         fast-forward tokens; at most MAX_FORCED_TOKENS), for the orchestrator to propose: the
         matcher is left as it was."""
         st: SessionGrammar | None = getattr(session, "grammar", None)
+        if bonus in self.eos_ids:  # the output ends: nothing to force (and no end stepped over, as in ``constrain``)
+            return ()
         if st is None or not st.matcher.consume_token(bonus):
             if st is not None and st.matcher.is_error():  # a bonus the grammar forbids: cannot happen
                 session.grammar = None
@@ -174,7 +176,7 @@ class GrammarBook:
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[layout.parents[i]].append(i)
-        tokens, m = req.tree.token_ids, st.matcher
+        tokens, m, ends = req.tree.token_ids, st.matcher, frozenset(self.eos_ids)
 
         def visit(node: int) -> None:
             row, mask = bits[node], m.compute_bitmask()
@@ -182,7 +184,10 @@ class GrammarBook:
                 row.copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8)[:row.numel()])
             for c in children[node]:
                 t = tokens[c]
-                if row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
+                # an end token ends the output: its row and subtree are never read, and the
+                # matcher is never stepped past one (llguidance's rollback of an end leaves a
+                # state that refuses the next end: tests/test_grammar.py)
+                if t not in ends and row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
                     visit(c)
                     rollback(session, m, 1)
 
