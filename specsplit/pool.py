@@ -109,7 +109,10 @@ class OrchestratorPool:
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
         resumes, delay, client, overloaded, answered = 0, self.backoff_s, None, 0, False
 
+        attempt: list[int] = []  # the tokens the current attempt streamed
+
         def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
+            attempt.extend(tokens)
             if tokens and not total.first_token_s:
                 total.first_token_s = time.perf_counter() - t0
             if on_tokens is not None:
@@ -118,6 +121,7 @@ class OrchestratorPool:
         while True:
             client = await self._pick(deadline, avoid=client)
             wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
+            attempt.clear()
             try:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                     # a session per attempt; in ``session_group`` its id routes it by the group
@@ -133,6 +137,7 @@ class OrchestratorPool:
             except GenerationError as exc:
                 if exc.reply.code not in RESUME_ON:
                     raise
+                received.extend(attempt)  # streamed to the caller already: the resume goes on after them
                 overloaded = overloaded + 1 if exc.reply.code == ErrorCode.OVERLOADED else 0
                 if overloaded >= max(1, len(self.live)) and not self.retry_overloaded:
                     raise

@@ -107,6 +107,37 @@ def test_orchestrator_dies_mid_stream_request_resumes_elsewhere_from_received_to
     assert resumed.stop_token_ids == [1000] and resumed.session_id != a.requests[0].session_id
 
 
+def test_a_session_failed_after_streaming_resumes_after_what_it_streamed():
+    """An orchestrator that streams tokens, then fails the session (NO_WORKER: its workers gave
+    up): the resume goes on after the streamed tokens, which the caller saw once (before, it
+    started over, and the caller saw them twice)."""
+    seen: list[int] = []
+
+    async def fail_after_4(orch, req, send):
+        toks = continuation(req)[:4]
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
+        await send(ErrorReply.of(ErrorCode.NO_WORKER, "gave up", session_id=req.session_id))
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        a, b = FakeOrchestrator(ctx, fail_after_4), FakeOrchestrator(ctx, serve_all)
+        try:
+            async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=10, timeout_s=20) as pool:
+                assert await pool.ping(5.0)
+                while len(pool.live) < 2:
+                    await asyncio.sleep(0.05)
+                return await pool.generate([1, 2, 3], max_new_tokens=20, on_tokens=seen.extend), b
+        finally:
+            await a.close()
+            await b.close()
+            ctx.term()
+
+    res, b = asyncio.run(run())
+    full = continuation(GenerateRequest(session_id="x", prompt_token_ids=[1, 2, 3], max_new_tokens=20))
+    assert res.token_ids == full == seen and res.resumes == 1
+    assert b.requests[-1].prompt_token_ids == [1, 2, 3, *full[:4]] and b.requests[-1].max_new_tokens == 16
+
+
 def test_cancelled_is_resumed_not_returned():
     async def cancel_after_3(orch, req, send):
         toks = continuation(req)[:3]
