@@ -8,6 +8,8 @@ reference). Tool calls, parsed by the API's own parser:
   answer expected), and a question no tool answers;
 - "required", a named function, "none", and ``parallel_tool_calls: false`` on a question that
   asks for two calls;
+- "auto" with strict functions (a lazy grammar: free text, calls held to the schemas), on a
+  question a tool answers and on one no tool answers;
 - each streamed (the client's own stream accumulator) and whole.
 
 JSON output (``response_format``): a JSON schema and ``json_object``, each equal to the target's
@@ -46,6 +48,7 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The current local time in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TOOLS = [WEATHER, TIME]
+STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
 ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
 TWO = [{"role": "user", "content": "What's the weather in Paris and in Tokyo?"}]
 CHAT = [{"role": "user", "content": "Write a Python one-liner that reverses a string."}]
@@ -59,6 +62,8 @@ CASES = [
     ("named get_time", ASK, {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
     ("none", ASK, {"tool_choice": "none"}),
     ("parallel_tool_calls false", TWO, {"parallel_tool_calls": False}),
+    ("auto, strict: a question a tool answers", ASK, {"tools": STRICT}),
+    ("auto, strict: a question no tool answers", CHAT, {"tools": STRICT}),
 ]
 
 
@@ -123,7 +128,8 @@ def run_case(sync, ref: Reference, tok, model: str, name: str, messages: list, e
     req = protocol.parse(protocol.ChatCompletionRequest, body)
     plan = tools.plan(req, tok.added_tokens)
     ids = tok.encode_chat(tools.turns(req), tools=plan.tools if plan else None, prefill=plan.prefill if plan else "")
-    # "required" and a named function hold the calls to the tools' schemas: masked greedy decoding
+    # "required", a named function and strict functions hold the calls to the tools' schemas:
+    # masked greedy decoding
     generated = ref.masked_greedy(tok, ids, max_new, plan.grammar) if plan and plan.grammar else \
         ref.greedy(tok, ids, max_new)
     want = expect(tok, ids, generated, body)
@@ -131,10 +137,15 @@ def run_case(sync, ref: Reference, tok, model: str, name: str, messages: list, e
     whole = sync.chat.completions.create(**{k: v for k, v in body.items()})
     wall = time.perf_counter() - t0
     got = answer(whole.choices[0].message)
-    with sync.chat.completions.stream(**body) as stream:  # the client's own accumulator
-        for _ in stream:
-            pass
-        final = stream.current_completion_snapshot  # (its final one refuses "length")
+    from openai import LengthFinishReasonError
+
+    try:
+        with sync.chat.completions.stream(**body) as stream:  # the client's own accumulator
+            for _ in stream:
+                pass
+            final = stream.current_completion_snapshot  # (its final one refuses "length")
+    except LengthFinishReasonError as e:  # so does its stream, with strict tools
+        final = e.completion
     streamed = answer(final.choices[0].message)
     streamed["content"] = streamed["content"] or None  # the stream's first delta carries content ""
     check(report, f"{name}: = the target's greedy answer, parsed", got == want, finish=whole.choices[0].finish_reason,
@@ -228,6 +239,8 @@ def main(argv=None) -> int:
         check(report, "required makes a call", bool(calls["required"]))
         check(report, "named get_time is a call to get_time", calls["named get_time"][:1] == ["get_time"])
         check(report, "none makes no call", not calls["none"])
+        check(report, "auto, strict: the weather question is a call to get_weather",
+              calls["auto, strict: a question a tool answers"][:1] == ["get_weather"])
         check(report, "parallel_tool_calls false makes one call", len(calls["parallel_tool_calls false"]) == 1
               and results["parallel_tool_calls false"]["finish"] == "tool_calls")
         run_json(sync, ref, tok, model, max(args.max_new_tokens, 160), report)

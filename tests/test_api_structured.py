@@ -19,6 +19,7 @@ import os
 import signal
 
 import httpx
+import openai
 import pytest
 
 from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, target_sessions, tiny_pair
@@ -60,9 +61,13 @@ CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
 
 
+STRICT = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
 def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served, book):
-    """"required" and a named function hold the calls to the tools' schemas: their reference is
-    greedy decoding masked to the plan's grammar, and their answers are calls."""
+    """"required", a named function and "auto" with a strict function hold the calls to the
+    tools' schemas: their reference is greedy decoding masked to the plan's grammar ("required"
+    and a name: their answers are calls)."""
     from specsplit.api import protocol, tools
     from tests.test_grammar import masked_greedy
 
@@ -73,13 +78,15 @@ def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served, book):
     for extra in ({}, {"tool_choice": "required"}, {"tool_choice": named}, {"tool_choice": "none"},
                   {"parallel_tool_calls": False, "messages": history(result)},
                   {"tool_choice": "required", "tools": [CITY], "max_tokens": 64, "parallel_tool_calls": False},
-                  {"tool_choice": named, "tools": [CITY], "max_tokens": 64}):
+                  {"tool_choice": named, "tools": [CITY], "max_tokens": 64},
+                  {"tools": [STRICT], "max_tokens": 40}):  # "auto", strict: free text, calls held
         body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                 "tools": [WEATHER], "max_tokens": 12, "temperature": 0, **extra}
         req = protocol.parse(protocol.ChatCompletionRequest, body)
         plan = tools.plan(req, served.added_tokens)
         ids = served.encode_chat(tools.turns(req), tools=plan and plan.tools, prefill=plan.prefill if plan else "")
-        assert (plan is not None and plan.grammar is not None) == (extra.get("tool_choice") in ("required", named))
+        held = extra.get("tool_choice") in ("required", named) or extra.get("tools") == [STRICT]
+        assert (plan is not None and plan.grammar is not None) == held
         n = body["max_tokens"]
         generated = masked_greedy(model, book, ids, n, served.stop_token_ids, plan.grammar) \
             if plan and plan.grammar else expected(model, served, ids, n)
@@ -94,10 +101,13 @@ def test_tools_are_the_targets_greedy_answer_parsed(fleet, tiny, served, book):
         finish = ("tool_calls" if want[1] else "stop") if ended else "length"
         whole = client.chat.completions.create(**body)
         assert whole.usage.prompt_tokens == len(ids), extra
-        with client.chat.completions.stream(**body) as stream:  # the client's own accumulator
-            for _ in stream:
-                pass
-            streamed = stream.current_completion_snapshot  # (its final one refuses "length")
+        try:
+            with client.chat.completions.stream(**body) as stream:  # the client's own accumulator
+                for _ in stream:
+                    pass
+                streamed = stream.current_completion_snapshot  # (its final one refuses "length")
+        except openai.LengthFinishReasonError as e:  # so does its stream, with strict tools
+            streamed = e.completion
         for res in (whole, streamed):
             msg = res.choices[0].message
             got = (msg.content or "", [(c.function.name, c.function.arguments) for c in msg.tool_calls or []])

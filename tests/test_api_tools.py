@@ -185,10 +185,12 @@ def test_tool_choices_plan_what_the_turn_begins_with():
 
 def test_what_cannot_be_honoured_or_is_malformed_is_a_400_naming_it():
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    assert "required" in refused("tools", tools=[strict])  # with "auto" nothing holds the calls to it
     assert tools.plan(chat(tools=[strict], tool_choice="required")).grammar is not None
+    assert tools.plan(chat(tools=[strict])).grammar is not None  # "auto": the lazy grammar
+    assert tools.plan(chat(tools=[WEATHER])).grammar is None  # nothing strict: nothing constrained
     unenforceable = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
     assert "'f'" in refused("tools", tools=[unenforceable], tool_choice="required")
+    assert "'f'" in refused("tools", tools=[strict, unenforceable])
     huge = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(100)}}}} for i in range(40)]
     assert "grammar over" in refused("tools", tools=huge, tool_choice="required")
@@ -231,6 +233,64 @@ def test_required_and_named_calls_are_held_to_the_tools_schemas():
     assert passes(single, one) and not passes(single, one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}')
     named = tools.plan(chat(tools=[WEATHER, time_fn], tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert passes(named, '{"tz": 1}}\n</tool_call>') and not passes(named, '[]}\n</tool_call>')
+
+
+def test_strict_functions_under_auto_hold_the_calls_and_leave_the_text_free():
+    """"auto" with a strict function: a lazy grammar. Text is free but never spells the opening
+    tag; each opening tag begins a call held to the tools' schemas. Both ways a tokenizer may
+    have the tag: as text (the tiny one's) and as one added token (Qwen2.5's)."""
+    import copy
+
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from specsplit.engine.grammar import to_grammar
+    from tests.api_fleet import tiny_pair
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True,
+                                               "parameters": {**WEATHER["function"]["parameters"],
+                                                              "additionalProperties": False}}}
+    time_fn = {"type": "function", "function": {"name": "get_time"}}
+    text_tags = tiny_pair()[1].tok
+    token_tags = copy.deepcopy(text_tags)
+    token_tags.add_tokens([OPEN, CLOSE])
+    one, two = call("get_weather", {"city": "Paris"}), "\n" + call("get_time", {})
+    for hf in (text_tags, token_tags):
+        special = frozenset(hf.get_added_vocab())
+        lltok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
+        for parallel in (True, False):
+            plan = tools.plan(chat(tools=[strict, time_fn], parallel_tool_calls=parallel), special)
+            assert plan.strict and plan.prefill == "" and (OPEN in special) == (f" {OPEN} " in plan.grammar.text)
+            grammar = to_grammar(plan.grammar)
+
+            def passes(text: str, hf=hf, lltok=lltok, grammar=grammar) -> bool:
+                m = LLMatcher(lltok, grammar, log_level=0)
+                ids = hf.encode(text, add_special_tokens=False)
+                return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+            for text in ("Sunny, 18C.", "", "if a < b > c: <tool", one, "Let me check.\n" + one, one + "\nDone.",
+                         '{"name": "get_weather", "arguments": {"town": 1}}'):  # a bare object is text here
+                assert passes(text), (parallel, text)
+            assert passes(one + two) == parallel and passes("x " + one + two) == parallel
+            for text in (call("get_weather", {"town": "Paris"}), call("reverse", {}), f"I write {OPEN} as text",
+                         one[:-1] + " " + CLOSE):
+                assert not passes(text), text
+
+
+def test_under_a_strict_function_a_bare_call_object_counts_only_when_it_fits():
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    plan = tools.plan(chat(tools=[strict]))
+    for text, want in (('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),
+                       ('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',
+                        [("get_weather", '{"city": "Oslo"}')]),
+                       ('{"name": "get_weather", "arguments": {"town": "Paris"}}', []),
+                       ('{"name": "get_weather", "arguments": {"city": 7}}', []),
+                       ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"} x"}', [])):
+        p = plan.parser()
+        content, calls = p.feed(text)
+        rest, more = p.finish()
+        assert [(c.name, c.arguments) for c in calls + more] == want, text
+        assert (content + rest == "") == bool(want), text
 
 
 def history(*extra: dict) -> list[dict]:

@@ -4,11 +4,10 @@ Requests are pydantic models that forbid unknown fields, so nothing a client sen
 ignored. Parameters the fleet cannot honour exactly (log-probabilities, penalties, logit bias,
 the deprecated ``functions``, echo, best_of, suffix) are accepted only at the value that means
 "off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a
-400 naming the parameter. So is a strict function where its calls are not constrained. Tools,
-tool choices and the messages of a tool call are typed here (``specsplit.api.tools`` renders and
-parses them), and so is ``response_format``: a JSON schema (or any JSON object) the target
-holds the output to (``grammar``). Every validation failure becomes ``ApiError`` (400), never a
-422.
+400 naming the parameter. Tools, tool choices and the messages of a tool call are typed here
+(``specsplit.api.tools`` renders and parses them), and so is ``response_format``: a JSON schema
+(or any JSON object) the target holds the output to (``grammar``). Every validation failure
+becomes ``ApiError`` (400), never a 422.
 """
 
 from __future__ import annotations
@@ -216,8 +215,8 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = Field(default=None, max_length=65536)
     parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model as sent
-    # honoured where the calls are held to the schemas ("required", a named function); with
-    # "auto" a 400 (specsplit.api.tools.plan)
+    # honoured: with "auto" a strict function makes the answer's calls held to the schemas (a
+    # lazy grammar, specsplit.api.tools.plan); "required" and a named function always are
     strict: bool | None = None
 
 class Tool(BaseModel):

@@ -7,11 +7,14 @@ OpenAI's ``tool_calls``:
 
 - ``tool_choice`` "auto" (the default with tools): the model decides, unconstrained (OpenAI
   warns the same of its models without strict mode: arguments may not fit the schema), so a
-  block that is not a call (not JSON, no name) comes back as text, and a strict function is a
-  400. "none": the tools are not shown, so the answer is text. "required" or a named function:
-  the assistant's turn begins with the call's opening (``<tool_call>\n{"name": "``, or
-  ``<tool_call>\n{"name": "NAME", "arguments": ``), counted in the prompt's tokens, and the
-  rest is held to the tools' schemas (``calls_grammar``: the target's constrained decoding).
+  block that is not a call (not JSON, no name) comes back as text. With a strict function the
+  answer is held to a lazy grammar instead: free text that never spells the opening tag, each
+  opening tag beginning a call held to the tools' schemas; a bare call object (below) counts
+  only when its arguments fit. "none": the tools are not shown, so the answer is text.
+  "required" or a named function: the assistant's turn begins with the call's opening
+  (``<tool_call>\n{"name": "``, or ``<tool_call>\n{"name": "NAME", "arguments": ``), counted in
+  the prompt's tokens, and the rest is held to the tools' schemas (``calls_grammar``: the
+  target's constrained decoding).
 - Small models do not always close the tags: a block still open when the answer ends is a call
   when its body is one (as vLLM's Hermes parser takes it), and an answer that is nothing but a
   call object naming one of the tools, bare or in a ```json fence, is that call (as llama.cpp's
@@ -29,8 +32,10 @@ every split). No torch, no sockets.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas import GrammarSpec
@@ -49,15 +54,17 @@ def template_takes_tools(template: str | None) -> bool:
 @dataclass(frozen=True)
 class ToolPlan:
     """How one request's choices use tools: the tools shown, the turn's forced opening, whether
-    one call ends the answer."""
+    one call ends the answer, and the grammar that holds the calls to the tools' schemas."""
 
     tools: list[dict]
     prefill: str = ""
     single: bool = False
-    grammar: GrammarSpec | None = None  # "required" or a named function: the calls held to the tools' schemas
+    grammar: GrammarSpec | None = None  # "required", a named function, or "auto" with a strict one
+    strict: bool = False  # "auto" with a strict function: a bare call object counts only when it fits
 
     def parser(self) -> CallParser:
-        return CallParser(self.prefill, self.single, frozenset(t["function"]["name"] for t in self.tools))
+        fits = ArgumentCheck(self.tools) if self.strict else None
+        return CallParser(self.prefill, self.single, frozenset(t["function"]["name"] for t in self.tools), fits)
 
 
 def plan(req: ChatCompletionRequest, special: frozenset[str] = frozenset()) -> ToolPlan | None:
@@ -73,17 +80,19 @@ def plan(req: ChatCompletionRequest, special: frozenset[str] = frozenset()) -> T
         return ToolPlan(shown, prefill, single, calls_grammar(req, special, name))
     if req.tool_choice == "required":
         return ToolPlan(shown, f'{OPEN}\n{{"name": "', single, calls_grammar(req, special))
-    if any(t.function.strict for t in req.tools):
-        raise ApiError(400, 'a strict function is enforced only with tool_choice "required" or a named function',
-                       param="tools")
+    if any(t.function.strict for t in req.tools):  # "auto": free text, and calls held to the schemas
+        return ToolPlan(shown, "", single, calls_grammar(req, special, lazy=True), strict=True)
     return ToolPlan(shown, "", single)
 
 
-def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: str | None = None) -> GrammarSpec:
-    """The rest of the assistant's turn after a forced opening, as a Lark grammar (llguidance's):
-    for a named function its arguments (the function's JSON schema) and the closing tag; for
-    "required", a call of one of the tools, its arguments fitting that tool's schema, then (with
-    parallel calls) more calls. The model's end token follows. 400 naming ``tools`` when a
+def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: str | None = None,
+                  lazy: bool = False) -> GrammarSpec:
+    """A Lark grammar (llguidance's) of what follows the turn's forced opening. For a named
+    function: its arguments (the function's JSON schema) and the closing tag. For "required": a
+    call of one of the tools, its arguments fitting that tool's schema, then (with parallel
+    calls) more calls. ``lazy`` ("auto" with a strict function, no opening): free text that never
+    spells the opening tag, where each opening tag begins such a call (a lazy grammar: the text
+    is unconstrained, the calls are). The model's end token follows. 400 naming ``tools`` when a
     schema cannot be enforced."""
     def tag(t: str) -> str:  # the tokenizer's own token where it has one, else the text
         return t if t in special else json.dumps(t)
@@ -103,14 +112,55 @@ def calls_grammar(req: ChatCompletionRequest, special: frozenset[str], named: st
             calls.append(json.dumps(fn.name + '", "arguments": ') + f" args{i} {close}")
         else:  # after '"arguments": ': its arguments
             rules.insert(0, f"start: args{i} {close}")
-    if named is None:
-        reopen = " ".join([json.dumps("\n"), tag(OPEN), json.dumps('\n{"name": "')])
-        rules[:0] = ["start: call" + ("" if req.parallel_tool_calls is False else " more*"),
-                     "call: " + " | ".join(calls), f"more: {reopen} call"]
+    head, nl = json.dumps('\n{"name": "'), json.dumps("\n")
+    many = "?" if req.parallel_tool_calls is False else "*"
+    if lazy:
+        # TEXT: any text but the opening tag's; where the tag is one token, the text ends at it,
+        # else a lazy lexeme ends the text at the tag's first occurrence
+        text = r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + OPEN + r"(.|\n)*/"
+        opened = [f"tagged: TEXT {OPEN} {head} call"] if OPEN in special else \
+            [f"tagged: opened {head} call", f"opened[lazy]: /(.|\\n)*/ {json.dumps(OPEN)}"]
+        rules[:0] = [f"start: tagged{many} TEXT", *opened, "call: " + " | ".join(calls), text]
+    elif named is None:
+        rules[:0] = [f"start: call more{many}", "call: " + " | ".join(calls), f"more: {nl} {tag(OPEN)} {head} call"]
     text = "\n".join(rules) + "\n"
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ApiError(400, f"the tools' schemas make a grammar over {MAX_GRAMMAR_CHARS} characters", param="tools")
     return GrammarSpec(kind="lark", text=text)
+
+
+class ArgumentCheck:
+    """Whether a call's arguments fit its tool's schema (llguidance over the JSON's bytes, so
+    no model's tokenizer is needed): for calls no grammar held, under a strict function."""
+
+    def __init__(self, shown: list[dict]) -> None:
+        self._schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+                         for t in shown}
+
+    def __call__(self, call: ParsedCall) -> bool:
+        from llguidance import LLMatcher
+
+        schema = self._schemas.get(call.name)
+        if schema is None:
+            return False
+        data = list(call.arguments.encode())
+        m = LLMatcher(_byte_tokenizer(), LLMatcher.grammar_from_json_schema(json.dumps(schema)), log_level=0)
+        return m.validate_tokens(data) == len(data) and m.consume_tokens(data) and m.is_accepting()
+
+
+@functools.cache
+def _byte_tokenizer():
+    """An llguidance tokenizer whose tokens are the 256 bytes (and an end token)."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    class Bytes:
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+        tokens = [bytes([b]) for b in range(256)] + [b"\xff[end]"]
+
+        def __call__(self, text: bytes | str) -> list[int]:
+            return list(text.encode() if isinstance(text, str) else text)
+
+    return LLTokenizer(TokenizerWrapper(Bytes()), slices=[])
 
 
 def has_tool_turns(req: ChatCompletionRequest) -> bool:
@@ -208,11 +258,13 @@ def _bare_call(text: str, names: frozenset[str]) -> ParsedCall | None:
 class CallParser:
     """One choice's text deltas in, (text, calls) out (see the module docstring). ``prefill`` is
     the turn's forced opening: parsed first, it shows no text. ``names``: the tools shown, which an
-    answer that is nothing but a call object may name (held back while it may be one). ``ended``:
+    answer that is nothing but a call object may name (held back while it may be one), and which
+    counts only when ``fits`` (if given) says its arguments fit the tool's schema. ``ended``:
     with ``single``, the first call was made, and the generation should end."""
 
-    def __init__(self, prefill: str = "", single: bool = False, names: frozenset[str] = frozenset()) -> None:
-        self.single, self.names = single, names
+    def __init__(self, prefill: str = "", single: bool = False, names: frozenset[str] = frozenset(),
+                 fits: Callable[[ParsedCall], bool] | None = None) -> None:
+        self.single, self.names, self.fits = single, names, fits
         self.calls: list[ParsedCall] = []
         self.ended = False
         self._buf = ""  # text not settled yet: a block's body so far, or a tail that may begin one
@@ -246,7 +298,7 @@ class CallParser:
         if self._start is not None:
             held, self._start = self._start, None
             call = _bare_call(held, self.names)
-            if call is not None:
+            if call is not None and (self.fits is None or self.fits(call)):
                 self.calls.append(call)
                 self.ended = True
                 return "", [call]
