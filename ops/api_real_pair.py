@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -150,6 +151,28 @@ def main(argv=None) -> int:
     finally:
         stop_fleet(proc)
     return report_checks(report, tmp, args.json)
+
+
+def new_report(**extra) -> dict:
+    """A real-pair report's header: the machine, the date, and ``extra``."""
+    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "checks": [],
+            "date": time.strftime("%Y-%m-%d"), **extra}
+
+
+@contextlib.contextmanager
+def served_fleet(prefix: str, report: dict):
+    """The default fleet under honcho, healthy: yields (the API's url, an ``openai`` client, the
+    fleet's folder), the served model's name in ``report``; stopped on the way out."""
+    from openai import OpenAI
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    proc, url = start_fleet(tmp)
+    try:
+        wait_health(url, proc)
+        report["model"] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        yield url, OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600), tmp
+    finally:
+        stop_fleet(proc)
 
 
 def stop_fleet(proc: subprocess.Popen) -> None:

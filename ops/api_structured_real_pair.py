@@ -25,19 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ops.api_real_pair import check, report_checks, start_fleet, stop_fleet, wait_health
+from ops.api_real_pair import check, new_report, report_checks, served_fleet
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -205,21 +200,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
-    from openai import OpenAI
-
     from specsplit.api.tokenizer import ServedTokenizer
     from specsplit.models import ModelSettings, resolve_model_paths
 
     tok = ServedTokenizer(resolve_model_paths(ModelSettings()).target)
-    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "checks": [],
-              "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens}
-    tmp = Path(tempfile.mkdtemp(prefix="specsplit-api-structured-"))
-    proc, url = start_fleet(tmp)
-    try:
-        wait_health(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        report["model"] = model
-        sync = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    report = new_report(max_new_tokens=args.max_new_tokens)
+    with served_fleet("specsplit-api-structured-", report) as (_, sync, tmp):
+        model = report["model"]
         ref = Reference()
         results: dict[str, dict] = {}
         for name, messages, extra in CASES:
@@ -244,8 +231,6 @@ def main(argv=None) -> int:
         check(report, "parallel_tool_calls false makes one call", len(calls["parallel_tool_calls false"]) == 1
               and results["parallel_tool_calls false"]["finish"] == "tool_calls")
         run_json(sync, ref, tok, model, max(args.max_new_tokens, 160), report)
-    finally:
-        stop_fleet(proc)
     return report_checks(report, tmp, args.json)
 
 

@@ -43,6 +43,7 @@ from schemas.messages import (
     FlatTree,
     GrammarSpec,
     GenerateDone,
+    Logprobs,
     GenerateRequest,
     Heartbeat,
     Message,

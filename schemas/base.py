@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Absolute protocol limits (PROTOCOL.md, "Limits").
 MAX_TREE_NODES = 256
@@ -25,6 +25,7 @@ MAX_GROWN_DEPTH = 2 * MAX_TREE_DEPTH  # growth reaches twice a tree's depth
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
 Round = Annotated[int, Field(ge=0, lt=2**53)]
+MAX_TOP_LOGPROBS = 20  # alternatives a position's log-probabilities may list (OpenAI's top_logprobs cap)
 HexNonce = Annotated[str, Field(max_length=128, pattern=r"^[0-9a-f]*$")]  # hex; routers require >= 32 digits
 HexMac = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]  # HMAC-SHA256, hex
 
@@ -57,3 +58,38 @@ class Message(BaseModel):
     takes an int only: no strings, bools or floats coerced; PROTOCOL.md, "Errors")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+LOGPROB_FLOOR = -9999.0  # a token of no probability (OpenAI's value; JSON has no -inf)
+
+
+class Logprobs(Message):
+    """Log-probabilities of a list of tokens (a reply's or a chunk's, aligned with it) under the
+    target's distribution at each of them: the log-softmax of its logits, before temperature,
+    top-p/top-k and any grammar (vLLM's raw log-probabilities), floored at LOGPROB_FLOOR.
+    ``token``: each chosen token's; ``top_ids``/``top``: each position's most likely tokens, most
+    likely first (as many as asked; empty rows when none were)."""
+
+    token: list[Annotated[float, Field(ge=LOGPROB_FLOOR, le=0.0)]] = Field(max_length=MAX_CONTEXT_TOKENS)
+    top_ids: list[Annotated[list[TokenId], Field(max_length=MAX_TOP_LOGPROBS)]] = Field(max_length=MAX_CONTEXT_TOKENS)
+    top: list[Annotated[list[Annotated[float, Field(ge=LOGPROB_FLOOR, le=0.0)]], Field(max_length=MAX_TOP_LOGPROBS)]] \
+        = Field(max_length=MAX_CONTEXT_TOKENS)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Logprobs:
+        if not len(self.token) == len(self.top_ids) == len(self.top):
+            raise ValueError("token, top_ids and top must be as long as each other")
+        if any(len(i) != len(v) for i, v in zip(self.top_ids, self.top)):
+            raise ValueError("each row of top_ids and top must be as long as the other")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def __getitem__(self, cut: slice) -> Logprobs:
+        return Logprobs(token=self.token[cut], top_ids=self.top_ids[cut], top=self.top[cut])
+
+    @classmethod
+    def join(cls, parts: list[Logprobs]) -> Logprobs:
+        return cls(token=[x for p in parts for x in p.token], top_ids=[x for p in parts for x in p.top_ids],
+                   top=[x for p in parts for x in p.top])

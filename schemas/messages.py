@@ -21,12 +21,14 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     MAX_GROWN_NODES,
     MAX_SESSION_ID_LEN,
     MAX_TEXT_LEN,
+    MAX_TOP_LOGPROBS,
     MAX_TREE_DEPTH,
     MAX_TREE_NODES,
     RETRYABLE_BY_DEFAULT,
     ErrorCode,
     HexMac,
     HexNonce,
+    Logprobs,
     Message,
     Round,
     SessionId,
@@ -297,11 +299,14 @@ class VerifyRequest(Message):
     confirm: bool = False
     confirmed_len: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_TOKENS + 1)
     grammar: GrammarSpec | None = None  # constrained decoding (no SpecPV with it)
+    # report the log-probabilities of the tokens the round commits, with this many alternatives
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
-    def _grammar_alone(self) -> VerifyRequest:
-        if self.grammar is not None and (self.specpv is not None or self.confirmed_len is not None):
-            raise ValueError("a grammar is verified against the full cache: no specpv, no confirmed_len")
+    def _full_verification(self) -> VerifyRequest:
+        if (self.grammar is not None or self.logprobs is not None) and \
+                (self.specpv is not None or self.confirmed_len is not None):
+            raise ValueError("a grammar or logprobs are verified against the full cache: no specpv, no confirmed_len")
         return self
 
 
@@ -338,9 +343,12 @@ class VerifyReply(Message):
     # a grammar's session: the tokens the grammar forces after the bonus (llguidance's
     # fast-forward tokens), which the orchestrator proposes in the next round's tree
     forced_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_FORCED_TOKENS)
+    logprobs: Logprobs | None = None  # asked for: of accepted_token_ids + [bonus_token_id]
 
     @model_validator(mode="after")
     def _batch(self) -> VerifyReply:
+        if self.logprobs is not None and len(self.logprobs) != len(self.accepted_token_ids) + 1:
+            raise ValueError("logprobs must cover the accepted tokens and the bonus")
         # every session brings at least its root; this one at least its root and accepted nodes
         if self.batch_tokens and (self.batch_tokens < self.batch_size
                                   or self.batch_tokens <= len(self.accepted_token_ids)):
@@ -436,6 +444,8 @@ class GenerateRequest(Message):
     # a resumed generation: prompt_token_ids[output_from:] is output an earlier session generated
     # (the grammar holds from there); None: all of prompt_token_ids is the prompt
     output_from: int | None = Field(default=None, ge=1)
+    # stream the log-probabilities of the output (with this many alternatives; no SpecPV with it)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _output_in_prompt(self) -> GenerateRequest:
@@ -451,6 +461,7 @@ class TokenChunk(Message):
     round: Round
     token_ids: list[TokenId]
     accepted: int = 0
+    logprobs: Logprobs | None = None  # asked for: of token_ids
 
 
 class GenerateDone(Message):

@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from schemas import (
     Cancel, CodecError, ErrorReply, GenerateDone, GenerateRequest, GrammarSpec, Heartbeat, Message, SamplingSpec,
-    SpecPVSpec, TokenChunk, TreeSpec, pack_frames, unpack_frames,
+    Logprobs, SpecPVSpec, TokenChunk, TreeSpec, pack_frames, unpack_frames,
 )
 from brokers.curve import HANDSHAKE_FAILURES, CurveKeys, handshake_failure
 from specsplit.logs import get_logger
@@ -92,6 +92,7 @@ class GenerationResult:
     accepted_per_pos: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the target copied from its prefix cache (GenerateDone)
     chunks: list[int] = field(default_factory=list)  # tokens per streamed chunk
+    logprobs: Logprobs | None = None  # asked for: of token_ids (GenerateDone)
 
     @property
     def tokens_per_s(self) -> float:
@@ -316,17 +317,21 @@ class SpecSplitClient:
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), session_id: str | None = None,
         on_tokens: Callable[[list[int]], None] | None = None, specpv: SpecPVSpec | None = None,
-        grammar: GrammarSpec | None = None, output_from: int | None = None,
+        grammar: GrammarSpec | None = None, output_from: int | None = None, logprobs: int | None = None,
+        on_logprobs: Callable[[Logprobs], None] | None = None,
     ) -> GenerationResult:
         """``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
-        there on are output already generated (a resumed generation; see GenerateRequest)."""
+        there on are output already generated (a resumed generation; see GenerateRequest).
+        ``logprobs``: the output's log-probabilities with this many alternatives (the result's
+        ``logprobs``; each chunk's to ``on_logprobs``, called before ``on_tokens``)."""
         sid = session_id or uuid.uuid4().hex
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
                               sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
-                              specpv=specpv, grammar=grammar, output_from=output_from)
+                              specpv=specpv, grammar=grammar, output_from=output_from, logprobs=logprobs)
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")
+        parts: list[Logprobs] = []  # asked for: each chunk's
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
@@ -337,6 +342,10 @@ class SpecSplitClient:
                             res.first_token_s = time.perf_counter() - t0
                         res.token_ids.extend(msg.token_ids)
                         res.chunks.append(len(msg.token_ids))
+                        if msg.logprobs is not None:
+                            parts.append(msg.logprobs)
+                            if on_logprobs:
+                                on_logprobs(msg.logprobs)
                         if on_tokens:
                             on_tokens(msg.token_ids)
                     elif isinstance(msg, GenerateDone):
@@ -347,6 +356,8 @@ class SpecSplitClient:
                         res.orchestrator_first_token_ms = msg.first_token_ms
                         res.accepted_per_pos = list(msg.accepted_per_pos)
                         res.cached_tokens = msg.cached_tokens
+                        if logprobs is not None:  # the chunks' (GenerateDone carries none: it could grow past a body)
+                            res.logprobs = Logprobs.join(parts)
                         break
                     elif isinstance(msg, ErrorReply):
                         raise GenerationError(msg)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import zmq.asyncio
 
-from schemas import ErrorCode, ErrorReply, GrammarSpec, SamplingSpec, TreeSpec
+from schemas import ErrorCode, ErrorReply, GrammarSpec, Logprobs, SamplingSpec, TreeSpec
 from brokers.curve import CurveKeys
 from brokers.rendezvous import ROUTE_SEP
 from specsplit.client import GenerationError, GenerationResult, OrchestratorLost, OrchestratorRefused, SpecSplitClient
@@ -100,8 +100,11 @@ class OrchestratorPool:
     async def generate(
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), on_tokens: Callable[[list[int]], None] | None = None,
-        session_group: str | None = None, grammar: GrammarSpec | None = None,
+        session_group: str | None = None, grammar: GrammarSpec | None = None, logprobs: int | None = None,
+        on_logprobs: Callable[[Logprobs], None] | None = None,
     ) -> GenerationResult:
+        """``SpecSplitClient.generate`` on a live orchestrator, resumed on another where one is
+        lost: ``on_tokens`` / ``on_logprobs`` see every token once, and the result holds them all."""
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -118,6 +121,13 @@ class OrchestratorPool:
             if on_tokens is not None:
                 on_tokens(tokens)
 
+        parts: list[Logprobs] = []  # asked for: of the tokens streamed, across resumes
+
+        def seen_logprobs(part: Logprobs) -> None:
+            parts.append(part)
+            if on_logprobs is not None:
+                on_logprobs(part)
+
         while True:
             client = await self._pick(deadline, avoid=client)
             wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
@@ -129,7 +139,8 @@ class OrchestratorPool:
                     sid = f"{session_group}{ROUTE_SEP}{uuid.uuid4().hex}" if session_group else None
                     res = await client.generate(prompt + received, max_new_tokens=max_new_tokens - len(received),
                                                 sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen,
-                                                session_id=sid, grammar=grammar,
+                                                session_id=sid, grammar=grammar, logprobs=logprobs,
+                                                on_logprobs=seen_logprobs,
                                                 output_from=len(prompt) if grammar is not None and received else None)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
@@ -174,6 +185,8 @@ class OrchestratorPool:
             if wait_s:
                 await asyncio.sleep(min(wait_s, max(0.0, deadline - time.monotonic())))
         total.token_ids, total.resumes = received, resumes
+        if logprobs is not None:
+            total.logprobs = Logprobs.join(parts)
         total.elapsed_s = time.perf_counter() - t0
         return total
 

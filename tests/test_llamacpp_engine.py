@@ -434,3 +434,25 @@ def test_logits_are_float32_on_cpu(lm):
         lm.seq_rm(5)
     assert out.dtype == np.float32 and out.shape == (1, lm.vocab_size)
     assert torch.from_numpy(out).isfinite().all()
+
+
+def test_logprobs_are_the_rows_the_round_was_decided_on(lm):
+    """``logprobs`` on the llama.cpp target: the committed tokens' log-softmax from the tree's own
+    logits (each at its parent node), and those are the model's after each path alone, within
+    llama.cpp's shape rounding."""
+    eng = LlamaTargetEngine(lm, EngineLimits(max_sessions=2, max_session_tokens=256))
+    log = _capture_logits(eng)
+    ref = greedy_decode(lm, PROMPT, 4)
+    tree = _tree_along(ref, PROMPT[-1], "chain")
+    reply = eng.handle(VerifyRequest(session_id="lp", round=0, sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                                     tree=tree, logprobs=3))
+    assert isinstance(reply, VerifyReply) and len(reply.logprobs) == len(reply.accepted_token_ids) + 1
+    eng.handle(EndSession(session_id="lp"))
+    rows = torch.log_softmax(torch.from_numpy(log["lp"]), dim=-1)
+    nodes = [0, *reply.accepted_nodes]  # each committed token's parent
+    for k, (node, t) in enumerate(zip(nodes, [*reply.accepted_token_ids, reply.bonus_token_id])):
+        assert reply.logprobs.token[k] == pytest.approx(float(rows[node, t]), abs=1e-4)
+        assert reply.logprobs.top_ids[k] == rows[node].topk(3).indices.tolist()
+        path = [tree.token_ids[i] for i in path_to(node, tree.parents)[1:]]
+        alone = torch.log_softmax(torch.from_numpy(_path_logits(lm, PROMPT + path)), -1)
+        assert abs(reply.logprobs.token[k] - float(alone[t])) < TOLERANCE

@@ -138,6 +138,46 @@ def test_a_session_failed_after_streaming_resumes_after_what_it_streamed():
     assert b.requests[-1].prompt_token_ids == [1, 2, 3, *full[:4]] and b.requests[-1].max_new_tokens == 16
 
 
+def test_logprobs_follow_their_tokens_across_a_resume():
+    """Each chunk's log-probabilities reach ``on_logprobs`` and the result, aligned with the
+    tokens, through a resume after an orchestrator died mid-stream."""
+    from schemas import Logprobs
+
+    def lp(toks):
+        return Logprobs(token=[-t / 100 for t in toks], top_ids=[[t] for t in toks], top=[[-t / 100] for t in toks])
+
+    async def with_logprobs(orch, req, send, upto=None):
+        toks = continuation(req)[:upto]
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks, logprobs=lp(toks)))
+        if upto is None:
+            await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="length"))
+        else:
+            await orch.received.wait()
+            orch.sock.close(linger=0)
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        a = FakeOrchestrator(ctx, lambda o, r, s: with_logprobs(o, r, s, upto=6))
+        b = FakeOrchestrator(ctx, with_logprobs)
+        parts = []
+        try:
+            async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=10, timeout_s=20) as pool:
+                assert await pool.ping(5.0)
+                while len(pool.live) < 2:
+                    await asyncio.sleep(0.05)
+                res = await pool.generate([1, 2, 3], max_new_tokens=20, logprobs=1, on_logprobs=parts.append,
+                                          on_tokens=lambda _: a.received.set())
+                return res, parts, a
+        finally:
+            await a.close()
+            await b.close()
+            ctx.term()
+
+    res, parts, a = asyncio.run(run())
+    assert res.resumes == 1 and len(res.token_ids) == 20 and a.requests[0].logprobs == 1
+    assert res.logprobs == lp(res.token_ids) == Logprobs.join(parts)
+
+
 def test_cancelled_is_resumed_not_returned():
     async def cancel_after_3(orch, req, send):
         toks = continuation(req)[:3]

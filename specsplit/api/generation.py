@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from schemas import ErrorCode, GrammarSpec, SamplingSpec
+from specsplit.api.logprobs import LogprobTrail, TokenLogprob
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.textstream import ChoiceText
@@ -35,6 +36,7 @@ class Job:
     group: str | None = None  # its sessions' routing group (``brokers.rendezvous.route_key``), or None
     tools: ToolPlan | None = None  # the request's tools: calls are parsed out of the text
     grammar: GrammarSpec | None = None  # the output held to it (response_format)
+    logprobs: int | None = None  # the tokens' log-probabilities asked for, with this many alternatives
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Delta:
     index: int
     text: str
     calls: tuple[ParsedCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text this delta completes
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Done:
     speculative: dict
     cached_tokens: int = 0  # of the prompt, from the target's prefix cache
     calls: tuple[ParsedCall, ...] = ()  # found in the last of the text
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the last of the tokens
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class _Choice:
     task: asyncio.Task | None = None
     streamed: list[int] = field(default_factory=list)
     parser: CallParser | None = None
+    trail: LogprobTrail | None = None  # logprobs asked for
 
     @property
     def stopped(self) -> bool:
@@ -84,7 +89,11 @@ class _Choice:
         return self.text.stopped or (self.parser is not None and self.parser.ended)
 
     def push(self, ids: list[int]) -> tuple[str, tuple[ParsedCall, ...]]:
-        text = self.text.push(ids)
+        if self.trail is not None:
+            text, spans = self.text.push_each(ids)
+            self.trail.tokens(ids, spans)
+        else:
+            text = self.text.push(ids)
         if self.parser is None:
             return text, ()
         text, calls = self.parser.feed(text)
@@ -106,7 +115,8 @@ class Generation:
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops),
-                                parser=job.tools.parser() if job.tools else None)
+                                parser=job.tools.parser() if job.tools else None,
+                                trail=LogprobTrail(self.stop_token_ids) if job.logprobs is not None else None)
                         for job in jobs]
         self.open = len(self.choices)
 
@@ -138,7 +148,8 @@ class Generation:
         try:
             res = await self.pool.generate(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
                                            stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t),
-                                           session_group=job.group, grammar=job.grammar)
+                                           session_group=job.group, grammar=job.grammar, logprobs=job.logprobs,
+                                           on_logprobs=c.trail.add if c.trail is not None else None)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.stopped:  # our own cut at a stop string or a call: a normal end
@@ -174,24 +185,36 @@ class Generation:
         c.streamed.extend(tokens)
         m.generation_tokens.inc(len(tokens))
         delta, calls = c.push(tokens)
-        if delta or calls:
-            self.events.put_nowait(Delta(c.job.index, delta, calls))
+        released = self._released(c)
+        if delta or calls or released:
+            self.events.put_nowait(Delta(c.job.index, delta, calls, released))
         if c.stopped and c.task is not None and not c.cut:
             c.cut = True
             c.task.cancel()  # ends the session on the orchestrator and the workers (Cancel)
 
+    @staticmethod
+    def _released(c: _Choice, end: bool = False) -> tuple[TokenLogprob, ...]:
+        if c.trail is None:
+            return ()
+        if end or c.text.stopped:
+            return tuple(c.trail.finish(c.text.length))
+        return tuple(c.trail.release(c.text.emitted))
+
     def _finish(self, c: _Choice, res: GenerationResult | None) -> str:
         if res is not None and len(res.token_ids) > len(c.streamed):  # tokens that came only with the end
+            if c.trail is not None and res.logprobs is not None:
+                c.trail.add(res.logprobs[len(c.streamed):])
             self._on_tokens(c, res.token_ids[len(c.streamed):])
         stopped = c.stopped
         tail, calls = c.finish()
+        released = self._released(c, end=True)
         reason = "stop" if stopped or res is None else res.finish_reason
         if reason == "stop" and c.parser is not None and c.parser.calls:
             reason = "tool_calls"
         spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)
         self.metrics.prompt_tokens.inc(len(c.job.prompt_ids))
         self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec,
-                                    res.cached_tokens if res is not None else 0, calls))
+                                    res.cached_tokens if res is not None else 0, calls, released))
         return reason
 
 

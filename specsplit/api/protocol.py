@@ -1,13 +1,13 @@
 """The OpenAI request bodies the API accepts, and its error type. No torch, no sockets.
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
-ignored. Parameters the fleet cannot honour exactly (log-probabilities, penalties, logit bias,
-the deprecated ``functions``, echo, best_of, suffix) are accepted only at the value that means
-"off" (what OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a
-400 naming the parameter. Tools, tool choices and the messages of a tool call are typed here
+ignored. Parameters the fleet cannot honour exactly (penalties, logit bias, the deprecated
+``functions``, echo, best_of, suffix) are accepted only at the value that means "off" (what
+OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a 400 naming
+the parameter. Tools, tool choices and the messages of a tool call are typed here
 (``specsplit.api.tools`` renders and parses them), and so is ``response_format``: a JSON schema
-(or any JSON object) the target holds the output to (``grammar``). Every validation failure
-becomes ``ApiError`` (400), never a 422.
+(or any JSON object) the target holds the output to (``grammar``); ``logprobs`` per endpoint
+(``logprobs_asked``). Every validation failure becomes ``ApiError`` (400), never a 422.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas import GrammarSpec, SamplingSpec
-from schemas.messages import MAX_GRAMMAR_CHARS
+from schemas.messages import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -32,8 +32,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # parameter -> the values that mean "off" (accepted, honoured exactly by doing nothing)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -134,9 +132,10 @@ class _Request(BaseModel):
     # OpenAI's cache hint: requests with the same key (a conversation's turns) go to the same
     # workers, whose prefix caches hold what they share (Job.group)
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
-    # accepted at their "off" value only (UNSUPPORTED)
+    # the output's log-probabilities: typed per endpoint (``logprobs_asked``)
     logprobs: Any = None
     top_logprobs: Any = None
+    # accepted at their "off" value only (UNSUPPORTED)
     frequency_penalty: Any = None
     presence_penalty: Any = None
     repetition_penalty: Any = None
@@ -155,6 +154,7 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self):
+        self.logprobs_asked  # noqa: B018  (a 400 naming the parameter when malformed)
         for name, off in UNSUPPORTED.items():
             value = getattr(self, name, None)
             if not any(value == o and type(value) is type(o) or value is o for o in off):
@@ -173,9 +173,16 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _top_count(value: Any, param: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be an integer from 0 to {MAX_TOP_LOGPROBS}", param=param)
+    return value
+
+
 class CompletionRequest(_Request):
     """POST /v1/completions: ``prompt`` is a string, a list of strings, a list of token ids, or a
-    list of lists of token ids; each prompt gets ``n`` choices."""
+    list of lists of token ids; each prompt gets ``n`` choices. ``logprobs``: how many of the most
+    likely tokens to list beside each token's log-probability (off: absent, null or false)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
@@ -191,6 +198,13 @@ class CompletionRequest(_Request):
         if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
             raise ValueError("a token-id prompt must not be empty")
         return v
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: none asked."""
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat parameter: send logprobs=N here", param="top_logprobs")
+        return None if self.logprobs is None or self.logprobs is False else _top_count(self.logprobs, "logprobs")
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""
@@ -314,6 +328,17 @@ class ChatCompletionRequest(_Request):
     @property
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """``logprobs: true``: each token's log-probability, with ``top_logprobs`` alternatives."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ApiError(400, "logprobs must be a boolean", param="logprobs")
+        if self.top_logprobs is not None and self.logprobs is not True:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs is not True:
+            return None
+        return 0 if self.top_logprobs is None else _top_count(self.top_logprobs, "top_logprobs")
 
 
 def parse(cls: type[_Request], body: Any) -> _Request:

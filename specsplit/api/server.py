@@ -30,6 +30,7 @@ from starlette.routing import Route
 from schemas import SamplingSpec
 from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
+from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, grammar_of, parse
 from specsplit.api.state import ApiState
@@ -124,7 +125,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         for j in range(req.n):
             k = p * req.n + j
             jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group,
-                            tool_plan, grammar))
+                            tool_plan, grammar, req.logprobs_asked))
     return jobs
 
 
@@ -132,8 +133,9 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
 class Responder:
     """OpenAI's response and chunk shapes for one request (completion or chat)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, logprobs: int | None = None, piece: Piece | None = None) -> None:
+        """``logprobs``: asked for (``piece`` names a token: its text and bytes)."""
+        self.chat, self.model, self.asked, self.piece = chat, model, logprobs, piece
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -144,30 +146,39 @@ class Responder:
             out["usage"] = usage
         return out
 
-    def full(self, done: dict[int, Done], texts: dict[int, str], calls: dict[int, list] | None = None) -> dict:
+    def logprobs(self, entries) -> dict | None:
+        """A choice's (or a chunk's) ``logprobs``: None when not asked for."""
+        if self.asked is None:
+            return None
+        return (chat_logprobs if self.chat else completion_logprobs)(list(entries), self.piece)
+
+    def full(self, done: dict[int, Done], texts: dict[int, str], calls: dict[int, list] | None = None,
+             logprobs: dict[int, list] | None = None) -> dict:
         choices = []
         for i in sorted(done):
             d = done[i]
+            lp = self.logprobs((logprobs or {}).get(i, ()))
             if self.chat:
                 made = (calls or {}).get(i)
                 message = {"role": "assistant", "content": texts[i] or (None if made else texts[i])}
                 if made:
                     message["tool_calls"] = [call.message() for call in made]
-                c = {"index": i, "message": message, "logprobs": None, "finish_reason": d.finish_reason}
+                c = {"index": i, "message": message, "logprobs": lp, "finish_reason": d.finish_reason}
             else:
-                c = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": d.finish_reason}
+                c = {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": d.finish_reason}
             choices.append({**c, "speculative": d.speculative})
         return self._envelope(self.object, choices, usage(done))
 
     def chunk(self, index: int, text: str | None, finish: Done | None = None, *, first: bool = False,
-              include_usage: bool = False, calls=()) -> dict:
+              include_usage: bool = False, calls=(), logprobs=()) -> dict:
+        lp = self.logprobs(logprobs) if logprobs else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
             if calls:
                 delta["tool_calls"] = [call.delta() for call in calls]
-            c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
         else:
-            c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
+            c = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": None}
         if finish is not None:
             c["finish_reason"] = finish.finish_reason
             c["speculative"] = finish.speculative
@@ -235,7 +246,7 @@ async def run_generation(request: Request, state: ApiState, req, prompts: list[l
                        type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
     if not state.pool.live:
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
-    responder = Responder(chat, state.model_name)
+    responder = Responder(chat, state.model_name, req.logprobs_asked, state.tokenizer.token_piece)
     gen = Generation(state.pool, state.tokenizer.decode, jobs, state.tokenizer.stop_token_ids, state.metrics)
     state.inflight += len(jobs)
     gen.start()
@@ -282,6 +293,7 @@ async def _collect(request: Request, gen: Generation, responder: Responder) -> d
     watcher = asyncio.ensure_future(watch_disconnect(request))
     texts: dict[int, str] = {j.index: "" for j in (c.job for c in gen.choices)}
     calls: dict[int, list] = {i: [] for i in texts}
+    logprobs: dict[int, list] = {i: [] for i in texts}
     done: dict[int, Done] = {}
     try:
         while True:
@@ -297,11 +309,12 @@ async def _collect(request: Request, gen: Generation, responder: Responder) -> d
                 raise ev.error
             texts[ev.index] += ev.text
             calls[ev.index].extend(ev.calls)
+            logprobs[ev.index].extend(ev.logprobs)
             if isinstance(ev, Done):
                 done[ev.index] = ev
     finally:
         watcher.cancel()
-    return responder.full(done, texts, calls)
+    return responder.full(done, texts, calls, logprobs)
 
 
 async def stream_events(gen: Generation, first, responder: Responder, req, release):
@@ -318,8 +331,8 @@ async def stream_events(gen: Generation, first, responder: Responder, req, relea
             if isinstance(ev, Failed):
                 yield sse(ev.error.body())
                 break
-            if ev.text:
-                yield sse(responder.chunk(ev.index, ev.text, include_usage=include))
+            if ev.text or ev.logprobs:
+                yield sse(responder.chunk(ev.index, ev.text, include_usage=include, logprobs=ev.logprobs))
             if ev.calls:
                 yield sse(responder.chunk(ev.index, None, include_usage=include, calls=ev.calls))
             if isinstance(ev, Done):

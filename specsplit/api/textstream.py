@@ -122,6 +122,29 @@ class ChoiceText:
     def push(self, ids: Sequence[int]) -> str:
         return self.matcher.feed(self.decoder.push(ids)) if not self.stopped else ""
 
+    def push_each(self, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+        """``push``, one id at a time: also where each id's text lies in the text fed so far
+        ((start, end); a character split over ids belongs to the id that completes it)."""
+        if self.stopped:
+            return "", [(len(self.matcher.text), len(self.matcher.text))] * len(ids)
+        at, pieces, spans = len(self.matcher.text), [], []
+        for t in ids:
+            piece = self.decoder.push([t])
+            spans.append((at, at + len(piece)))
+            pieces.append(piece)
+            at += len(piece)
+        return self.matcher.feed("".join(pieces)), spans
+
+    @property
+    def emitted(self) -> int:
+        """Characters of text returned so far."""
+        return self.matcher.emitted
+
+    @property
+    def length(self) -> int:
+        """Characters of the text so far (cut at a stop string once one is found)."""
+        return len(self.matcher.text)
+
     def finish(self) -> str:
         if self.stopped:
             return ""

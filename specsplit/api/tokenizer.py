@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,24 @@ from specsplit.models.presets import DEFAULT_PRESET, TINY_NAME, get_preset
 from specsplit.models.pull import is_provisioned
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MAX_PIECES = 65536  # tokens whose text and bytes token_piece keeps
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's map: printable bytes as themselves, the others
+    shifted past U+0100) -> the bytes they stand for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + shift)] = b
+            shift += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def keep_torch_out() -> None:
@@ -93,6 +112,7 @@ class ServedTokenizer:
         self.stop_token_ids = sorted(self._stop_ids())
         self.added_tokens = frozenset(self.tok.get_added_vocab())  # e.g. "<tool_call>": one token each
         self.vocab_size = len(self.tok)
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, bounded (MAX_PIECES)
 
     def _stop_ids(self) -> set[int]:
         """The tokenizer's eos and the generation config's end ids (as ``specsplit produce``)."""
@@ -121,3 +141,25 @@ class ServedTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token alone: its text (a character it holds only part of shows as U+FFFD) and its
+        bytes (OpenAI's ``bytes``: the parts of such a character), for logprobs."""
+        hit = self._pieces.get(token_id)
+        if hit is None:
+            hit = self._pieces[token_id] = (self.tok.decode([token_id]), self._token_bytes(token_id))
+            while len(self._pieces) > MAX_PIECES:
+                self._pieces.pop(next(iter(self._pieces)))
+        return hit
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return b""
+        if piece in self.added_tokens:
+            return piece.encode()
+        if all(ch in _BYTE_OF for ch in piece):  # byte-level BPE (GPT-2's, Qwen's, Llama 3's)
+            return bytes(_BYTE_OF[ch] for ch in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary

@@ -22,7 +22,7 @@ from specsplit.engine.sampling import argmax_rows, make_generator
 from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
 from specsplit.engine.target_batch import fused, verify_batch
-from specsplit.engine.verify import Outcome, Verdict, greedy_verdict, verify_greedy, verify_sampling
+from specsplit.engine.verify import Outcome, Verdict, greedy_verdict, logprobs_of, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
 from specsplit.models.int8 import prompt_attention_name
 from specsplit.tree import TreeLayout, validate_tree
@@ -112,6 +112,7 @@ class TargetEngine(Engine):
             batch_size=batch_size,
             cached_tokens=out.cached,
             forced_token_ids=list(out.verdict.forced) or None,
+            logprobs=out.verdict.logprobs,
         )
 
     def with_prefix(self, session: Session, req: VerifyRequest) -> VerifyRequest:
@@ -324,13 +325,18 @@ class TargetEngine(Engine):
                argmax: list[int] | None = None, *, session: Session | None = None) -> Verdict:
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
         computed for several sessions at once). With a grammar, from the logits it allows
-        (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path."""
+        (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path.
+        With ``logprobs`` asked, the committed tokens' log-probabilities (``verify.logprobs_of``)."""
         if req.grammar is not None:
-            logits = self.grammars.constrain(session, req, layout, logits)
-            verdict = self._decide(req, layout, logits, None)
+            masked = self.grammars.constrain(session, req, layout, logits)
+            verdict = self._decide(req, layout, masked, None)
             self.grammars.accepted(session, req, verdict.path)
-            return dataclasses.replace(verdict, forced=self.grammars.forced_after(session, verdict.bonus))
-        return self._decide(req, layout, logits, argmax)
+            verdict = dataclasses.replace(verdict, forced=self.grammars.forced_after(session, verdict.bonus))
+        else:
+            verdict = self._decide(req, layout, logits, argmax)
+        if req.logprobs is not None:  # of the raw logits, as vLLM's: before the grammar's mask
+            verdict = dataclasses.replace(verdict, logprobs=logprobs_of(req.tree, logits, verdict, req.logprobs))
+        return verdict
 
     def _decide(self, req: VerifyRequest, layout: TreeLayout, logits: torch.Tensor, argmax: list[int] | None) -> Verdict:
         if req.sampling.greedy:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas import FlatTree, SamplingSpec
+from schemas import FlatTree, Logprobs, SamplingSpec
+from schemas.base import LOGPROB_FLOOR
 from specsplit.engine import sampling as S
 from specsplit.tree import TreeLayout, path_to
 
@@ -24,6 +25,7 @@ class Verdict:
     path: list[int]  # accepted node indices, root (0) first
     bonus: int  # token sampled/argmaxed after the last accepted node
     forced: tuple[int, ...] = ()  # a grammar's session: the tokens it forces after the bonus
+    logprobs: Logprobs | None = None  # asked for: of the accepted tokens and the bonus (``logprobs_of``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,20 @@ class Outcome:
     confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
     forward_tokens: int = 0  # new tokens the round forwarded (buffered, sync and tree; 0: unknown)
     cached: int = 0  # sync tokens copied from the prefix cache instead (Engine.take_prefix)
+
+
+def logprobs_of(tree: FlatTree, logits: torch.Tensor, verdict: Verdict, top: int) -> Logprobs:
+    """The log-probabilities of the tokens ``verdict`` commits (its accepted nodes', then the
+    bonus), each under the target's raw distribution at its parent node (logits [N, V], before
+    any processing), with the ``top`` most likely tokens there. Computed on the logits' device
+    for the path's rows only; two host copies."""
+    dev = logits.device
+    tokens = [*(tree.token_ids[i] for i in verdict.path[1:]), verdict.bonus]
+    lp = torch.log_softmax(logits.index_select(0, torch.tensor(verdict.path, device=dev)).float(), dim=-1)  # [L, V]
+    chosen = lp.gather(1, torch.tensor(tokens, device=dev).unsqueeze(1))  # [L, 1]
+    values, ids = lp.topk(top, dim=-1) if top else (chosen[:, :0], chosen[:, :0].long())
+    rows = torch.cat([chosen, values], 1).clamp_min(LOGPROB_FLOOR).tolist()
+    return Logprobs(token=[r[0] for r in rows], top_ids=ids.tolist(), top=[r[1:] for r in rows])
 
 
 def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> Verdict:

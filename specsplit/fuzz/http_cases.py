@@ -144,6 +144,8 @@ class Builder:
         n = g.choice([1, 1, 1, 2])
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens or g.randint(1, 4), "n": n}
         self.sampling(body)
+        if g.random() < 0.15:
+            body["logprobs"] = g.choice([0, 2, 20])
         self._stream(body, stream)
         prompts = len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
         return Draft(COMPLETIONS, body, expect={200}, shape="completion", choices=n * prompts)
@@ -158,6 +160,10 @@ class Builder:
         for name in g.choice([["max_tokens"], ["max_completion_tokens"], ["max_tokens", "max_completion_tokens"]]):
             body[name] = budget
         self.sampling(body)
+        if g.random() < 0.15:
+            body["logprobs"] = True
+            if g.random() < 0.5:
+                body["top_logprobs"] = g.choice([0, 3, 20])
         self._stream(body, stream)
         return Draft(CHAT, body, expect={200}, shape="chat")
 

@@ -21,7 +21,7 @@ import structlog
 
 from schemas import (
     MAX_TREE_DEPTH, EndSession, ErrorCode, ErrorReply, FlatTree, GenerateDone, GenerateRequest, Message,
-    SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
+    Logprobs, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec, VerifyReply, VerifyRequest,
 )
 from specsplit.logs import get_logger
 from specsplit.orchestrator import rounds
@@ -103,8 +103,9 @@ class SessionActor:
         self.sid = req.session_id
         self.tree = req.tree or policy.tree
         self.sampling: SamplingSpec = req.sampling
-        # a grammar is verified against the full cache: its sessions run without SpecPV
-        self.specpv: SpecPVSpec | None = None if req.grammar is not None else req.specpv or policy.specpv
+        # a grammar and logprobs are verified against the full cache: their sessions run without SpecPV
+        full = req.grammar is not None or req.logprobs is not None
+        self.specpv: SpecPVSpec | None = None if full else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
         # a resumed grammar's session: its output (which the grammar holds) began before this prompt's end
         self.cur = SessionCursor(list(req.prompt_token_ids),
@@ -216,7 +217,7 @@ class SessionActor:
             if got.stream is not None:
                 self._first_token(len(got.stream))
                 self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=got.stream,
-                                     accepted=len(reply.accepted_token_ids)))
+                                     accepted=len(reply.accepted_token_ids), logprobs=self._logprobs(reply, got)))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
             if self.metrics is not None:
                 self.metrics.observe_round(got.count, self.cur.rolled_back, timing.wall_ms / 1e3)
@@ -230,6 +231,16 @@ class SessionActor:
             if got.done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
+
+    def _logprobs(self, reply: VerifyReply, got: rounds.Committed) -> Logprobs | None:
+        """The log-probabilities of the tokens this round streams (asked for): without SpecPV
+        they are the first of the tokens it committed, whose the target reported."""
+        if self.req.logprobs is None:
+            return None
+        if reply.logprobs is None or len(reply.logprobs) != len(got.new) or got.stream != got.new[:len(got.stream)]:
+            raise SessionFailed("the target reported no log-probabilities for the committed tokens "
+                                "(a target that predates them?)")
+        return reply.logprobs[:len(got.stream)]
 
     def _once_sent(self, rp: rounds.RoundPlan, cands: rounds.Candidates) -> _Sent:
         """Runs ``rounds.verifying`` right after the verify request leaves (a loop callback: the
@@ -315,7 +326,7 @@ class SessionActor:
             sync = self.cur.target_sync(self.req.grammar is not None)
             return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=self.sampling,
                                  specpv=self.specpv, confirm=confirm, confirmed_len=self.cur.confirmed if self.exact else None,
-                                 grammar=self.req.grammar)
+                                 grammar=self.req.grammar, logprobs=self.req.logprobs)
 
         reply = await self.call(self.target_rpc, build, self._reset_target)
         if self.cached_tokens is None and isinstance(reply, VerifyReply):

@@ -1,0 +1,134 @@
+"""Log-probabilities through the HTTP API as people ask for them: ``honcho start`` of the
+repository's Procfile and .env (tiny fp32 pair), the official ``openai`` client; chat
+(``logprobs``, ``top_logprobs``) and completions (``logprobs=N``), whole and streamed.
+
+Each listed token is a token of the answer, in order, their bytes spelling its text; each
+log-probability and alternative is the target's at that position (full re-forwards of prompt +
+answer); end tokens are not listed; a stop string lists the tokens whose text begins before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, tiny_pair
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny):  # tiny first: it provisions the pair the fleet loads
+    yield from api_fleet(tmp_path_factory)
+
+
+def reference(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(out)], dim=-1)
+
+
+def check_position(tok, row: torch.Tensor, token_id: int, logprob: float, top: list[tuple[str, float]]) -> None:
+    assert abs(logprob - float(row[token_id])) < 1e-4
+    values, ids = row.topk(len(top))
+    assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-4)
+    if len(top) < 2 or float((values[1:] - values[:-1]).abs().min()) > 1e-4:  # no tie to reorder them
+        assert [t for t, _ in top] == [tok.token_piece(i)[0] for i in ids.tolist()]
+
+
+def same(a, b) -> bool:
+    """Equal JSON values, floats to 1e-4."""
+    if hasattr(a, "model_dump"):
+        a, b = a.model_dump(), b.model_dump()
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return isinstance(b, (int, float)) and abs(a - b) < 1e-4
+    return a == b
+
+
+def test_chat_logprobs_are_the_targets_whole_and_streamed(fleet, tiny):
+    model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Say something."}]
+    ids = tok.encode_chat(messages)
+    generated = expected(model, tok, ids, 40)
+    out = [t for t in generated if t not in tok.stop_token_ids]
+    client = openai_client(fleet)
+    body = {"model": "tiny-v1", "messages": messages, "max_tokens": 40, "temperature": 0, "logprobs": True,
+            "top_logprobs": TOP}
+    whole = client.chat.completions.create(**body)
+    content = whole.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.token_piece(t)[0] for t in out]
+    text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert text == whole.choices[0].message.content == tok.decode(out)
+    for e, t, row in zip(content, out, reference(model, ids, out)):
+        check_position(tok, row, t, e.logprob, [(x.token, x.logprob) for x in e.top_logprobs])
+        assert all(bytes(x.bytes) == x.token.encode() or "\ufffd" in x.token for x in e.top_logprobs)
+    streamed = [e for chunk in client.chat.completions.create(**body, stream=True) if chunk.choices
+                for e in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+    assert same(streamed, content)  # (another run: its trees may differ, so its sums in the last bits)
+    plain = client.chat.completions.create(**{**body, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+
+def test_completion_logprobs_with_a_stop_string(fleet, tiny):
+    """The legacy shape (tokens, token_logprobs, top_logprobs maps that hold the chosen token,
+    text_offset); a stop string chosen to begin inside a token."""
+    model, tok, _ = tiny
+    prompt = tok.encode("The weather today")
+    out = [t for t in expected(model, tok, prompt, 32) if t not in tok.stop_token_ids]
+    pieces = [tok.decode(out[:k]) for k in range(len(out) + 1)]
+    # a stop string from inside the 6th token's text on (or the first multi-character one after it)
+    k = next(i for i in range(5, len(out)) if len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    cut = len(pieces[k]) + 1
+    stop = pieces[-1][cut:cut + 3]
+    assert len(stop) == 3 and pieces[-1].find(stop) == cut
+    client = openai_client(fleet)
+    body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": TOP, "stop": [stop]}
+    whole = client.completions.create(**body)
+    choice = whole.choices[0]
+    assert choice.text == pieces[-1][:cut]
+    lp = choice.logprobs
+    assert lp.tokens == [tok.token_piece(t)[0] for t in out[:k + 1]]  # the last one: its text cut by the stop
+    # where each token's text begins in the answer (a token holding part of a character: where
+    # that character begins); where the text before it decodes whole, its length
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(choice.text)
+    assert all(offsets[i] == len(pieces[i]) for i in range(k + 1) if "\ufffd" not in pieces[i + 1])
+    checked = 0
+    for i, (t, row) in enumerate(zip(out, reference(model, prompt, out[:k + 1]))):
+        top = lp.top_logprobs[i]
+        names = [tok.token_piece(j)[0] for j in {*row.topk(TOP).indices.tolist(), t}]
+        if len(set(names)) < len(names):  # two tokens of one text share a key of the map
+            continue
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        check_position(tok, row, t, lp.token_logprobs[i], sorted(top.items(), key=lambda kv: -kv[1])[:TOP])
+        checked += 1
+    assert checked >= 3
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**body, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            for key in streamed:
+                streamed[key] += getattr(chunk.choices[0].logprobs, key)
+    assert same(streamed, lp.model_dump())
+
+
+def test_bad_logprobs_are_a_400_naming_them(fleet):
+    chat = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}]}
+    api_error(post_json(fleet, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
+              param="top_logprobs")
+    api_error(post_json(fleet, "/v1/chat/completions", {**chat, "top_logprobs": 1}), 400, param="top_logprobs")
+    api_error(post_json(fleet, "/v1/chat/completions", {**chat, "logprobs": "yes"}), 400, param="logprobs")
+    ok = {"model": "tiny-v1", "prompt": "hi", "max_tokens": 2}
+    api_error(post_json(fleet, "/v1/completions", {**ok, "logprobs": -1}), 400, param="logprobs")
+    api_error(post_json(fleet, "/v1/completions", {**ok, "logprobs": 2.5}), 400, param="logprobs")
+    fine = post_json(fleet, "/v1/completions", {**ok, "logprobs": 0})
+    assert fine.status_code == 200 and len(fine.json()["choices"][0]["logprobs"]["tokens"]) <= 2, fine.text
