@@ -33,7 +33,7 @@ QUESTIONS = [
 TOP = 5
 
 
-def plain_logprobs(ref: Reference, tok, ids: list[int], max_new: int) -> tuple[list[int], list]:
+def plain_logprobs(ref: Reference, tok, ids: list[int], max_new: int, sid: str) -> tuple[list[int], list]:
     """The target engine's plain decoding (a one-node tree a round) with logprobs: (tokens, rows)."""
     from schemas import CacheSync, ErrorReply, VerifyRequest
     from specsplit.orchestrator.state import root_only
@@ -41,7 +41,7 @@ def plain_logprobs(ref: Reference, tok, ids: list[int], max_new: int) -> tuple[l
     committed, cached, out, rows = list(ids), 0, [], []
     for rnd in range(max_new):
         sync = CacheSync(base_len=cached, append_token_ids=committed[cached:-1])
-        reply = ref.target.engine.handle(VerifyRequest(session_id=f"plain-{len(ids)}", round=rnd, sync=sync,
+        reply = ref.target.engine.handle(VerifyRequest(session_id=sid, round=rnd, sync=sync,
                                                        tree=root_only(committed[-1]), logprobs=TOP))
         assert not isinstance(reply, ErrorReply), reply
         cached = reply.cache_len
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         worst = {"token": 0.0, "top": 0.0}
         for i, messages in enumerate(QUESTIONS):
             ids = tok.encode_chat(messages)
-            want, rows = plain_logprobs(ref, tok, ids, args.max_new_tokens)
+            want, rows = plain_logprobs(ref, tok, ids, args.max_new_tokens, f"plain-{i}")
             shown = [(t, r) for t, r in zip(want, rows) if t not in tok.stop_token_ids]
             body = {"model": model, "messages": messages, "max_tokens": args.max_new_tokens, "temperature": 0,
                     "logprobs": True, "top_logprobs": TOP}
