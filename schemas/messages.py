@@ -37,16 +37,25 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
 
 
 class SamplingSpec(Message):
-    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off. The
+    penalties (None: off) are vLLM's: repetition on the prompt's and the output's tokens, then
+    frequency and presence on the output's (PROTOCOL.md, "Penalties")."""
 
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_DIST_SUPPORT * 1024)
     seed: int = Field(default=0, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty not in (None, 1.0)
 
 
 MAX_GRAMMAR_CHARS = 65536
@@ -304,9 +313,10 @@ class VerifyRequest(Message):
 
     @model_validator(mode="after")
     def _full_verification(self) -> VerifyRequest:
-        if (self.grammar is not None or self.logprobs is not None) and \
-                (self.specpv is not None or self.confirmed_len is not None):
-            raise ValueError("a grammar or logprobs are verified against the full cache: no specpv, no confirmed_len")
+        held = self.grammar is not None or self.logprobs is not None or self.sampling.penalized
+        if held and (self.specpv is not None or self.confirmed_len is not None):
+            raise ValueError("a grammar, logprobs or penalties are verified against the full cache: no specpv, "
+                             "no confirmed_len")
         return self
 
 

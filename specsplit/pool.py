@@ -113,6 +113,8 @@ class OrchestratorPool:
         resumes, delay, client, overloaded, answered = 0, self.backoff_s, None, 0, False
 
         attempt: list[int] = []  # the tokens the current attempt streamed
+        # where the output began matters to a grammar and to penalties: a resume says it (output_from)
+        on_output = grammar is not None or (sampling is not None and sampling.penalized)
 
         def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
             attempt.extend(tokens)
@@ -141,7 +143,7 @@ class OrchestratorPool:
                                                 sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen,
                                                 session_id=sid, grammar=grammar, logprobs=logprobs,
                                                 on_logprobs=seen_logprobs,
-                                                output_from=len(prompt) if grammar is not None and received else None)
+                                                output_from=len(prompt) if on_output and received else None)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

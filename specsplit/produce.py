@@ -11,6 +11,8 @@ orchestrator=N`` binds them). Requests are spread over the live ones; a request 
 dies, hangs or stops is resumed from the tokens already received (``specsplit.pool``), so greedy
 answers equal an uninterrupted run. Only finished answers ("stop" / "length") are printed; a
 prompt that could not be finished is reported on stderr and makes the exit code 1.
+``--json-schema FILE`` holds every answer to a JSON Schema (the target's constrained decoding);
+``--logprobs N`` adds each answer token's log-probability and N alternatives to ``--json`` rows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from schemas import SamplingSpec
+from pydantic import ValidationError
+
+from schemas import GrammarSpec, SamplingSpec
+from schemas.messages import MAX_TOP_LOGPROBS
 from specsplit.api.textstream import IncrementalDecoder
 
 
@@ -76,12 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equal to the target's greedy decoding)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    for name, help_ in (("presence", "-2 to 2, 0: off"), ("frequency", "-2 to 2, 0: off"),
+                        ("repetition", "above 0, 1: off")):
+        p.add_argument(f"--{name}-penalty", type=float, default=None, help=f"vLLM's {name} penalty ({help_})")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed of prompt i is SEED + i (as the HTTP API seeds n choices); "
                         "unset: a fresh random seed per prompt")
     p.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                    help="apply the model's chat template (auto: when the tokenizer has one)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="hold every answer to this JSON Schema (docs/operations.md, JSON output)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N most likely alternatives (0-20)")
     p.add_argument("--orchestrator", default=None,
                    help="comma list of addresses; default: SPECSPLIT_ORCHESTRATOR (+ SPECSPLIT_ORCHESTRATOR_COUNT ports)")
     p.add_argument("--wait-s", type=float, default=600.0, help="wait this long for the fleet to answer a ping")
@@ -98,9 +110,26 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     if not prompts:
         print("specsplit produce: no prompts", file=sys.stderr)
         return 2
+    try:
+        grammar = read_schema(args.json_schema) if args.json_schema else None
+    except ValueError as exc:
+        print(f"specsplit produce: --json-schema: {exc}", file=sys.stderr)
+        return 2
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
+        print(f"specsplit produce: --logprobs must be 0 to {MAX_TOP_LOGPROBS}", file=sys.stderr)
+        return 2
     def sampling(i: int) -> SamplingSpec:
         seed = secrets.randbits(63) if args.seed is None else (args.seed + i) % 2**63
-        return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed)
+        return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
+
+    try:
+        sampling(0)
+    except ValidationError as exc:  # e.g. a penalty out of its range
+        err = exc.errors()[0]
+        print(f"specsplit produce: --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2
 
     stream = args.concurrency == 1 and not args.json
     sem = asyncio.Semaphore(max(1, args.concurrency))
@@ -127,7 +156,8 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
                     on_tokens = lambda toks: print(text.push(toks), end="", flush=True)  # noqa: E731
                 try:
                     res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling(i),
-                                              stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens)
+                                              stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens,
+                                              grammar=grammar, logprobs=args.logprobs)
                     if stream:
                         print(text.finish(), end="", flush=True)
                 except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:
@@ -145,6 +175,16 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
         wall = time.perf_counter() - t0
     summary(results, wall)
     return 1 if failures else 0
+
+
+def read_schema(path: str) -> GrammarSpec:
+    """A JSON Schema file as the grammar of the answers (ValueError: not JSON)."""
+    text = Path(path).read_text()
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    return GrammarSpec(kind="json_schema", text=text)
 
 
 async def wait_until_serving(pool, probe_ids: list[int], wait_s: float) -> bool:
@@ -178,6 +218,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
             "finish_reason": res.finish_reason, "new_tokens": len(res.token_ids), "tok_per_s": res.tokens_per_s,
             "rounds": res.rounds, "resumes": res.resumes, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
             "elapsed_s": res.elapsed_s, **request_figures(res),
+            **({"logprobs": res.logprobs.model_dump()} if res.logprobs is not None else {}),
         }), flush=True)
     elif not streamed:
         print(f"\n=== prompt {i}: {prompt[:80]!r}\n{text}", flush=True)

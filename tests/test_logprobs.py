@@ -12,17 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from schemas import (
-    CacheSync,
-    FlatTree,
-    GenerateDone,
-    GenerateRequest,
-    Logprobs,
-    SamplingSpec,
-    SpecPVSpec,
-    TokenChunk,
-    TreeSpec,
-    VerifyReply,
-    VerifyRequest,
+    CacheSync, FlatTree, GenerateDone, GenerateRequest, Logprobs, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec,
+    VerifyReply, VerifyRequest,
 )
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine

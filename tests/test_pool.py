@@ -70,10 +70,12 @@ async def serve_all(orch, req, send):
     await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="length"))
 
 
-async def _run(behave_a, n=20, **pool_kw):
+async def _run(behave_a, n=20, behave_b=serve_all, seen: list | None = None, gen: dict | None = None, **pool_kw):
+    """``pool.generate`` over orchestrators a and b (``seen`` gets the tokens streamed, ``gen``:
+    more arguments of generate)."""
     ctx = zmq.asyncio.Context()
     a = FakeOrchestrator(ctx, behave_a)
-    b = FakeOrchestrator(ctx, serve_all)
+    b = FakeOrchestrator(ctx, behave_b)
     try:
         # liveness: 1 s of silence (a busy box may stall the loop for a while; the hung orchestrator
         # is noticed a little later, as it should be)
@@ -83,8 +85,13 @@ async def _run(behave_a, n=20, **pool_kw):
             while len(pool.live) < 2:
                 await asyncio.sleep(0.05)
             # both idle: the first attempt goes to a (the first of equals)
-            res = await pool.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[1000],
-                                      on_tokens=lambda _: a.received.set())
+            def on_tokens(tokens):
+                a.received.set()
+                if seen is not None:
+                    seen.extend(tokens)
+
+            res = await pool.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[1000], on_tokens=on_tokens,
+                                      **(gen or {}))
             return res, a, b
     finally:
         await a.close()
@@ -118,21 +125,7 @@ def test_a_session_failed_after_streaming_resumes_after_what_it_streamed():
         await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
         await send(ErrorReply.of(ErrorCode.NO_WORKER, "gave up", session_id=req.session_id))
 
-    async def run():
-        ctx = zmq.asyncio.Context()
-        a, b = FakeOrchestrator(ctx, fail_after_4), FakeOrchestrator(ctx, serve_all)
-        try:
-            async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=10, timeout_s=20) as pool:
-                assert await pool.ping(5.0)
-                while len(pool.live) < 2:
-                    await asyncio.sleep(0.05)
-                return await pool.generate([1, 2, 3], max_new_tokens=20, on_tokens=seen.extend), b
-        finally:
-            await a.close()
-            await b.close()
-            ctx.term()
-
-    res, b = asyncio.run(run())
+    res, _, b = asyncio.run(_run(fail_after_4, seen=seen))
     full = continuation(GenerateRequest(session_id="x", prompt_token_ids=[1, 2, 3], max_new_tokens=20))
     assert res.token_ids == full == seen and res.resumes == 1
     assert b.requests[-1].prompt_token_ids == [1, 2, 3, *full[:4]] and b.requests[-1].max_new_tokens == 16
@@ -155,25 +148,9 @@ def test_logprobs_follow_their_tokens_across_a_resume():
             await orch.received.wait()
             orch.sock.close(linger=0)
 
-    async def run():
-        ctx = zmq.asyncio.Context()
-        a = FakeOrchestrator(ctx, lambda o, r, s: with_logprobs(o, r, s, upto=6))
-        b = FakeOrchestrator(ctx, with_logprobs)
-        parts = []
-        try:
-            async with OrchestratorPool([a.addr, b.addr], ctx=ctx, heartbeat_s=0.1, liveness=10, timeout_s=20) as pool:
-                assert await pool.ping(5.0)
-                while len(pool.live) < 2:
-                    await asyncio.sleep(0.05)
-                res = await pool.generate([1, 2, 3], max_new_tokens=20, logprobs=1, on_logprobs=parts.append,
-                                          on_tokens=lambda _: a.received.set())
-                return res, parts, a
-        finally:
-            await a.close()
-            await b.close()
-            ctx.term()
-
-    res, parts, a = asyncio.run(run())
+    parts: list = []
+    res, a, _ = asyncio.run(_run(lambda o, r, s: with_logprobs(o, r, s, upto=6), behave_b=with_logprobs,
+                                 gen={"logprobs": 1, "on_logprobs": parts.append}))
     assert res.resumes == 1 and len(res.token_ids) == 20 and a.requests[0].logprobs == 1
     assert res.logprobs == lp(res.token_ids) == Logprobs.join(parts)
 

@@ -192,6 +192,52 @@ def test_e_produce_cli_json(fleet, target_model):
     assert "TOTAL 2 prompts" in out.stderr
 
 
+def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tmp_path):
+    """``--json-schema FILE`` holds the answer to it (greedy decoding masked to the schema, the
+    oracle of tests/test_grammar.py) and ``--logprobs 2`` adds the target's log-probabilities of
+    the answer's tokens (full re-forward) to the JSON row; a schema that is not JSON exits 2."""
+    import torch
+
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.engine.grammar import GrammarBook
+    from tests.test_grammar import masked_greedy
+
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 3,
+              "x-guidance": {"whitespace_flexible": False}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "bad.json").write_text("{not json")
+    cmd = [sys.executable, "-m", "specsplit", "produce", "Colours:", "--json", "--max-new-tokens", "24",
+           "--logprobs", "2", "--orchestrator", fleet.orchestrator]
+    out = subprocess.run([*cmd, "--json-schema", str(tmp_path / "schema.json")], capture_output=True, text=True,
+                         timeout=180, env=fleet.env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    tok = ServedTokenizer(tiny_paths["target"])
+    book = GrammarBook.for_model(tok.tok, tiny_paths["target"], target_model.config.vocab_size)
+    assert row["token_ids"] == masked_greedy(target_model, book, row["prompt_token_ids"], 24, tok.stop_token_ids,
+                                             schema)
+    assert set(json.loads(tok.decode(row["token_ids"]))) <= {"red", "green", "blue"}
+    with torch.no_grad():
+        logits = target_model(torch.tensor([row["prompt_token_ids"] + row["token_ids"]])).logits[0].float()
+    rows = torch.log_softmax(logits[len(row["prompt_token_ids"]) - 1:-1], dim=-1)
+    lp = row["logprobs"]
+    assert len(lp["token"]) == len(row["token_ids"]) and all(len(r) == 2 for r in lp["top_ids"])
+    want = rows.gather(1, torch.tensor(row["token_ids"]).unsqueeze(1))[:, 0]
+    assert torch.allclose(torch.tensor(lp["token"]), want, atol=1e-4)
+    bad = subprocess.run([*cmd, "--json-schema", str(tmp_path / "bad.json")], capture_output=True, text=True,
+                         timeout=180, env=fleet.env)
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    # penalties: plain greedy decoding with them (tests/test_penalties.py's oracle)
+    from tests.test_penalties import penalized_greedy
+
+    out = subprocess.run([*cmd[:-4], "--presence-penalty", "-2", "--frequency-penalty", "0.5", "--orchestrator",
+                          fleet.orchestrator], capture_output=True, text=True, timeout=180, env=fleet.env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    want = penalized_greedy(target_model, row["prompt_token_ids"], len(row["token_ids"]), -2.0, 0.5)
+    assert row["token_ids"] == want and "logprobs" not in row
+
+
 def test_f_sampling_reproducible_through_fleet(fleet):
     ps = prompts(3, seed=5)
     s = SamplingSpec(temperature=0.8, top_p=0.95, seed=11)

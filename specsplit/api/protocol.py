@@ -1,10 +1,9 @@
 """The OpenAI request bodies the API accepts, and its error type. No torch, no sockets.
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
-ignored. Parameters the fleet cannot honour exactly (penalties, logit bias, the deprecated
-``functions``, echo, best_of, suffix) are accepted only at the value that means "off" (what
-OpenAI's SDKs send as defaults, e.g. ``frequency_penalty: 0``); any other value is a 400 naming
-the parameter. Tools, tool choices and the messages of a tool call are typed here
+ignored. Parameters the fleet cannot honour exactly (logit bias, the deprecated ``functions``,
+echo, best_of, suffix) are accepted only at the value that means "off" (what OpenAI's SDKs send
+as defaults, e.g. ``best_of: 1``); any other value is a 400 naming the parameter. Tools, tool choices and the messages of a tool call are typed here
 (``specsplit.api.tools`` renders and parses them), and so is ``response_format``: a JSON schema
 (or any JSON object) the target holds the output to (``grammar``); ``logprobs`` per endpoint
 (``logprobs_asked``). Every validation failure becomes ``ApiError`` (400), never a 422.
@@ -32,9 +31,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # parameter -> the values that mean "off" (accepted, honoured exactly by doing nothing)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -135,10 +131,11 @@ class _Request(BaseModel):
     # the output's log-probabilities: typed per endpoint (``logprobs_asked``)
     logprobs: Any = None
     top_logprobs: Any = None
+    # vLLM's penalties (OpenAI's two, and repetition_penalty, vLLM's extension): the target's
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     # accepted at their "off" value only (UNSUPPORTED)
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
     logit_bias: Any = None
     response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
 

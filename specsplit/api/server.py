@@ -88,7 +88,9 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                        seed=0 if seed is None else seed)
+                        seed=0 if seed is None else seed, presence_penalty=req.presence_penalty or None,
+                        frequency_penalty=req.frequency_penalty or None,
+                        repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 
 
 def seeds(req, count: int) -> list[int]:

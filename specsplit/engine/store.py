@@ -36,6 +36,7 @@ class Session:
     reused: int = 0  # tokens the last request copied from the prefix cache
     dropped: bool = False  # removed after a failure: its cache is not to be trusted
     grammar: object = None  # the grammar's state of a constrained session (engine.grammar.SessionGrammar)
+    penalties: object = None  # a penalized session's committed tokens (engine.penalties.PenaltyState)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

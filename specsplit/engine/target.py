@@ -16,11 +16,12 @@ from collections.abc import Sequence
 import torch
 
 from schemas import ErrorCode, Message, VerifyReply, VerifyRequest
+from specsplit.engine import penalties
 from specsplit.engine.base import Engine, is_device_failure
 from specsplit.engine.masks import TreeInputs, positions, tree_visibility
 from specsplit.engine.sampling import argmax_rows, make_generator
-from specsplit.engine.store import Session
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
+from specsplit.engine.store import Session
 from specsplit.engine.target_batch import fused, verify_batch
 from specsplit.engine.verify import Outcome, Verdict, greedy_verdict, logprobs_of, verify_greedy, verify_sampling
 from specsplit.errors import SpecError
@@ -325,15 +326,21 @@ class TargetEngine(Engine):
                argmax: list[int] | None = None, *, session: Session | None = None) -> Verdict:
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
         computed for several sessions at once). With a grammar, from the logits it allows
-        (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path.
+        (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path;
+        with penalties, from the penalized logits (``penalties.penalize``).
         With ``logprobs`` asked, the committed tokens' log-probabilities (``verify.logprobs_of``)."""
+        scores = logits
+        if req.sampling.penalized:  # (``argmax`` was of the unpenalized rows)
+            scores, argmax = penalties.penalize(session, req, layout, logits), None
         if req.grammar is not None:
-            masked = self.grammars.constrain(session, req, layout, logits)
+            masked = self.grammars.constrain(session, req, layout, scores)
             verdict = self._decide(req, layout, masked, None)
             self.grammars.accepted(session, req, verdict.path)
             verdict = dataclasses.replace(verdict, forced=self.grammars.forced_after(session, verdict.bonus))
         else:
-            verdict = self._decide(req, layout, logits, argmax)
+            verdict = self._decide(req, layout, scores, argmax)
+        if scores is not logits:
+            penalties.accepted(session, req, verdict.path)
         if req.logprobs is not None:  # of the raw logits, as vLLM's: before the grammar's mask
             verdict = dataclasses.replace(verdict, logprobs=logprobs_of(req.tree, logits, verdict, req.logprobs))
         return verdict

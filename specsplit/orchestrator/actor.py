@@ -103,13 +103,16 @@ class SessionActor:
         self.sid = req.session_id
         self.tree = req.tree or policy.tree
         self.sampling: SamplingSpec = req.sampling
-        # a grammar and logprobs are verified against the full cache: their sessions run without SpecPV
-        full = req.grammar is not None or req.logprobs is not None
+        # a grammar, penalties (both on the output: the target is told where it begins) and logprobs
+        # are verified against the full cache: their sessions run without SpecPV
+        self.on_output = req.grammar is not None or req.sampling.penalized
+        full = self.on_output or req.logprobs is not None
         self.specpv: SpecPVSpec | None = None if full else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
-        # a resumed grammar's session: its output (which the grammar holds) began before this prompt's end
+        # a resumed session: its output (which the grammar holds, or the penalties count) began
+        # before this prompt's end
         self.cur = SessionCursor(list(req.prompt_token_ids),
-                                 prompt_len=req.output_from if req.grammar is not None and req.output_from else -1)
+                                 prompt_len=req.output_from if self.on_output and req.output_from else -1)
         self.stats = RoundStats()
         self.out: list[int] = []
         self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
@@ -323,7 +326,7 @@ class SessionActor:
     # ---- one request each, with recovery --------------------------------------------------
     async def _verify(self, rnd: int, tree: FlatTree, confirm: bool = False) -> VerifyReply:
         def build():
-            sync = self.cur.target_sync(self.req.grammar is not None)
+            sync = self.cur.target_sync(self.on_output)
             return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=self.sampling,
                                  specpv=self.specpv, confirm=confirm, confirmed_len=self.cur.confirmed if self.exact else None,
                                  grammar=self.req.grammar, logprobs=self.req.logprobs)

@@ -1,10 +1,12 @@
-"""Log-probabilities through the HTTP API as people ask for them: ``honcho start`` of the
-repository's Procfile and .env (tiny fp32 pair), the official ``openai`` client; chat
-(``logprobs``, ``top_logprobs``) and completions (``logprobs=N``), whole and streamed.
+"""Log-probabilities and penalties through the HTTP API as people ask for them: ``honcho
+start`` of the repository's Procfile and .env (tiny fp32 pair), the official ``openai`` client;
+chat (``logprobs``, ``top_logprobs``) and completions (``logprobs=N``), whole and streamed.
 
 Each listed token is a token of the answer, in order, their bytes spelling its text; each
 log-probability and alternative is the target's at that position (full re-forwards of prompt +
 answer); end tokens are not listed; a stop string lists the tokens whose text begins before it.
+With ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty`` the answer is plain
+greedy decoding with those penalties (tests/test_penalties.py's oracle).
 """
 
 from __future__ import annotations
@@ -132,3 +134,25 @@ def test_bad_logprobs_are_a_400_naming_them(fleet):
     api_error(post_json(fleet, "/v1/completions", {**ok, "logprobs": 2.5}), 400, param="logprobs")
     fine = post_json(fleet, "/v1/completions", {**ok, "logprobs": 0})
     assert fine.status_code == 200 and len(fine.json()["choices"][0]["logprobs"]["tokens"]) <= 2, fine.text
+
+
+def test_penalties_give_greedy_decoding_with_them(fleet, tiny):
+    from tests.test_penalties import penalized_greedy
+
+    model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Say something."}]
+    ids = tok.encode_chat(messages)
+    client = openai_client(fleet)
+    for penalties in ({"presence_penalty": -2.0, "frequency_penalty": 0.5},
+                      {"frequency_penalty": 0.4, "extra_body": {"repetition_penalty": 3.0}}):
+        extra = penalties.pop("extra_body", {})
+        want = penalized_greedy(model, ids, 24, penalties.get("presence_penalty"), penalties.get("frequency_penalty"),
+                                extra.get("repetition_penalty"))
+        cut = next((i + 1 for i, t in enumerate(want) if t in tok.stop_token_ids), len(want))
+        text = tok.decode(want[:cut])
+        assert want != expected(model, tok, ids, 24)  # the penalties change the answer
+        body = {"model": "tiny-v1", "messages": messages, "max_tokens": 24, "temperature": 0, **penalties}
+        whole = client.chat.completions.create(**body, extra_body=extra)
+        assert whole.choices[0].message.content == text and whole.usage.completion_tokens == cut
+        stream = client.chat.completions.create(**body, extra_body=extra, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
