@@ -33,21 +33,24 @@ QUESTIONS = [
 TOP = 5
 
 
-def plain_logprobs(ref: Reference, tok, ids: list[int], max_new: int, sid: str) -> tuple[list[int], list]:
-    """The target engine's plain decoding (a one-node tree a round) with logprobs: (tokens, rows)."""
-    from schemas import CacheSync, ErrorReply, VerifyRequest
+def plain_decoding(ref: Reference, tok, ids: list[int], max_new: int, sid: str, sampling=None,
+                   logprobs: int | None = TOP) -> tuple[list[int], list]:
+    """The target engine's plain decoding (a one-node tree a round; ``sampling``: greedy by
+    default, penalties honoured): (tokens, each token's (logprob, top ids, top logprobs))."""
+    from schemas import CacheSync, ErrorReply, SamplingSpec, VerifyRequest
     from specsplit.orchestrator.state import root_only
 
     committed, cached, out, rows = list(ids), 0, [], []
     for rnd in range(max_new):
-        sync = CacheSync(base_len=cached, append_token_ids=committed[cached:-1])
-        reply = ref.target.engine.handle(VerifyRequest(session_id=sid, round=rnd, sync=sync,
-                                                       tree=root_only(committed[-1]), logprobs=TOP))
+        sync = CacheSync(base_len=cached, append_token_ids=committed[cached:-1], prompt_len=len(ids))
+        reply = ref.target.engine.handle(VerifyRequest(session_id=sid, round=rnd, sync=sync, logprobs=logprobs,
+                                                       tree=root_only(committed[-1]), sampling=sampling or SamplingSpec()))
         assert not isinstance(reply, ErrorReply), reply
         cached = reply.cache_len
         committed.append(reply.bonus_token_id)
         out.append(reply.bonus_token_id)
-        rows.append((reply.logprobs.token[0], reply.logprobs.top_ids[0], reply.logprobs.top[0]))
+        if reply.logprobs is not None:
+            rows.append((reply.logprobs.token[0], reply.logprobs.top_ids[0], reply.logprobs.top[0]))
         if reply.bonus_token_id in tok.stop_token_ids:
             break
     return out, rows
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         worst = {"token": 0.0, "top": 0.0}
         for i, messages in enumerate(QUESTIONS):
             ids = tok.encode_chat(messages)
-            want, rows = plain_logprobs(ref, tok, ids, args.max_new_tokens, f"plain-{i}")
+            want, rows = plain_decoding(ref, tok, ids, args.max_new_tokens, f"plain-{i}")
             shown = [(t, r) for t, r in zip(want, rows) if t not in tok.stop_token_ids]
             body = {"model": model, "messages": messages, "max_tokens": args.max_new_tokens, "temperature": 0,
                     "logprobs": True, "top_logprobs": TOP}

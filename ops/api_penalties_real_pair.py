@@ -1,0 +1,83 @@
+"""Penalties on the real pair, with the official ``openai`` client: ``honcho start`` of the
+repository's Procfile and .env (the default preset, free ports), then, at temperature 0, each
+answer with ``frequency_penalty`` / ``presence_penalty`` / ``repetition_penalty`` against the
+fleet target's own plain decoding with the same penalties (its engine in this process, int8 as
+the worker runs it, one token a round). Then the cost: the same questions with and without
+penalties, alternating: tok/s and tokens a round side by side.
+
+    python ops/api_penalties_real_pair.py --json ops/results/api-penalties-real-pair-qwen-coder-cpu2-amx.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ops.api_logprobs_real_pair import QUESTIONS, plain_decoding
+from ops.api_real_pair import check, new_report, report_checks, served_fleet
+from ops.api_structured_real_pair import Reference
+
+SETTINGS = {"frequency 0.5": {"frequency_penalty": 0.5},
+            "presence 0.5, repetition 1.1": {"presence_penalty": 0.5, "repetition_penalty": 1.1}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each question, each way")
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    from schemas import SamplingSpec
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    tok = ServedTokenizer(resolve_model_paths(ModelSettings()).target)
+    report = new_report(max_new_tokens=args.max_new_tokens, settings=SETTINGS)
+    with served_fleet("specsplit-api-penalties-", report) as (_, sync, tmp):
+        model = report["model"]
+        ref = Reference()
+
+        def ask(messages, penalties: dict):
+            extra = {k: v for k, v in penalties.items() if k == "repetition_penalty"}
+            body = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+            t0 = time.perf_counter()
+            res = sync.chat.completions.create(model=model, messages=messages, temperature=0,
+                                               max_tokens=args.max_new_tokens, extra_body=extra or None, **body)
+            return res, time.perf_counter() - t0
+
+        for name, penalties in SETTINGS.items():
+            for i, messages in enumerate(QUESTIONS):
+                ids = tok.encode_chat(messages)
+                want, _ = plain_decoding(ref, tok, ids, args.max_new_tokens, f"pen-{name}-{i}",
+                                         SamplingSpec(**penalties), logprobs=None)
+                res, _ = ask(messages, penalties)
+                plain, _ = ask(messages, {})
+                check(report, f"{name}, q{i}: = plain decoding with the penalties",
+                      res.choices[0].message.content == tok.decode(want),
+                      tokens=res.usage.completion_tokens, changed=res.choices[0].message.content
+                      != plain.choices[0].message.content, answer=res.choices[0].message.content)
+        timings: dict[str, dict[str, list[float]]] = {}
+        for r in range(args.repeats):
+            for messages in QUESTIONS:
+                ways = [("none", {}), *SETTINGS.items()]
+                for way, penalties in (ways if r % 2 == 0 else ways[::-1]):
+                    res, wall = ask(messages, penalties)
+                    spec = res.choices[0].model_extra.get("speculative") or {}
+                    t = timings.setdefault(way, {"tok_s": [], "per_round": []})
+                    t["tok_s"].append(res.usage.completion_tokens / wall)
+                    t["per_round"].append(spec.get("mean_accepted_length") or 0.0)
+        report["timings"] = {k: {m: round(statistics.mean(v), 3) for m, v in t.items()} for k, t in timings.items()}
+        print("\n| penalties | tok/s | tokens a round |\n|---|---|---|")
+        for k, t in report["timings"].items():
+            print(f"| {k} | {t['tok_s']} | {t['per_round']} |")
+    return report_checks(report, tmp, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
