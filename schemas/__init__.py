@@ -49,6 +49,7 @@ from schemas.messages import (
     Message,
     SamplingSpec,
     SpecPVSpec,
+    TokenBias,
     TokenChunk,
     TreeSpec,
     VerifyReply,

@@ -1,11 +1,11 @@
 """What every wire message builds on: the protocol's absolute limits, the field types, the error
-codes and the ``Message`` base class (``schemas.messages`` defines the messages and re-exports
-these)."""
+codes, the ``Message`` base class and the parts messages share (a grammar, log-probabilities, a
+token's bias); ``schemas.messages`` defines the messages and re-exports these."""
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -60,7 +60,29 @@ class Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+MAX_GRAMMAR_CHARS = 65536
+MAX_FORCED_TOKENS = 64  # tokens a grammar forces that a reply reports (VerifyReply.forced_token_ids)
+
+
+class GrammarSpec(Message):
+    """A constraint on a session's output: the target samples only tokens that keep it a prefix
+    of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
+    as llguidance reads it). Sent with every verify request of the session (so any target can
+    rebuild its state); the draft proposes unconstrained."""
+
+    kind: Literal["json_schema", "lark"]
+    text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+
 LOGPROB_FLOOR = -9999.0  # a token of no probability (OpenAI's value; JSON has no -inf)
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+
+
+class TokenBias(Message):
+    """Added to the token's logit at every position before it is chosen (OpenAI's logit_bias)."""
+
+    token_id: TokenId
+    bias: float = Field(ge=-100.0, le=100.0)
 
 
 class Logprobs(Message):

@@ -7,7 +7,7 @@ tree checks (parent order, depth, vocabulary range) happen once in ``specsplit.t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -17,8 +17,11 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     MAX_BRANCH,
     MAX_CONTEXT_TOKENS,
     MAX_DIST_SUPPORT,
+    MAX_FORCED_TOKENS,
+    MAX_GRAMMAR_CHARS,
     MAX_GROWN_DEPTH,
     MAX_GROWN_NODES,
+    MAX_LOGIT_BIAS,
     MAX_SESSION_ID_LEN,
     MAX_TEXT_LEN,
     MAX_TOP_LOGPROBS,
@@ -26,20 +29,21 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     MAX_TREE_NODES,
     RETRYABLE_BY_DEFAULT,
     ErrorCode,
+    GrammarSpec,
     HexMac,
     HexNonce,
     Logprobs,
     Message,
     Round,
     SessionId,
+    TokenBias,
     TokenId,
 )
 
 
 class SamplingSpec(Message):
     """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off. The
-    penalties (None: off) are vLLM's: repetition on the prompt's and the output's tokens, then
-    frequency and presence on the output's (PROTOCOL.md, "Penalties")."""
+    penalties (None: off) are vLLM's (PROTOCOL.md, "Penalties"); logit_bias, OpenAI's."""
 
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -48,6 +52,7 @@ class SamplingSpec(Message):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: list[TokenBias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)  # before the penalties' logits
 
     @property
     def greedy(self) -> bool:
@@ -57,19 +62,10 @@ class SamplingSpec(Message):
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty not in (None, 1.0)
 
-
-MAX_GRAMMAR_CHARS = 65536
-MAX_FORCED_TOKENS = 64
-
-
-class GrammarSpec(Message):
-    """A constraint on a session's output: the target samples only tokens that keep it a prefix
-    of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
-    as llguidance reads it). Sent with every verify request of the session (so any target can
-    rebuild its state); the draft proposes unconstrained."""
-
-    kind: Literal["json_schema", "lark"]
-    text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    @property
+    def processed(self) -> bool:
+        """Logits the target changes before choosing: verified against the full cache only."""
+        return self.penalized or bool(self.logit_bias)
 
 
 class TreeSpec(Message):
@@ -313,7 +309,7 @@ class VerifyRequest(Message):
 
     @model_validator(mode="after")
     def _full_verification(self) -> VerifyRequest:
-        held = self.grammar is not None or self.logprobs is not None or self.sampling.penalized
+        held = self.grammar is not None or self.logprobs is not None or self.sampling.processed
         if held and (self.specpv is not None or self.confirmed_len is not None):
             raise ValueError("a grammar, logprobs or penalties are verified against the full cache: no specpv, "
                              "no confirmed_len")

@@ -224,7 +224,8 @@ def test_error_bodies(fleet):
     api_error(post_json(fleet, "/v1/completions", {"model": "tiny-v1"}), 400, param="prompt")
     api_error(post_json(fleet, "/v1/completions", {**ok, "bogus": 1}), 400, param="bogus", code="unsupported_parameter")
     for name, value in [("logprobs", 21), ("logprobs", True), ("top_logprobs", 2), ("frequency_penalty", 2.5),
-                        ("presence_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"1": 5}),
+                        ("presence_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"x": 5}),
+                        ("logit_bias", {"1": 101}), ("logit_bias", {"99999999": 1}),
                         ("echo", True), ("best_of", 3), ("suffix", "x")]:
         api_error(post_json(fleet, "/v1/completions", {**ok, name: value}), 400, param=name)
     chat = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}]}

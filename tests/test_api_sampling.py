@@ -136,18 +136,21 @@ def test_bad_logprobs_are_a_400_naming_them(fleet):
     assert fine.status_code == 200 and len(fine.json()["choices"][0]["logprobs"]["tokens"]) <= 2, fine.text
 
 
-def test_penalties_give_greedy_decoding_with_them(fleet, tiny):
+def test_penalties_and_a_logit_bias_give_greedy_decoding_with_them(fleet, tiny):
     from tests.test_penalties import penalized_greedy
 
     model, tok, _ = tiny
     messages = [{"role": "user", "content": "Say something."}]
     ids = tok.encode_chat(messages)
     client = openai_client(fleet)
+    first = next(t for t in expected(model, tok, ids, 24) if t < tok.vocab_size)  # (the tiny model has more ids)
     for penalties in ({"presence_penalty": -2.0, "frequency_penalty": 0.5},
-                      {"frequency_penalty": 0.4, "extra_body": {"repetition_penalty": 3.0}}):
+                      {"frequency_penalty": 0.4, "extra_body": {"repetition_penalty": 3.0}},
+                      {"logit_bias": {str(first): -100, "7": 4.5}}):
         extra = penalties.pop("extra_body", {})
+        bias = {int(k): v for k, v in penalties.get("logit_bias", {}).items()}
         want = penalized_greedy(model, ids, 24, penalties.get("presence_penalty"), penalties.get("frequency_penalty"),
-                                extra.get("repetition_penalty"))
+                                extra.get("repetition_penalty"), bias)
         cut = next((i + 1 for i, t in enumerate(want) if t in tok.stop_token_ids), len(want))
         text = tok.decode(want[:cut])
         assert want != expected(model, tok, ids, 24)  # the penalties change the answer

@@ -29,12 +29,16 @@ SETTINGS = [{"presence_penalty": 1.5}, {"frequency_penalty": 0.8}, {"repetition_
             {"presence_penalty": 0.4, "frequency_penalty": -0.3, "repetition_penalty": 1.3}]
 
 
-def penalized_greedy(model, prompt: list[int], n: int, presence=None, frequency=None, repetition=None) -> list[int]:
-    """Plain greedy decoding with vLLM's penalties, one full forward a token: the oracle."""
+def penalized_greedy(model, prompt: list[int], n: int, presence=None, frequency=None, repetition=None,
+                     bias: dict[int, float] | None = None) -> list[int]:
+    """Plain greedy decoding with a logit bias, then vLLM's penalties, one full forward a token:
+    the oracle."""
     ids, out = list(prompt), []
     for _ in range(n):
         with torch.no_grad():
             row = model(torch.tensor([ids])).logits[0, -1].float().clone()
+        for t, b in (bias or {}).items():
+            row[t] += b
         if repetition not in (None, 1.0):
             for t in set(prompt) | set(out):
                 row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
@@ -66,15 +70,47 @@ def test_speculative_output_equals_greedy_decoding_with_the_penalties(models, wh
     assert done.token_ids == want
 
 
+@pytest.mark.parametrize("which", ["often", "rarely"])
+def test_a_logit_bias_gives_greedy_decoding_with_it(models, which):
+    """A bias that bans the target's favourite tokens and favours another (alone and with
+    penalties): speculative output is the oracle's."""
+    from schemas import TokenBias
+
+    target, often, rarely = models["qwen2"]
+    plain = greedy_reference(target, PROMPT, 30)[0]
+    bias = {plain[0]: -100.0, plain[1]: -5.0, 7: 3.0}
+    for penalties in ({}, {"frequency_penalty": 0.5}):
+        want = penalized_greedy(target, PROMPT, 30, None, penalties.get("frequency_penalty"), None, bias)
+        assert want != plain and plain[0] not in want
+        s = SamplingSpec(logit_bias=[TokenBias(token_id=t, bias=b) for t, b in bias.items()], **penalties)
+        assert run(often if which == "often" else rarely, target, s, 30).token_ids == want
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_and_changes_nothing(models):
+    from schemas import TokenBias
+
+    target, _, _ = models["qwen2"]
+    eng = TargetEngine(target, LIMITS)
+    req = VerifyRequest(session_id="v", round=0, tree=FlatTree(token_ids=[PROMPT[-1]], parents=[-1]),
+                        sync=CacheSync(base_len=0, append_token_ids=PROMPT[:-1]),
+                        sampling=SamplingSpec(logit_bias=[TokenBias(token_id=128, bias=1.0)]))
+    reply = eng.handle(req)
+    assert isinstance(reply, ErrorReply) and reply.code.value == "BAD_REQUEST" and eng.store.get("v") is None
+
+
 def test_batched_verification_applies_each_sessions_penalties(models):
     """Rounds of four sessions with different penalties, verified one at a time and as a batch:
     the same verdicts (the batch's greedy argmax is of unpenalized rows: it must not be used)."""
     target, _, _ = models["qwen2"]
     single, batched = TargetEngine(target, LIMITS), TargetEngine(target, LIMITS)
     reqs = []
-    for k, penalties in enumerate(SETTINGS):
+    from schemas import TokenBias
+
+    for k, penalties in enumerate([*SETTINGS, {"logit_bias": "ban the branch"}]):
         prompt = PROMPT[k:] + PROMPT[:k]
         own = greedy_reference(target, prompt, 12)[0]  # the unpenalized answer: its output so far, then a branch
+        if "logit_bias" in penalties:
+            penalties = {"logit_bias": [TokenBias(token_id=own[9], bias=-100.0)]}
         context = prompt + own[:9]
         tree = FlatTree(token_ids=[context[-1], *own[9:12], 5, 9], parents=[-1, 0, 1, 2, 0, 1])
         reqs.append(VerifyRequest(session_id=f"b{k}", round=0, tree=tree, sampling=SamplingSpec(**penalties),
@@ -88,6 +124,7 @@ def test_batched_verification_applies_each_sessions_penalties(models):
     verdicts = [(r.accepted_token_ids, r.bonus_token_id) for r in one]
     assert any((a.accepted_token_ids, a.bonus_token_id) != (p.accepted_token_ids, p.bonus_token_id)
                for a, p in zip(one, plain)), verdicts  # the penalties changed some verdict
+    assert one[-1].bonus_token_id != plain[-1].bonus_token_id  # the banned token is not chosen
 
 
 def test_each_nodes_row_is_penalized_after_its_own_path(models):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas import GrammarSpec, SamplingSpec
-from schemas.messages import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS
+from schemas.messages import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, TokenBias
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -31,7 +31,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # parameter -> the values that mean "off" (accepted, honoured exactly by doing nothing)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
     "echo": (None, False),
@@ -135,8 +134,10 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # OpenAI's: token id (a string) -> a bias added to its logit, -100 to 100 (the ids are checked
+    # against the served tokenizer when the request is planned: ``logit_bias_for``)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # accepted at their "off" value only (UNSUPPORTED)
-    logit_bias: Any = None
     response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
 
     @field_validator("stop")
@@ -168,6 +169,22 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def logit_bias_for(req, vocab_size: int) -> list[TokenBias] | None:
+    """The request's ``logit_bias`` for the wire; a 400 naming it for a key that is no token id of
+    the served tokenizer or a bias outside -100..100."""
+    if not req.logit_bias:
+        return None
+    out = []
+    for key, bias in req.logit_bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: {key[:20]!r} is no token id of this model (0 to {vocab_size - 1})",
+                           param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise ApiError(400, f"logit_bias: the bias of {key} is outside -100 to 100", param="logit_bias")
+        out.append(TokenBias(token_id=int(key), bias=float(bias)))
+    return out
 
 
 def _top_count(value: Any, param: str) -> int:

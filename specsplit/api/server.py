@@ -32,7 +32,9 @@ from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
-from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, grammar_of, parse
+from specsplit.api.protocol import (
+    ApiError, ChatCompletionRequest, CompletionRequest, grammar_of, logit_bias_for, parse,
+)
 from specsplit.api.state import ApiState
 
 SEED_MOD = 2**63
@@ -113,6 +115,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         raise ApiError(400, "response_format with tools is not supported: the calls' tags are no JSON",
                        param="response_format")
     grammar = grammar or (tool_plan.grammar if tool_plan else None)  # "required" / named: the calls' schemas
+    bias = logit_bias_for(req, state.tokenizer.vocab_size)
     group = None
     if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
         group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
@@ -126,8 +129,9 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                            param=param, code="context_length_exceeded")
         for j in range(req.n):
             k = p * req.n + j
-            jobs.append(Job(k, ids, max_tokens, sampling_for(req, all_seeds[k]), tuple(req.stop_strings), p, group,
-                            tool_plan, grammar, req.logprobs_asked))
+            sampling = sampling_for(req, all_seeds[k]).model_copy(update={"logit_bias": bias})
+            jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
+                            req.logprobs_asked))
     return jobs
 
 

@@ -53,6 +53,16 @@ def at_root(session, req) -> PenaltyState:
     return st
 
 
+def biased(bias, logits: torch.Tensor) -> torch.Tensor:
+    """The logits [N, V] with each ``TokenBias`` added to its token's column at every node (a copy;
+    token ids checked against the vocabulary already)."""
+    out = logits.clone()
+    index = torch.tensor([b.token_id for b in bias], dtype=torch.long, device=logits.device)
+    add = torch.tensor([b.bias for b in bias], dtype=logits.dtype, device=logits.device)
+    out.index_add_(1, index, add.expand(logits.shape[0], -1).contiguous())
+    return out
+
+
 def accepted(session, req, path: list[int]) -> None:
     """The round's accepted nodes after the root are committed."""
     st: PenaltyState | None = getattr(session, "penalties", None)

@@ -71,6 +71,9 @@ class TargetEngine(Engine):
         if req.confirmed_len is not None and req.confirmed_len > total:
             raise SpecError(ErrorCode.BAD_REQUEST, f"confirmed_len {req.confirmed_len} exceeds the {total} "
                                                    "committed tokens")
+        bias = req.sampling.logit_bias or ()
+        if any(b.token_id >= self.vocab_size for b in bias):
+            raise SpecError(ErrorCode.BAD_REQUEST, f"a logit_bias token is outside the vocabulary [0, {self.vocab_size})")
         if req.grammar is not None and self.grammars is None:
             raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
@@ -327,11 +330,13 @@ class TargetEngine(Engine):
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
         computed for several sessions at once). With a grammar, from the logits it allows
         (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path;
-        with penalties, from the penalized logits (``penalties.penalize``).
+        with a logit bias and penalties, from the logits they make (``engine.penalties``).
         With ``logprobs`` asked, the committed tokens' log-probabilities (``verify.logprobs_of``)."""
         scores = logits
+        if req.sampling.logit_bias:  # (``argmax`` was of the raw rows, as below)
+            scores, argmax = penalties.biased(req.sampling.logit_bias, logits), None
         if req.sampling.penalized:  # (``argmax`` was of the unpenalized rows)
-            scores, argmax = penalties.penalize(session, req, layout, logits), None
+            scores, argmax = penalties.penalize(session, req, layout, scores), None
         if req.grammar is not None:
             masked = self.grammars.constrain(session, req, layout, scores)
             verdict = self._decide(req, layout, masked, None)
@@ -339,7 +344,7 @@ class TargetEngine(Engine):
             verdict = dataclasses.replace(verdict, forced=self.grammars.forced_after(session, verdict.bonus))
         else:
             verdict = self._decide(req, layout, scores, argmax)
-        if scores is not logits:
+        if req.sampling.penalized:
             penalties.accepted(session, req, verdict.path)
         if req.logprobs is not None:  # of the raw logits, as vLLM's: before the grammar's mask
             verdict = dataclasses.replace(verdict, logprobs=logprobs_of(req.tree, logits, verdict, req.logprobs))

@@ -133,6 +133,7 @@ class Builder:
         for name, values in (("top_p", [0.5, 1.0]), ("top_k", [-1, 0, 5]), ("seed", [0, 7, 2**63, -(2**63)]),
                              ("stop", ["\n", ["a", "the"]]), ("user", ["u1"]), ("frequency_penalty", [0, 0.5]),
                              ("presence_penalty", [-0.5, 1]), ("repetition_penalty", [1, 1.2]),
+                             ("logit_bias", [{"5": 2.0}, {"7": -100, "9": 1}]),
                              ("logprobs", [None]), ("response_format", RESPONSE_FORMATS)):
             if g.random() < 0.2:
                 body[name] = g.choice(values)

@@ -93,8 +93,9 @@ def huge_field(g: Builder, i: int) -> HttpCase:
         ids = g.ids()
         ids.insert(r.randrange(len(ids) + 1), bad)
         set_path(body, "messages.0.content" if chat else "prompt", ids if chat or r.random() < 0.5 else [g.ids(), ids])
-    elif variant == "logit_bias":
-        body["logit_bias"] = {str(j): 1 for j in range(r.choice([1, 1000, 10000]))}
+    elif variant == "logit_bias":  # over 300 tokens, or a key that is no token id
+        body["logit_bias"] = r.choice([{str(j): 1 for j in range(r.choice([301, 1000, 10000]))}, {"-1": 1},
+                                       {"x": 1}, {str(10**9): 1}, {"3": 101}])
     else:
         return near_limit(g, i, d, chat)
     return g.httpx_case(i, f"huge_field/{variant}", d)

@@ -106,7 +106,7 @@ class SessionActor:
         # a grammar, penalties (both on the output: the target is told where it begins) and logprobs
         # are verified against the full cache: their sessions run without SpecPV
         self.on_output = req.grammar is not None or req.sampling.penalized
-        full = self.on_output or req.logprobs is not None
+        full = self.on_output or req.logprobs is not None or req.sampling.processed
         self.specpv: SpecPVSpec | None = None if full else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
         # a resumed session: its output (which the grammar holds, or the penalties count) began
