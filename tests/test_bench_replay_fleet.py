@@ -155,23 +155,41 @@ def test_a_round_after_growth_that_answered_first_sends_its_draft_beside_the_ver
     replay, as the orchestrator does: their DraftRequest goes beside the verify and their fleet
     ms is the verify's round trip alone; the draft still re-roots its copy. ``--draft-reroots``
     (SPECSPLIT_GROW_REROOT off): they ask the draft first, as before."""
+    import threading
     import time
 
-    from schemas import VerifyRequest
+    from schemas import GrowRequest, VerifyRequest
+    from specsplit.engine.draft import DraftEngine
     from specsplit.engine.target import TargetEngine
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    # growth of 10 verifies' engine ms (many tiny draft forwards, however loaded the box: both scale),
-    # answered well within the slowed verify's 1 s (a verify stalled to 100 ms would not be)
+    # growth of 10 verifies' engine ms (many tiny draft forwards): a verify slowed by 1 s, which
+    # then waits for a growth under way to answer (events, not times: on a loaded box a verify's
+    # engine ms, and so the growth's budget, may reach the second; seen in CI)
     monkeypatch.setattr(replayer, "GROW_FRACTION", 10.0)
-    real = TargetEngine.handle
+    real, real_draft = TargetEngine.handle, DraftEngine.handle
+    started, answered = threading.Event(), threading.Event()
+
+    def growing(self, msg):
+        if not isinstance(msg, GrowRequest):
+            return real_draft(self, msg)
+        started.set()
+        try:
+            return real_draft(self, msg)
+        finally:
+            answered.set()
 
     def slow(self, msg):
         if isinstance(msg, VerifyRequest) and msg.tree.num_nodes > 1:  # a replayed round's (not a catch-up, alone)
             time.sleep(1.0)
+            if started.wait(2.0):  # this round's growth (sent right after the verify): it answers first
+                assert answered.wait(60), "the growth never answered"
+            started.clear()
+            answered.clear()
         return real(self, msg)
 
     monkeypatch.setattr(TargetEngine, "handle", slow)
+    monkeypatch.setattr(DraftEngine, "handle", growing)
     path, data = overlap_replay(tmp_path, *(["--draft-reroots"] if draft_reroots else []))
     by_round = {r["round"]: r for r in data["rounds"]}
     assert all(by_round[k]["rerooted"] for k in (2, 3, 4)) and not by_round[1]["beside"]
