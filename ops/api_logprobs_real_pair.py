@@ -13,7 +13,6 @@ Prints each check and a table, and writes a JSON report.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ops.api_real_pair import check, new_report, report_checks, served_fleet
+from ops.api_real_pair import check, new_report, report_checks, served_fleet, timed_run_args
 from ops.api_structured_real_pair import Reference
 
 QUESTIONS = [
@@ -57,15 +56,7 @@ def plain_decoding(ref: Reference, tok, ids: list[int], max_new: int, sid: str, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs of each question, each way")
-    p.add_argument("--json", default=None, help="write the report here")
-    args = p.parse_args(argv)
-    from specsplit.api.tokenizer import ServedTokenizer
-    from specsplit.models import ModelSettings, resolve_model_paths
-
-    tok = ServedTokenizer(resolve_model_paths(ModelSettings()).target)
+    args, tok = timed_run_args(__doc__, argv)
     report = new_report(max_new_tokens=args.max_new_tokens, top_logprobs=TOP)
     with served_fleet("specsplit-api-logprobs-", report) as (_, sync, tmp):
         model = report["model"]

@@ -153,6 +153,20 @@ def main(argv=None) -> int:
     return report_checks(report, tmp, args.json)
 
 
+def timed_run_args(doc: str, argv) -> tuple[argparse.Namespace, object]:
+    """The arguments of a script that checks answers, then times them each way (``--repeats``),
+    and the default preset's served tokenizer."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each question, each way")
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    return args, ServedTokenizer(resolve_model_paths(ModelSettings()).target)
+
+
 def new_report(**extra) -> dict:
     """A real-pair report's header: the machine, the date, and ``extra``."""
     return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "checks": [],
