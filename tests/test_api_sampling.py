@@ -5,8 +5,10 @@ chat (``logprobs``, ``top_logprobs``) and completions (``logprobs=N``), whole an
 Each listed token is a token of the answer, in order, their bytes spelling its text; each
 log-probability and alternative is the target's at that position (full re-forwards of prompt +
 answer); end tokens are not listed; a stop string lists the tokens whose text begins before it.
-With ``presence_penalty``, ``frequency_penalty`` and ``repetition_penalty`` the answer is plain
-greedy decoding with those penalties (tests/test_penalties.py's oracle).
+With ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and ``logit_bias`` the
+answer is plain greedy decoding with them (tests/test_penalties.py's oracle), and stays so, its
+log-probabilities too, when the process of the target or of the orchestrator serving it is
+killed -9 mid-stream.
 """
 
 from __future__ import annotations
@@ -159,3 +161,55 @@ def test_penalties_and_a_logit_bias_give_greedy_decoding_with_them(fleet, tiny):
         assert whole.choices[0].message.content == text and whole.usage.completion_tokens == cut
         stream = client.chat.completions.create(**body, extra_body=extra, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+@pytest.mark.parametrize("role", ["target", "orchestrator"])
+def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
+    """A long penalized answer with logprobs streams while a process serving it is killed -9.
+    The target's: the other target takes the session (a resend from an empty cache rebuilds the
+    penalties' state). The orchestrator's: the API resumes the generation on its successor, the
+    output so far as prompt with ``output_from`` where the output began, so the penalties still
+    count it. Either way the text is the oracle's and every token's log-probability is listed."""
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    from tests.api_fleet import target_sessions
+    from tests.conftest import wait_until
+    from tests.honcho_fleet import worker_pid
+    from tests.test_penalties import penalized_greedy
+
+    model, tok, _ = tiny
+    prompt = [5, 17, 99, 3, 250]
+    want = penalized_greedy(model, prompt, 400, 0.3, 0.2)
+    cut = next((i + 1 for i, t in enumerate(want) if t in tok.stop_token_ids), len(want))
+    want = want[:cut]
+    assert len(want) > 200, "the answer should outlast the kill"
+    shown = [t for t in want if t not in tok.stop_token_ids]
+    body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
+            "presence_penalty": 0.3, "frequency_penalty": 0.2, "logprobs": 1}
+    wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
+    text, listed, killed = "", [], None
+    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            listed += (choice["logprobs"] or {}).get("token_logprobs", [])
+            if killed is None and len(text) > 40:
+                if role == "target":
+                    home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
+                                      "a target worker holds the session")
+                    killed = worker_pid(fleet["proc"].pid, f"target.{home}")
+                else:
+                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
+                os.kill(killed, signal.SIGKILL)
+    assert killed is not None, "the answer ended before the kill"
+    assert text == tok.decode(want)
+    rows = reference(model, prompt, want)
+    assert len(listed) == len(shown)
+    assert all(abs(lp - float(row[t])) < 1e-4 for lp, t, row in zip(listed, want, rows))
