@@ -237,7 +237,7 @@ class SessionActor:
 
     def _logprobs(self, reply: VerifyReply, got: rounds.Committed) -> Logprobs | None:
         """The log-probabilities of the tokens this round streams (asked for): without SpecPV
-        they are the first of the tokens it committed, whose the target reported."""
+        those tokens begin the ones it committed, whose log-probabilities the target reported."""
         if self.req.logprobs is None:
             return None
         if reply.logprobs is None or len(reply.logprobs) != len(got.new) or got.stream != got.new[:len(got.stream)]:
