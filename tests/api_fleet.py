@@ -145,6 +145,34 @@ def target_sessions(fleet, slot: int) -> float:
     return worker_sessions(fleet, (400 + slot - 1,))
 
 
+def stream_killing(fleet, body: dict, role: str) -> list[dict]:
+    """Once no session is left from earlier tests, stream ``body`` from /v1/completions, and once
+    40 characters have come kill -9 the process serving it: its target worker (``role``
+    "target", found by its session count) or the orchestrator. Returns every chunk's choice;
+    fails when the answer ended before the kill."""
+    from tests.honcho_fleet import worker_pid
+
+    wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
+    choices, text, killed = [], "", None
+    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices.append(json.loads(line[6:])["choices"][0])
+            text += choices[-1]["text"]
+            if killed is None and len(text) > 40:
+                if role == "target":
+                    home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
+                                      "a target worker holds the session")
+                    killed = worker_pid(fleet["proc"].pid, f"target.{home}")
+                else:
+                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
+                os.kill(killed, signal.SIGKILL)
+    assert killed is not None, "the answer ended before the kill"
+    return choices
+
+
 @contextlib.contextmanager
 def moved_off_a_stalled_worker(fleet):
     """A LONG stream whose target worker is SIGSTOPped until the router expires it and the other

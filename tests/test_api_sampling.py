@@ -170,15 +170,7 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     penalties' state). The orchestrator's: the API resumes the generation on its successor, the
     output so far as prompt with ``output_from`` where the output began, so the penalties still
     count it. Either way the text is the oracle's and every token's log-probability is listed."""
-    import json
-    import os
-    import signal
-
-    import httpx
-
-    from tests.api_fleet import target_sessions
-    from tests.conftest import wait_until
-    from tests.honcho_fleet import worker_pid
+    from tests.api_fleet import stream_killing
     from tests.test_penalties import penalized_greedy
 
     model, tok, _ = tiny
@@ -190,25 +182,9 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     shown = [t for t in want if t not in tok.stop_token_ids]
     body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
             "presence_penalty": 0.3, "frequency_penalty": 0.2, "logprobs": 1}
-    wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
-    text, listed, killed = "", [], None
-    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            text += choice["text"]
-            listed += (choice["logprobs"] or {}).get("token_logprobs", [])
-            if killed is None and len(text) > 40:
-                if role == "target":
-                    home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
-                                      "a target worker holds the session")
-                    killed = worker_pid(fleet["proc"].pid, f"target.{home}")
-                else:
-                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
-                os.kill(killed, signal.SIGKILL)
-    assert killed is not None, "the answer ended before the kill"
+    choices = stream_killing(fleet, body, role)
+    text = "".join(c["text"] for c in choices)
+    listed = [lp for c in choices for lp in (c["logprobs"] or {}).get("token_logprobs", [])]
     assert text == tok.decode(want)
     rows = reference(model, prompt, want)
     assert len(listed) == len(shown)

@@ -15,15 +15,11 @@ official ``openai`` client.
 from __future__ import annotations
 
 import json
-import os
-import signal
 
-import httpx
 import openai
 import pytest
 
-from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, target_sessions, tiny_pair
-from tests.conftest import wait_until
+from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, stream_killing, tiny_pair
 from tests.test_api_tools import TEMPLATE, WEATHER, history
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -161,7 +157,6 @@ def test_json_output_survives_a_kill(fleet, tiny, served, book, role):
     the grammar's state rebuilt from it). The orchestrator's: the API resumes the generation on
     its successor, the output so far sent as prompt with ``output_from`` where the output began,
     so the grammar holds from there. Either way the answer is the oracle's."""
-    from tests.honcho_fleet import worker_pid
     from tests.test_grammar import masked_greedy
 
     model, _, _ = tiny
@@ -170,22 +165,6 @@ def test_json_output_survives_a_kill(fleet, tiny, served, book, role):
     assert want[-1] in served.stop_token_ids and len(want) > 200
     body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 900, "temperature": 0, "stream": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": COLOURS}}}
-    wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
-    text, killed = "", None
-    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            text += json.loads(line[6:])["choices"][0]["text"]
-            if killed is None and len(text) > 40:
-                if role == "target":
-                    home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,
-                                      "a target worker holds the session")
-                    killed = worker_pid(fleet["proc"].pid, f"target.{home}")
-                else:
-                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
-                os.kill(killed, signal.SIGKILL)
-    assert killed is not None, "the answer ended before the kill"
+    text = "".join(c["text"] for c in stream_killing(fleet, body, role))
     assert text == served.decode(want)
     assert len(json.loads(text)) == 120
