@@ -26,6 +26,9 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_LEN)]
 Round = Annotated[int, Field(ge=0, lt=2**53)]
 MAX_TOP_LOGPROBS = 20  # alternatives a position's log-probabilities may list (OpenAI's top_logprobs cap)
+# a prompt's log-probabilities travel in one message: positions x (1 + alternatives) at most this
+# (~14 bytes each in msgpack: well within a body)
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 HexNonce = Annotated[str, Field(max_length=128, pattern=r"^[0-9a-f]*$")]  # hex; routers require >= 32 digits
 HexMac = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]  # HMAC-SHA256, hex
 
@@ -115,3 +118,9 @@ class Logprobs(Message):
     def join(cls, parts: list[Logprobs]) -> Logprobs:
         return cls(token=[x for p in parts for x in p.token], top_ids=[x for p in parts for x in p.top_ids],
                    top=[x for p in parts for x in p.top])
+
+
+def prompt_logprob_entries(prompt_tokens: int, top: int) -> int:
+    """Entries a prompt's log-probabilities hold (its tokens after the first, each with ``top``
+    alternatives): at most MAX_PROMPT_LOGPROB_ENTRIES in a message."""
+    return max(0, prompt_tokens - 1) * (1 + top)

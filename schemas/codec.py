@@ -19,24 +19,21 @@ from schemas.messages import (
     Ack,
     AuthChallenge,
     AuthResponse,
-    Cancel,
     ClientHello,
     DraftReply,
     DraftRequest,
-    GrowReply,
-    GrowRequest,
     EndSession,
     ErrorCode,
     ErrorReply,
-    GenerateDone,
-    GenerateRequest,
+    GrowReply,
+    GrowRequest,
     Heartbeat,
     Message,
-    TokenChunk,
     VerifyReply,
     VerifyRequest,
     WorkerHello,
 )
+from schemas.producer import Cancel, GenerateDone, GenerateRequest, TokenChunk
 
 PROTO = b"SPS1"
 MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -22,6 +22,7 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     MAX_GROWN_DEPTH,
     MAX_GROWN_NODES,
     MAX_LOGIT_BIAS,
+    MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_SESSION_ID_LEN,
     MAX_TEXT_LEN,
     MAX_TOP_LOGPROBS,
@@ -38,6 +39,7 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     SessionId,
     TokenBias,
     TokenId,
+    prompt_logprob_entries,
 )
 
 
@@ -306,13 +308,26 @@ class VerifyRequest(Message):
     grammar: GrammarSpec | None = None  # constrained decoding (no SpecPV with it)
     # report the log-probabilities of the tokens the round commits, with this many alternatives
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # report the log-probabilities of the prompt's tokens after its first (committed[1:prompt_len],
+    # sync.prompt_len) with this many alternatives: a sync from an empty cache that names the
+    # prompt; the prompt is forwarded whole (no prefix cache)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _full_verification(self) -> VerifyRequest:
         held = self.grammar is not None or self.logprobs is not None or self.sampling.processed
+        held = held or self.prompt_logprobs is not None
         if held and (self.specpv is not None or self.confirmed_len is not None):
-            raise ValueError("a grammar, logprobs or penalties are verified against the full cache: no specpv, "
-                             "no confirmed_len")
+            raise ValueError("a grammar, logprobs, prompt logprobs or penalties are verified against the full cache: "
+                             "no specpv, no confirmed_len")
+        if self.prompt_logprobs is not None:
+            if self.sync.base_len or self.sync.prompt_len < 2:
+                raise ValueError("prompt_logprobs needs a sync from an empty cache (base_len 0) that names a prompt "
+                                 "of 2 or more tokens (prompt_len)")
+            n = prompt_logprob_entries(self.sync.prompt_len, self.prompt_logprobs)
+            if n > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(f"the prompt's log-probabilities would hold {n} entries; at most "
+                                 f"{MAX_PROMPT_LOGPROB_ENTRIES}")
         return self
 
 
@@ -350,6 +365,7 @@ class VerifyReply(Message):
     # fast-forward tokens), which the orchestrator proposes in the next round's tree
     forced_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_FORCED_TOKENS)
     logprobs: Logprobs | None = None  # asked for: of accepted_token_ids + [bonus_token_id]
+    prompt_logprobs: Logprobs | None = None  # asked for: of committed[1:prompt_len] (the request's sync)
 
     @model_validator(mode="after")
     def _batch(self) -> VerifyReply:
@@ -434,62 +450,3 @@ class Heartbeat(Message):
     vocab_size: int = Field(default=0, ge=0, lt=2**31)
     # an orchestrator's answer: prompt + new tokens it admits for one session (0: not said)
     max_session_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS * 2)
-
-
-class GenerateRequest(Message):
-    """Producer -> orchestrator: generate up to max_new_tokens after prompt_token_ids."""
-
-    session_id: SessionId
-    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_CONTEXT_TOKENS)
-    max_new_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT_TOKENS)
-    sampling: SamplingSpec = SamplingSpec()
-    tree: TreeSpec | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
-    specpv: SpecPVSpec | None = None  # None: the orchestrator's default (SPECSPLIT_SPECPV_*; off unless set)
-    grammar: GrammarSpec | None = None  # constrained decoding: the session runs without SpecPV
-    # a resumed generation: prompt_token_ids[output_from:] is output an earlier session generated
-    # (the grammar holds from there); None: all of prompt_token_ids is the prompt
-    output_from: int | None = Field(default=None, ge=1)
-    # stream the log-probabilities of the output (with this many alternatives; no SpecPV with it)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _output_in_prompt(self) -> GenerateRequest:
-        if self.output_from is not None and self.output_from > len(self.prompt_token_ids):
-            raise ValueError(f"output_from {self.output_from} is past the {len(self.prompt_token_ids)} prompt tokens")
-        return self
-
-
-class TokenChunk(Message):
-    """Orchestrator -> producer: newly committed tokens of one round (streamed)."""
-
-    session_id: SessionId
-    round: Round
-    token_ids: list[TokenId]
-    accepted: int = 0
-    logprobs: Logprobs | None = None  # asked for: of token_ids
-
-
-class GenerateDone(Message):
-    """Orchestrator -> producer: the session finished (finish_reason: stop | length | cancelled)."""
-
-    session_id: SessionId
-    token_ids: list[TokenId]
-    finish_reason: str
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    elapsed_ms: float = 0.0
-    # tokens per second the orchestrator's cost model expected of the trees it chose (0: no model)
-    predicted_tok_s: float = Field(default=0.0, ge=0.0)
-    # from the request's arrival at the orchestrator (admission queueing included) to its first
-    # streamed token; None: no token was streamed
-    first_token_ms: float | None = Field(default=None, ge=0.0)
-    # accepted tokens by position (index i: depth i + 1 of the tree; sums to accepted_tokens)
-    accepted_per_pos: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_TREE_DEPTH)
-    # prompt tokens the target copied from its prefix cache instead of forwarding (its first reply's)
-    cached_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
-
-
-class Cancel(Message):
-    session_id: SessionId

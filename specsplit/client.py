@@ -93,6 +93,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens the target copied from its prefix cache (GenerateDone)
     chunks: list[int] = field(default_factory=list)  # tokens per streamed chunk
     logprobs: Logprobs | None = None  # asked for: of token_ids (GenerateDone)
+    prompt_logprobs: Logprobs | None = None  # asked for: of the prompt's tokens after its first
 
     @property
     def tokens_per_s(self) -> float:
@@ -318,16 +319,20 @@ class SpecSplitClient:
         tree: TreeSpec | None = None, stop_token_ids=(), session_id: str | None = None,
         on_tokens: Callable[[list[int]], None] | None = None, specpv: SpecPVSpec | None = None,
         grammar: GrammarSpec | None = None, output_from: int | None = None, logprobs: int | None = None,
-        on_logprobs: Callable[[Logprobs], None] | None = None,
+        on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
+        on_prompt_logprobs: Callable[[Logprobs], None] | None = None,
     ) -> GenerationResult:
         """``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
         there on are output already generated (a resumed generation; see GenerateRequest).
         ``logprobs``: the output's log-probabilities with this many alternatives (the result's
-        ``logprobs``; each chunk's to ``on_logprobs``, called before ``on_tokens``)."""
+        ``logprobs``; each chunk's to ``on_logprobs``, called before ``on_tokens``).
+        ``prompt_logprobs``: the prompt's (of its tokens after the first; the result's
+        ``prompt_logprobs``, and ``on_prompt_logprobs`` before the first tokens)."""
         sid = session_id or uuid.uuid4().hex
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
                               sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
-                              specpv=specpv, grammar=grammar, output_from=output_from, logprobs=logprobs)
+                              specpv=specpv, grammar=grammar, output_from=output_from, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")
@@ -342,6 +347,10 @@ class SpecSplitClient:
                             res.first_token_s = time.perf_counter() - t0
                         res.token_ids.extend(msg.token_ids)
                         res.chunks.append(len(msg.token_ids))
+                        if msg.prompt_logprobs is not None and res.prompt_logprobs is None:
+                            res.prompt_logprobs = msg.prompt_logprobs
+                            if on_prompt_logprobs:
+                                on_prompt_logprobs(msg.prompt_logprobs)
                         if msg.logprobs is not None:
                             parts.append(msg.logprobs)
                             if on_logprobs:

@@ -101,10 +101,13 @@ class OrchestratorPool:
         self, prompt_token_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingSpec | None = None,
         tree: TreeSpec | None = None, stop_token_ids=(), on_tokens: Callable[[list[int]], None] | None = None,
         session_group: str | None = None, grammar: GrammarSpec | None = None, logprobs: int | None = None,
-        on_logprobs: Callable[[Logprobs], None] | None = None,
+        on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
+        on_prompt_logprobs: Callable[[Logprobs], None] | None = None,
     ) -> GenerationResult:
         """``SpecSplitClient.generate`` on a live orchestrator, resumed on another where one is
-        lost: ``on_tokens`` / ``on_logprobs`` see every token once, and the result holds them all."""
+        lost: ``on_tokens`` / ``on_logprobs`` see every token once, and the result holds them all;
+        the prompt's log-probabilities (asked for) come once, from the first attempt that sends
+        them (they come before its first tokens: a resume after tokens has them)."""
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -130,6 +133,11 @@ class OrchestratorPool:
             if on_logprobs is not None:
                 on_logprobs(part)
 
+        def seen_prompt(rows: Logprobs) -> None:
+            total.prompt_logprobs = rows
+            if on_prompt_logprobs is not None:
+                on_prompt_logprobs(rows)
+
         while True:
             client = await self._pick(deadline, avoid=client)
             wait_s, counts = 0.0, True  # lost / cancelled: resume elsewhere at once
@@ -143,7 +151,9 @@ class OrchestratorPool:
                                                 sampling=sampling, tree=tree, stop_token_ids=stop, on_tokens=seen,
                                                 session_id=sid, grammar=grammar, logprobs=logprobs,
                                                 on_logprobs=seen_logprobs,
-                                                output_from=len(prompt) if on_output and received else None)
+                                                output_from=len(prompt) if on_output and received else None,
+                                                prompt_logprobs=prompt_logprobs if total.prompt_logprobs is None
+                                                else None, on_prompt_logprobs=seen_prompt)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

@@ -264,9 +264,9 @@ def test_a_long_prompt_is_prefilled_on_the_prompt_attention_the_same_way_in_ever
     prompt = [random.Random(3).randrange(128) for _ in range(41)]
     linear, forward_linear = [], target.forward_linear
 
-    def spy(kv, ids, chunk=None, attention=None):
+    def spy(kv, ids, chunk=None, attention=None, on_rows=None):
         linear.append((len(ids), attention))
-        return forward_linear(kv, ids, chunk, attention)
+        return forward_linear(kv, ids, chunk, attention, on_rows)
 
     target.forward_linear = spy
 

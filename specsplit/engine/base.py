@@ -16,6 +16,7 @@ packing, int8) is not here: it is a ``Backend`` policy the worker builds (``spec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -312,13 +313,14 @@ class Engine:
         return session.kv.length
 
     # ---- prefix cache ------------------------------------------------------------------
-    def take_prefix(self, session: Session, sync: CacheSync, root: int) -> CacheSync:
+    def take_prefix(self, session: Session, sync: CacheSync, root: int, reuse: bool = True) -> CacheSync:
         """Under the session's lock, before a request's forwards: the session's tokens
         (``Session.tokens``) follow its sync; and a sync from an empty cache copies the longest
         prefix of its tokens that the prefix cache holds, and ``reusable`` allows, into the
-        session's cache. Returns the sync to apply: ``sync`` itself, or one that keeps the copied
-        prefix (its ``base_len``) and appends the rest."""
-        out = take_prefix(self.prefix_cache, session, sync, root, self.reusable)
+        session's cache (unless ``reuse`` is False: every token is forwarded). Returns the sync to
+        apply: ``sync`` itself, or one that keeps the copied prefix (its ``base_len``) and appends
+        the rest."""
+        out = take_prefix(self.prefix_cache if reuse else None, session, sync, root, self.reusable)
         if session.reused:
             self.log.debug("prefix_reused", session_id=session.session_id, tokens=session.reused,
                            of=len(sync.append_token_ids))
@@ -442,11 +444,13 @@ class Engine:
         return self.forward(seg.kv, seg.token_ids, seg.position_ids, seg.visible, seg.keep, tree=seg.tree)
 
     def forward_linear(self, kv: SessionKV, token_ids: list[int], chunk: int | None = None,
-                       attention: str | None = None) -> torch.Tensor:
+                       attention: str | None = None, on_rows: Callable[[torch.Tensor], None] | None = None,
+                       ) -> torch.Tensor:
         """Causal forward of a linear segment on top of the cache, ``chunk`` tokens per forward
         (default ``linear_chunk``: a long prompt's masks stay [chunk, P+chunk]); the last
         token's logits [V]. ``attention``: the registered attention function to run them with
-        (None: the model's)."""
+        (None: the model's). ``on_rows``: given every token's logits, each forward's [chunk, V]
+        in order (the same forwards: only more rows leave the model)."""
         chunk = chunk or self.linear_chunk
         logits = None
         with using_attention(self.model, attention) if attention else nullcontext():
@@ -454,8 +458,11 @@ class Engine:
                 part = token_ids[a:a + chunk]
                 p = kv.length
                 pos = torch.arange(p, p + len(part), dtype=torch.long, device=self.device)
-                logits = self.forward(kv, part, pos, causal(len(part), p, self.device), keep=1)
-        return logits[0]
+                logits = self.forward(kv, part, pos, causal(len(part), p, self.device),
+                                      keep=len(part) if on_rows is not None else 1)
+                if on_rows is not None:
+                    on_rows(logits)
+        return logits[-1]
 
     def guarded(self, session: Session, fn):
         """Run fn() (which mutates the session's cache); drop the session if it fails

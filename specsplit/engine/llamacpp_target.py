@@ -42,6 +42,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
 
     role = "target"
     trash = -1  # set to the last sequence id by _setup
+    reports_prompt_logprobs = False  # its decodes keep the last row of a sync only
 
     def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend=None):

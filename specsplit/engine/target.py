@@ -23,7 +23,15 @@ from specsplit.engine.sampling import argmax_rows, make_generator
 from specsplit.engine.specpv import PartialView, attention_name, plan_view, view_attention_of
 from specsplit.engine.store import Session
 from specsplit.engine.target_batch import fused, verify_batch
-from specsplit.engine.verify import Outcome, Verdict, greedy_verdict, logprobs_of, verify_greedy, verify_sampling
+from specsplit.engine.verify import (
+    Outcome,
+    PromptRows,
+    Verdict,
+    greedy_verdict,
+    logprobs_of,
+    verify_greedy,
+    verify_sampling,
+)
 from specsplit.errors import SpecError
 from specsplit.models.int8 import prompt_attention_name
 from specsplit.tree import TreeLayout, validate_tree
@@ -31,6 +39,7 @@ from specsplit.tree import TreeLayout, validate_tree
 
 class TargetEngine(Engine):
     role = "target"
+    reports_prompt_logprobs = True  # VerifyRequest.prompt_logprobs is served (``PromptRows``)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,6 +83,8 @@ class TargetEngine(Engine):
         bias = req.sampling.logit_bias or ()
         if any(b.token_id >= self.vocab_size for b in bias):
             raise SpecError(ErrorCode.BAD_REQUEST, f"a logit_bias token is outside the vocabulary [0, {self.vocab_size})")
+        if req.prompt_logprobs is not None and not self.reports_prompt_logprobs:
+            raise SpecError(ErrorCode.BAD_REQUEST, "this target does not report the prompt's log-probabilities")
         if req.grammar is not None and self.grammars is None:
             raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
@@ -117,12 +128,14 @@ class TargetEngine(Engine):
             cached_tokens=out.cached,
             forced_token_ids=list(out.verdict.forced) or None,
             logprobs=out.verdict.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def with_prefix(self, session: Session, req: VerifyRequest) -> VerifyRequest:
         """``take_prefix`` for this request (its root is the tree's): the request itself, or one
-        whose sync keeps the cached prefix copied into the session's cache."""
-        sync = self.take_prefix(session, req.sync, req.tree.token_ids[0])
+        whose sync keeps the cached prefix copied into the session's cache. A request for the
+        prompt's log-probabilities forwards the whole prompt: they are its rows."""
+        sync = self.take_prefix(session, req.sync, req.tree.token_ids[0], reuse=req.prompt_logprobs is None)
         return req if sync is req.sync else req.model_copy(update={"sync": sync})
 
     def reusable(self, sync, prompt_path: int, n: int) -> int:
@@ -257,17 +270,29 @@ class TargetEngine(Engine):
         if confirmed is not None and req.sampling.greedy:
             check_from = min(s, max(confirmed, f + 1) - 1 - f)
         head = check_from if s + origin > self.linear_chunk else 0
+        # the prompt's log-probabilities: the same forwards keep every linear row (from an empty
+        # cache: a sync from 0 without prefix reuse or buffered tokens; VerifyRequest checks the rest)
+        scored = None
+        if req.prompt_logprobs is not None:
+            if f or pending:
+                raise SpecError(ErrorCode.INTERNAL, "the prompt's rows were not all forwarded by this request")
+            scored = PromptRows(req.prompt_logprobs, [*lin[1:], root], req.sync.prompt_len - 1)
+        on_rows = scored.take if scored is not None else None
         if head:
             prompt = self._prompt_tokens(f, req.sync, pv, head, origin)
             if prompt:
-                self.forward_linear(kv, lin[:prompt], attention=self._prompt_attention)
+                self.forward_linear(kv, lin[:prompt], attention=self._prompt_attention, on_rows=on_rows)
                 session.prompt_path = kv.length
             if head > prompt:
-                self.forward_linear(kv, lin[prompt:head])
+                self.forward_linear(kv, lin[prompt:head], on_rows=on_rows)
         t = s - head
         tree = TreeInputs(f + head, t, layout.parents, layout.depths)  # built on the device only if eager
         checked = s - check_from
-        logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], None, None, keep=n + checked, tree=tree)  # [C+N, V]
+        lead = t if scored is not None else checked  # linear rows kept before the tree's
+        logits = self.forward(kv, [*lin[head:], *req.tree.token_ids], None, None, keep=n + lead, tree=tree)
+        if scored is not None:
+            scored.take(logits[:lead])
+        logits = logits[lead - checked:]  # [C+N, V]: the checked rows, then the tree's
         if checked:
             wrong = self._first_disagreement(logits[:checked], [*lin, root][check_from + 1:])
             if wrong is not None:
@@ -288,7 +313,8 @@ class TargetEngine(Engine):
             pv.after_refresh(rolled_back=False)
             pv.reset_buffer()  # the view is rebuilt from the refreshed cache
         exact = req.confirmed_len is not None or (pv is not None and pv.spec.exact)
-        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=refreshed + s + n)
+        return Outcome(verdict, confirmed_len=kv.length + 1 if exact else None, forward_tokens=refreshed + s + n,
+                       prompt_logprobs=scored.result() if scored is not None else None)
 
     @staticmethod
     def note_accepted(session: Session, req: VerifyRequest, verdict: Verdict) -> None:

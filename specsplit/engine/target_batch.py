@@ -36,7 +36,7 @@ from specsplit.tree import TreeLayout
 def batchable(req: Message) -> bool:
     """Whether a request may share a forward (its session's state is checked once locked)."""
     return (isinstance(req, VerifyRequest) and req.specpv is None and req.confirmed_len is None
-            and len(req.sync.append_token_ids) <= LINEAR_CHUNK)
+            and req.prompt_logprobs is None and len(req.sync.append_token_ids) <= LINEAR_CHUNK)
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ class Outcome:
     confirmed_len: int | None = None  # committed tokens confirmed after the reply (None: all)
     forward_tokens: int = 0  # new tokens the round forwarded (buffered, sync and tree; 0: unknown)
     cached: int = 0  # sync tokens copied from the prefix cache instead (Engine.take_prefix)
+    prompt_logprobs: Logprobs | None = None  # asked for (VerifyRequest.prompt_logprobs)
 
 
 def logprobs_of(tree: FlatTree, logits: torch.Tensor, verdict: Verdict, top: int) -> Logprobs:
@@ -45,13 +46,52 @@ def logprobs_of(tree: FlatTree, logits: torch.Tensor, verdict: Verdict, top: int
     bonus), each under the target's raw distribution at its parent node (logits [N, V], before
     any processing), with the ``top`` most likely tokens there. Computed on the logits' device
     for the path's rows only; two host copies."""
-    dev = logits.device
     tokens = [*(tree.token_ids[i] for i in verdict.path[1:]), verdict.bonus]
-    lp = torch.log_softmax(logits.index_select(0, torch.tensor(verdict.path, device=dev)).float(), dim=-1)  # [L, V]
+    rows = logits.index_select(0, torch.tensor(verdict.path, device=logits.device))  # [L, V]
+    return Logprobs(**dict(zip(("token", "top_ids", "top"), row_logprobs(rows, tokens, top))))
+
+
+def row_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[list, list, list]:
+    """Each row's log-probability of its token (logits [L, V], raw) and the ``top`` most likely
+    tokens there: the lists of ``schemas.Logprobs`` (token, top_ids, top). Two host copies."""
+    dev = logits.device
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
     chosen = lp.gather(1, torch.tensor(tokens, device=dev).unsqueeze(1))  # [L, 1]
     values, ids = lp.topk(top, dim=-1) if top else (chosen[:, :0], chosen[:, :0].long())
     rows = torch.cat([chosen, values], 1).clamp_min(LOGPROB_FLOOR).tolist()
-    return Logprobs(token=[r[0] for r in rows], top_ids=ids.tolist(), top=[r[1:] for r in rows])
+    return [r[0] for r in rows], ids.tolist(), [r[1:] for r in rows]
+
+
+class PromptRows:
+    """A prompt's log-probabilities (``VerifyRequest.prompt_logprobs``), gathered from the rows of
+    the forwards that prefill it: row j of the linear tokens predicts ``following[j]`` (the next
+    linear token, or the root); rows 0 to ``count`` - 1 are the prompt's. ``take`` each forward's
+    rows in order; log-softmax runs SLICE rows at a time, bounding its [rows, V] temporaries."""
+
+    SLICE = 256
+
+    def __init__(self, top: int, following: list[int], count: int) -> None:
+        self.top, self.following, self.count = top, following, count
+        self.taken = 0  # rows seen so far
+        self.token: list[float] = []
+        self.top_ids: list[list[int]] = []
+        self.top_lp: list[list[float]] = []
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The next rows (logits [r, V]) of the linear tokens."""
+        first, r = self.taken, logits.shape[0]
+        for a in range(0, min(r, self.count - first), self.SLICE):
+            b = min(a + self.SLICE, self.count - first, r)
+            token, ids, top = row_logprobs(logits[a:b], self.following[first + a:first + b], self.top)
+            self.token += token
+            self.top_ids += ids
+            self.top_lp += top
+        self.taken = first + r
+
+    def result(self) -> Logprobs:
+        if self.taken < self.count:
+            raise RuntimeError(f"{self.taken} rows of the prompt's {self.count} were forwarded")
+        return Logprobs(token=self.token, top_ids=self.top_ids, top=self.top_lp)
 
 
 def verify_greedy(tree: FlatTree, layout: TreeLayout, logits: torch.Tensor) -> Verdict:

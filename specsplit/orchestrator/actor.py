@@ -106,13 +106,19 @@ class SessionActor:
         # a grammar, penalties (both on the output: the target is told where it begins) and logprobs
         # are verified against the full cache: their sessions run without SpecPV
         self.on_output = req.grammar is not None or req.sampling.penalized
-        full = self.on_output or req.logprobs is not None or req.sampling.processed
+        scored = req.prompt_logprobs is not None
+        full = self.on_output or scored or req.logprobs is not None or req.sampling.processed
         self.specpv: SpecPVSpec | None = None if full else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
         # a resumed session: its output (which the grammar holds, or the penalties count) began
-        # before this prompt's end
+        # before this prompt's end (and the prompt's log-probabilities end there)
         self.cur = SessionCursor(list(req.prompt_token_ids),
-                                 prompt_len=req.output_from if self.on_output and req.output_from else -1)
+                                 prompt_len=req.output_from if (self.on_output or scored) and req.output_from else -1)
+        # the prompt's log-probabilities (asked for): the target's reply to the request that
+        # forwards the prompt from an empty cache; they go out with the first chunk
+        self._prompt_due = scored and req.prompt_len >= 2
+        self._prompt_rows: Logprobs | None = Logprobs(token=[], top_ids=[], top=[]) if scored and \
+            not self._prompt_due else None
         self.stats = RoundStats()
         self.out: list[int] = []
         self.cost = cost  # the orchestrator's cost model (tree budget per round), or None: fixed trees
@@ -219,8 +225,10 @@ class SessionActor:
                                 max_new_tokens=self.req.max_new_tokens, stop=stop, exact=self.exact)
             if got.stream is not None:
                 self._first_token(len(got.stream))
+                rows, self._prompt_rows = self._prompt_rows, None
                 self.emit(TokenChunk(session_id=self.sid, round=rnd, token_ids=got.stream,
-                                     accepted=len(reply.accepted_token_ids), logprobs=self._logprobs(reply, got)))
+                                     accepted=len(reply.accepted_token_ids), logprobs=self._logprobs(reply, got),
+                                     prompt_logprobs=rows))
             timing.wall_ms = (time.perf_counter() - t_round) * 1e3
             if self.metrics is not None:
                 self.metrics.observe_round(got.count, self.cur.rolled_back, timing.wall_ms / 1e3)
@@ -329,11 +337,19 @@ class SessionActor:
             sync = self.cur.target_sync(self.on_output)
             return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=self.sampling,
                                  specpv=self.specpv, confirm=confirm, confirmed_len=self.cur.confirmed if self.exact else None,
-                                 grammar=self.req.grammar, logprobs=self.req.logprobs)
+                                 grammar=self.req.grammar, logprobs=self.req.logprobs,
+                                 prompt_logprobs=self.req.prompt_logprobs if self._prompt_due and not sync.base_len
+                                 else None)
 
         reply = await self.call(self.target_rpc, build, self._reset_target)
         if self.cached_tokens is None and isinstance(reply, VerifyReply):
             self.cached_tokens = reply.cached_tokens
+        if self._prompt_due and isinstance(reply, VerifyReply):  # (the prompt went from an empty cache)
+            rows = reply.prompt_logprobs
+            if rows is None or len(rows) != self.req.prompt_len - 1:
+                raise SessionFailed("the target reported no log-probabilities for the prompt "
+                                    "(a target that predates them, or one that cannot)")
+            self._prompt_rows, self._prompt_due = rows, False
         return reply
 
     def _reset_target(self) -> None:
