@@ -226,7 +226,7 @@ def test_error_bodies(fleet):
     for name, value in [("logprobs", 21), ("logprobs", True), ("top_logprobs", 2), ("frequency_penalty", 2.5),
                         ("presence_penalty", -3), ("repetition_penalty", 0), ("logit_bias", {"x": 5}),
                         ("logit_bias", {"1": 101}), ("logit_bias", {"99999999": 1}),
-                        ("echo", True), ("best_of", 3), ("suffix", "x")]:
+                        ("echo", 1), ("best_of", 3), ("suffix", "x")]:
         api_error(post_json(fleet, "/v1/completions", {**ok, name: value}), 400, param=name)
     chat = {"model": "tiny-v1", "messages": [{"role": "user", "content": "hi"}]}
     for name, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),  # its template takes none

@@ -4,7 +4,9 @@ chat (``logprobs``, ``top_logprobs``) and completions (``logprobs=N``), whole an
 
 Each listed token is a token of the answer, in order, their bytes spelling its text; each
 log-probability and alternative is the target's at that position (full re-forwards of prompt +
-answer); end tokens are not listed; a stop string lists the tokens whose text begins before it.
+answer); a chat's end tokens are not listed, a completion's are; a stop string lists the tokens
+whose text begins before it. ``echo`` returns the prompt before the answer, with ``logprobs`` its
+tokens' log-probabilities too (the first token's null), as lm-eval's loglikelihood reads them.
 With ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` and ``logit_bias`` the
 answer is plain greedy decoding with them (tests/test_penalties.py's oracle), and stays so, its
 log-probabilities too, when the process of the target or of the orchestrator serving it is
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, tiny_pair
+from tests.conftest import greedy_reference
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 TOP = 3
@@ -179,7 +182,6 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     cut = next((i + 1 for i, t in enumerate(want) if t in tok.stop_token_ids), len(want))
     want = want[:cut]
     assert len(want) > 200, "the answer should outlast the kill"
-    shown = [t for t in want if t not in tok.stop_token_ids]
     body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
             "presence_penalty": 0.3, "frequency_penalty": 0.2, "logprobs": 1}
     choices = stream_killing(fleet, body, role)
@@ -187,5 +189,86 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     listed = [lp for c in choices for lp in (c["logprobs"] or {}).get("token_logprobs", [])]
     assert text == tok.decode(want)
     rows = reference(model, prompt, want)
-    assert len(listed) == len(shown)
+    assert len(listed) == len(want)  # a completion lists its end token too
     assert all(abs(lp - float(row[t])) < 1e-4 for lp, t, row in zip(listed, want, rows))
+
+
+def loglikelihood(choice, ctxlen: int) -> tuple[float, bool]:
+    """What lm-eval's ``local-completions`` model makes of an answer to its loglikelihood request
+    (echo, max_tokens 1, logprobs 1): the continuation's log-probability (the prompt's tokens
+    from ``ctxlen`` on, the generated token cut off) and whether each of its tokens was the most
+    likely one."""
+    lps = choice.logprobs.token_logprobs[ctxlen:-1]
+    tops = choice.logprobs.top_logprobs[ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+def test_echo_gives_the_prompts_logprobs_as_lm_eval_asks_for_them(fleet, tiny):
+    """lm-eval's request, token prompts batched: each choice lists every prompt token (the first
+    with null) and the one generated token; the continuation's log-likelihood and greediness
+    are the target's (one forward of the prompt)."""
+    model, tok, _ = tiny
+    contexts = [tok.encode("The capital of France is"), tok.encode("def add(a, b):")]
+    conts = [tok.encode(" Paris, of course."), tok.encode("\n    return a + b")]
+    prompts = [c + x for c, x in zip(contexts, conts)]
+    prompts.append([*contexts[1], *greedy_reference(model, contexts[1], 3)[0]])  # a greedy continuation
+    conts.append(prompts[2][len(contexts[1]):])
+    contexts.append(contexts[1])
+    client = openai_client(fleet)
+    res = client.completions.create(model="tiny-v1", prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                                    temperature=0, seed=1234)
+    choices = sorted(res.choices, key=lambda c: c.index)
+    assert len(choices) == 3 and res.usage.completion_tokens == 3
+    greedy = []
+    for choice, prompt, ctx in zip(choices, prompts, contexts):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + 1  # the prompt's tokens, then the one generated
+        assert lp.tokens[:len(prompt)] == [tok.token_piece(t)[0] for t in prompt]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.no_grad():
+            rows = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # [P, V]
+        for i in range(1, len(prompt)):
+            check_position(tok, rows[i - 1], prompt[i], lp.token_logprobs[i],
+                           sorted(lp.top_logprobs[i].items(), key=lambda kv: -kv[1])[:1])
+        made = int(rows[-1].argmax())  # the generated token: greedy, listed whatever it is
+        assert lp.tokens[-1] == tok.token_piece(made)[0]
+        assert choice.text == tok.decode(prompt) + tok.decode([made])
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert lp.text_offset[len(prompt)] == len(tok.decode(prompt))
+        got, is_greedy = loglikelihood(choice, len(ctx))
+        cont = prompt[len(ctx):]
+        want = sum(float(rows[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
+        assert got == pytest.approx(want, abs=1e-3)
+        assert is_greedy == all(int(rows[len(ctx) - 1 + j].argmax()) == t for j, t in enumerate(cont))
+        greedy.append(is_greedy)
+    assert greedy[2] and not all(greedy)  # (both kinds were checked)
+
+
+def test_echo_streamed_alone_and_without_logprobs(fleet, tiny):
+    """Streamed: the prompt's text and log-probabilities come first, and the chunks join to the
+    whole answer. ``max_tokens: 0``: the prompt alone, no token generated. Echo without logprobs:
+    the prompt's text before the answer. ``max_tokens: 0`` without echo asks for nothing: a 400."""
+    model, tok, _ = tiny
+    text = "Once upon a time"
+    prompt = tok.encode(text)
+    client = openai_client(fleet)
+    body = {"model": "tiny-v1", "prompt": text, "echo": True, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**body).choices[0]
+    answer = expected(model, tok, prompt, 8)
+    assert whole.text == text + tok.decode(answer)
+    assert len(whole.logprobs.tokens) == len(prompt) + len(answer)
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert chunks[0].text == text and len(chunks[0].logprobs.tokens) == len(prompt)  # the prompt first
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = {k: [x for c in chunks if c.logprobs for x in getattr(c.logprobs, k)]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert same(streamed, whole.logprobs.model_dump())
+    alone = client.completions.create(**{**body, "max_tokens": 0})
+    assert alone.choices[0].text == text and alone.usage.completion_tokens == 0
+    assert alone.choices[0].finish_reason == "length"
+    assert same(alone.choices[0].logprobs.model_dump(),
+                {k: v[:len(prompt)] for k, v in whole.logprobs.model_dump().items()})
+    plain = client.completions.create(**{**body, "logprobs": None})
+    assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
+    api_error(post_json(fleet, "/v1/completions", {**body, "echo": False, "max_tokens": 0}), 400, param="max_tokens")
+    api_error(post_json(fleet, "/v1/completions", {**body, "echo": "yes"}), 400, param="echo")

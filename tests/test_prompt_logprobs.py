@@ -14,8 +14,17 @@ import torch
 from pydantic import ValidationError
 
 from schemas import (
-    CacheSync, FlatTree, GenerateDone, GenerateRequest, Logprobs, SamplingSpec, SpecPVSpec, TokenChunk, TreeSpec,
-    VerifyReply, VerifyRequest,
+    CacheSync,
+    FlatTree,
+    GenerateDone,
+    GenerateRequest,
+    Logprobs,
+    SamplingSpec,
+    SpecPVSpec,
+    TokenChunk,
+    TreeSpec,
+    VerifyReply,
+    VerifyRequest,
 )
 from schemas.base import MAX_PROMPT_LOGPROB_ENTRIES
 from specsplit.engine.base import EngineLimits
@@ -73,7 +82,7 @@ def test_each_prompt_tokens_logprob_is_the_targets_at_its_position(models, lengt
 
 def test_a_one_token_prompt_has_none_and_asks_for_none(models):
     target, often, _ = models["qwen2"]
-    done, chunks, verifies = run(often, target, [17], 2, n=4)
+    _, chunks, verifies = run(often, target, [17], 2, n=4)
     assert len(chunks[0].prompt_logprobs) == 0
     assert all(v.prompt_logprobs is None for v in verifies)
 

@@ -10,11 +10,12 @@ No torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from schemas import ErrorCode, GrammarSpec, SamplingSpec
-from specsplit.api.logprobs import LogprobTrail, TokenLogprob
+from schemas import ErrorCode, GrammarSpec, Logprobs, SamplingSpec
+from specsplit.api.logprobs import LogprobTrail, TokenLogprob, prompt_entries
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.textstream import ChoiceText
@@ -37,6 +38,9 @@ class Job:
     tools: ToolPlan | None = None  # the request's tools: calls are parsed out of the text
     grammar: GrammarSpec | None = None  # the output held to it (response_format)
     logprobs: int | None = None  # the tokens' log-probabilities asked for, with this many alternatives
+    echo: str | None = None  # the prompt's text, returned before the choice's (max_tokens 0: alone)
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens' too
+    ends_listed: bool = False  # end tokens are listed with the logprobs (a completion's, as vLLM's)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class _Choice:
     streamed: list[int] = field(default_factory=list)
     parser: CallParser | None = None
     trail: LogprobTrail | None = None  # logprobs asked for
+    prompt_rows: Logprobs | None = None  # the prompt's log-probabilities (asked for), as the fleet sent them
+    echoed: bool = False  # the prompt's text went out (echo)
 
     @property
     def stopped(self) -> bool:
@@ -112,11 +118,13 @@ class Generation:
     def __init__(self, pool, decode, jobs: list[Job], stop_token_ids: list[int], metrics: ApiMetrics,
                  arrived: float | None = None) -> None:
         self.pool, self.metrics, self.stop_token_ids = pool, metrics, list(stop_token_ids)
+        self.decode = decode
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops),
                                 parser=job.tools.parser() if job.tools else None,
-                                trail=LogprobTrail(self.stop_token_ids) if job.logprobs is not None else None)
+                                trail=LogprobTrail(() if job.ends_listed else self.stop_token_ids)
+                                if job.logprobs is not None else None)
                         for job in jobs]
         self.open = len(self.choices)
 
@@ -146,10 +154,13 @@ class Generation:
         job, m = c.job, self.metrics
         reason = "abort"
         try:
-            res = await self.pool.generate(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
+            # (max_tokens 0, the prompt alone: the fleet makes one token, which is not returned)
+            res = await self.pool.generate(job.prompt_ids, max_new_tokens=max(1, job.max_tokens), sampling=job.sampling,
                                            stop_token_ids=self.stop_token_ids, on_tokens=lambda t: self._on_tokens(c, t),
                                            session_group=job.group, grammar=job.grammar, logprobs=job.logprobs,
-                                           on_logprobs=c.trail.add if c.trail is not None else None)
+                                           on_logprobs=c.trail.add if c.trail is not None else None,
+                                           prompt_logprobs=job.prompt_logprobs,
+                                           on_prompt_logprobs=lambda rows: setattr(c, "prompt_rows", rows))
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.stopped:  # our own cut at a stop string or a call: a normal end
@@ -181,6 +192,9 @@ class Generation:
             for _ in range(rest):
                 m.itl.observe(per)
         c.last_at = now
+        self._echo(c)
+        if c.job.max_tokens == 0:
+            return
         c.tokens += len(tokens)
         c.streamed.extend(tokens)
         m.generation_tokens.inc(len(tokens))
@@ -192,23 +206,41 @@ class Generation:
             c.cut = True
             c.task.cancel()  # ends the session on the orchestrator and the workers (Cancel)
 
+    def _echo(self, c: _Choice) -> None:
+        """The prompt's text before the choice's first (echo), with its tokens' log-probabilities
+        (asked for: the fleet sends them before the first tokens)."""
+        if c.job.echo is None or c.echoed:
+            return
+        c.echoed = True
+        entries: tuple[TokenLogprob, ...] = ()
+        if c.job.prompt_logprobs is not None:
+            if c.prompt_rows is None:
+                raise RuntimeError("the fleet sent no log-probabilities for the prompt")
+            _, spans = ChoiceText(self.decode, (), ()).push_each(c.job.prompt_ids)
+            entries = prompt_entries(c.job.prompt_ids, c.prompt_rows, spans)
+        self.events.put_nowait(Delta(c.job.index, c.job.echo, (), entries))
+
     @staticmethod
     def _released(c: _Choice, end: bool = False) -> tuple[TokenLogprob, ...]:
         if c.trail is None:
             return ()
-        if end or c.text.stopped:
-            return tuple(c.trail.finish(c.text.length))
-        return tuple(c.trail.release(c.text.emitted))
+        out = c.trail.finish(c.text.length) if end or c.text.stopped else c.trail.release(c.text.emitted)
+        if c.job.echo:  # the answer's text begins after the prompt's
+            return tuple(dataclasses.replace(e, offset=e.offset + len(c.job.echo)) for e in out)
+        return tuple(out)
 
     def _finish(self, c: _Choice, res: GenerationResult | None) -> str:
         if res is not None and len(res.token_ids) > len(c.streamed):  # tokens that came only with the end
             if c.trail is not None and res.logprobs is not None:
                 c.trail.add(res.logprobs[len(c.streamed):])
             self._on_tokens(c, res.token_ids[len(c.streamed):])
+        self._echo(c)
         stopped = c.stopped
         tail, calls = c.finish()
         released = self._released(c, end=True)
         reason = "stop" if stopped or res is None else res.finish_reason
+        if c.job.max_tokens == 0:
+            reason = "length"
         if reason == "stop" and c.parser is not None and c.parser.calls:
             reason = "tool_calls"
         spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)

@@ -5,9 +5,11 @@ the token makes, in OpenAI's shapes.
 ``LogprobTrail`` pairs each chunk's log-probabilities with its tokens and the text they decode
 to (``textstream.ChoiceText.push_each``), and releases a token's once its text is out: text held
 back (a character split over tokens, a possible stop string) holds its tokens' too. A stop
-string keeps the tokens whose text begins before it; end tokens (which show no text) are left
-out, as OpenAI leaves them. So the tokens listed are those of the text returned, streamed or
-not. No torch, no sockets.
+string keeps the tokens whose text begins before it; a chat's end tokens (which show no text)
+are left out, as OpenAI leaves them, and a completion lists them, as vLLM does (so ``echo`` with
+``max_tokens: 1`` lists exactly one token after the prompt's, whatever it is: what lm-eval's
+loglikelihood reads). So the tokens listed are those of the text returned, streamed or not. With
+``echo``, the prompt's tokens come first (``prompt_entries``). No torch, no sockets.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from schemas import Logprobs
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the most likely tokens there, most likely first
+    logprob: float | None  # None: a prompt's first token (``echo``), which nothing precedes
+    top: tuple[tuple[int, float], ...] | None  # the most likely tokens there, most likely first
     offset: int  # where the token's text begins in the choice's text
 
 
@@ -30,8 +32,8 @@ class LogprobTrail:
     """One choice's log-probabilities: ``add`` each chunk's before its tokens, ``tokens`` with the
     text each token made, ``release`` what the text emitted so far covers, ``finish`` the rest."""
 
-    def __init__(self, skip: frozenset[int] | set[int]) -> None:
-        self.skip = frozenset(skip)  # end tokens: no text, not listed
+    def __init__(self, skip: frozenset[int] | set[int] | tuple[int, ...]) -> None:
+        self.skip = frozenset(skip)  # tokens not listed (a chat's end tokens: no text)
         self._queued: list[Logprobs] = []
         self._pending: list[tuple[int, TokenLogprob]] = []  # (where its text ends, it)
         self._ended = False  # ``finish`` ran: tokens after it (past a stop string) are not listed
@@ -79,11 +81,25 @@ def chat_logprobs(entries: list[TokenLogprob], piece: Piece) -> dict:
                         for e in entries], "refusal": None}
 
 
+def prompt_entries(ids: list[int], rows: Logprobs, spans: list[tuple[int, int]]) -> tuple[TokenLogprob, ...]:
+    """A prompt's tokens as ``echo`` lists them before the answer's: the first without a
+    log-probability (nothing precedes it), each other with the target's (``rows``: of ids[1:]),
+    at where its text begins (``spans``: ``ChoiceText.push_each`` over the prompt)."""
+    if len(rows) != len(ids) - 1 or len(spans) != len(ids):
+        raise ValueError(f"{len(rows)} log-probabilities and {len(spans)} spans for a prompt of {len(ids)} tokens")
+    first = TokenLogprob(ids[0], None, None, spans[0][0])
+    return (first, *(TokenLogprob(t, rows.token[i], tuple(zip(rows.top_ids[i], rows.top[i])), spans[i + 1][0])
+                     for i, t in enumerate(ids[1:])))
+
+
 def completion_logprobs(entries: list[TokenLogprob], piece: Piece) -> dict:
     """OpenAI's ``choices[].logprobs`` of a (legacy) completion: each position's top tokens as a
-    map that also holds the chosen one."""
-    tops = []
+    map that also holds the chosen one (null for an echoed prompt's first token)."""
+    tops: list[dict | None] = []
     for e in entries:
+        if e.top is None:
+            tops.append(None)
+            continue
         top = {piece(t)[0]: lp for t, lp in e.top}
         top.setdefault(piece(e.token_id)[0], e.logprob)
         tops.append(top)

@@ -1,12 +1,14 @@
 """The OpenAI request bodies the API accepts, and its error type. No torch, no sockets.
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
-ignored. Parameters the fleet cannot honour exactly (logit bias, the deprecated ``functions``,
-echo, best_of, suffix) are accepted only at the value that means "off" (what OpenAI's SDKs send
-as defaults, e.g. ``best_of: 1``); any other value is a 400 naming the parameter. Tools, tool choices and the messages of a tool call are typed here
-(``specsplit.api.tools`` renders and parses them), and so is ``response_format``: a JSON schema
-(or any JSON object) the target holds the output to (``grammar``); ``logprobs`` per endpoint
-(``logprobs_asked``). Every validation failure becomes ``ApiError`` (400), never a 422.
+ignored. Parameters the fleet cannot honour exactly (the deprecated ``functions``, best_of,
+suffix) are accepted only at the value that means "off" (what OpenAI's SDKs send as defaults,
+e.g. ``best_of: 1``); any other value is a 400 naming the parameter. Tools, tool choices and the
+messages of a tool call are typed here (``specsplit.api.tools`` renders and parses them), and so
+is ``response_format``: a JSON schema (or any JSON object) the target holds the output to
+(``grammar``); ``logprobs`` per endpoint (``logprobs_asked``); a completion's ``echo`` (the
+prompt's log-probabilities with ``logprobs``: ``prompt_logprobs_asked``). Every validation
+failure becomes ``ApiError`` (400), never a 422.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
@@ -199,10 +200,19 @@ class CompletionRequest(_Request):
     likely tokens to list beside each token's log-probability (off: absent, null or false)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: Any = None
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions; 0 only with echo
+    # the prompt before each choice's text (and, with logprobs, its tokens' before the answer's:
+    # the first without one, as nothing precedes it)
+    echo: bool | None = Field(default=None, strict=True)
     best_of: Any = None
     suffix: Any = None
+
+    @model_validator(mode="after")
+    def _nothing_to_return(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                           param="max_tokens")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -219,6 +229,11 @@ class CompletionRequest(_Request):
         if self.top_logprobs is not None:
             raise ApiError(400, "top_logprobs is a chat parameter: send logprobs=N here", param="top_logprobs")
         return None if self.logprobs is None or self.logprobs is False else _top_count(self.logprobs, "logprobs")
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """``echo`` with ``logprobs``: the prompt's tokens' too, with as many alternatives."""
+        return self.logprobs_asked if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""

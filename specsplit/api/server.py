@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas import SamplingSpec
+from schemas.base import MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
 from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
@@ -104,7 +105,9 @@ def seeds(req, count: int) -> list[int]:
 
 
 def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str,
-              tool_plan: tools.ToolPlan | None = None) -> list[Job]:
+              tool_plan: tools.ToolPlan | None = None, echoes: list[str] | None = None) -> list[Job]:
+    """The choices to generate; ``echoes``: each prompt's text, returned before its choices'
+    (a completion's ``echo``)."""
     limit = state.max_model_len()
     if not limit:  # no orchestrator has said what it admits yet
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
@@ -123,15 +126,21 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         max_tokens = req.budget if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit or max_tokens < 1:
+        if len(ids) + max(1, max_tokens) > limit or (max_tokens < 1 and echoes is None):
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
                                 f"{len(ids)} prompt tokens and asks for {max_tokens} more",
                            param=param, code="context_length_exceeded")
+        scored = req.prompt_logprobs_asked if echoes is not None else None
+        if scored is not None and prompt_logprob_entries(len(ids), scored) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ApiError(400, f"echo with logprobs={scored} over {len(ids)} prompt tokens is more than the "
+                                f"{MAX_PROMPT_LOGPROB_ENTRIES} entries (tokens x (1 + logprobs)) one answer holds",
+                           param="logprobs")
         for j in range(req.n):
             k = p * req.n + j
             sampling = sampling_for(req, all_seeds[k]).model_copy(update={"logit_bias": bias})
             jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
-                            req.logprobs_asked))
+                            req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
+                            ends_listed=not isinstance(req, ChatCompletionRequest)))
     return jobs
 
 
@@ -245,8 +254,9 @@ async def watch_disconnect(request: Request) -> None:
 
 
 async def run_generation(request: Request, state: ApiState, req, prompts: list[list[int]], chat: bool,
-                         default_max: int | None, param: str, tool_plan: tools.ToolPlan | None = None) -> Response:
-    jobs = plan_jobs(req, prompts, state, default_max, param, tool_plan)
+                         default_max: int | None, param: str, tool_plan: tools.ToolPlan | None = None,
+                         echoes: list[str] | None = None) -> Response:
+    jobs = plan_jobs(req, prompts, state, default_max, param, tool_plan, echoes)
     if state.inflight + len(jobs) > state.settings.api_max_concurrent_requests:
         raise ApiError(429, f"more than {state.settings.api_max_concurrent_requests} requests in flight",
                        type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
@@ -366,7 +376,9 @@ async def completions(request: Request) -> Response:
     prompts = [encode_text(tok, p) if isinstance(p, str) else state.check_ids(p) for p in req.prompts()]
     if any(not p for p in prompts):
         raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
-    return await run_generation(request, state, req, prompts, False, req.max_tokens, "max_tokens")
+    echoes = [p if isinstance(p, str) else tok.decode(ids) for p, ids in zip(req.prompts(), prompts)] \
+        if req.echo else None
+    return await run_generation(request, state, req, prompts, False, req.max_tokens, "max_tokens", echoes=echoes)
 
 
 async def chat_completions(request: Request) -> Response:
