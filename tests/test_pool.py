@@ -155,6 +155,37 @@ def test_logprobs_follow_their_tokens_across_a_resume():
     assert res.logprobs == lp(res.token_ids) == Logprobs.join(parts)
 
 
+def test_the_prompts_logprobs_are_asked_again_only_until_they_came():
+    """An orchestrator lost before its first chunk: the resume asks for the prompt's
+    log-probabilities again. One lost after it (they came with it): the resume does not, and the
+    caller got them once."""
+    from schemas import Logprobs
+
+    rows = Logprobs(token=[-0.5, -0.25], top_ids=[[2], [3]], top=[[-0.5], [-0.25]])
+
+    async def serve_rows(orch, req, send, upto=None):
+        toks = continuation(req)[:upto]
+        first = rows if req.prompt_logprobs is not None else None
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks, prompt_logprobs=first))
+        if upto is None:
+            await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="length"))
+        else:
+            await orch.received.wait()
+            orch.sock.close(linger=0)
+
+    async def die_at_once(orch, req, send):
+        orch.sock.close(linger=0)
+
+    for behave, asked_again in ((die_at_once, True), (lambda o, r, s: serve_rows(o, r, s, upto=5), False)):
+        seen: list = []
+        res, a, b = asyncio.run(_run(behave, behave_b=serve_rows,
+                                     gen={"prompt_logprobs": 1, "on_prompt_logprobs": seen.append}))
+        assert res.resumes == 1 and len(res.token_ids) == 20
+        assert a.requests[0].prompt_logprobs == 1
+        assert (b.requests[-1].prompt_logprobs == 1) is asked_again
+        assert res.prompt_logprobs == rows and seen == [rows]
+
+
 def test_cancelled_is_resumed_not_returned():
     async def cancel_after_3(orch, req, send):
         toks = continuation(req)[:3]
