@@ -12,7 +12,8 @@ dies, hangs or stops is resumed from the tokens already received (``specsplit.po
 answers equal an uninterrupted run. Only finished answers ("stop" / "length") are printed; a
 prompt that could not be finished is reported on stderr and makes the exit code 1.
 ``--json-schema FILE`` holds every answer to a JSON Schema (the target's constrained decoding);
-``--logprobs N`` adds each answer token's log-probability and N alternatives to ``--json`` rows.
+``--logprobs N`` adds each answer token's log-probability and N alternatives to ``--json`` rows,
+``--prompt-logprobs N`` those of the prompt's tokens after its first.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold every answer to this JSON Schema (docs/operations.md, JSON output)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability and its N most likely alternatives (0-20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="with --json: the prompt's tokens' too (after its first), with N alternatives (0-20)")
     p.add_argument("--orchestrator", default=None,
                    help="comma list of addresses; default: SPECSPLIT_ORCHESTRATOR (+ SPECSPLIT_ORCHESTRATOR_COUNT ports)")
     p.add_argument("--wait-s", type=float, default=600.0, help="wait this long for the fleet to answer a ping")
@@ -115,9 +118,10 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     except ValueError as exc:
         print(f"specsplit produce: --json-schema: {exc}", file=sys.stderr)
         return 2
-    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
-        print(f"specsplit produce: --logprobs must be 0 to {MAX_TOP_LOGPROBS}", file=sys.stderr)
-        return 2
+    for flag in ("logprobs", "prompt_logprobs"):
+        if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= MAX_TOP_LOGPROBS:
+            print(f"specsplit produce: --{flag.replace('_', '-')} must be 0 to {MAX_TOP_LOGPROBS}", file=sys.stderr)
+            return 2
     def sampling(i: int) -> SamplingSpec:
         seed = secrets.randbits(63) if args.seed is None else (args.seed + i) % 2**63
         return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
@@ -157,7 +161,8 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
                 try:
                     res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling(i),
                                               stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens,
-                                              grammar=grammar, logprobs=args.logprobs)
+                                              grammar=grammar, logprobs=args.logprobs,
+                                              prompt_logprobs=args.prompt_logprobs)
                     if stream:
                         print(text.finish(), end="", flush=True)
                 except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:
@@ -219,6 +224,7 @@ def report(i, prompt, res, codec, args, streamed: bool) -> None:
             "rounds": res.rounds, "resumes": res.resumes, "mean_accepted": res.mean_accepted, "acceptance_rate": res.acceptance_rate,
             "elapsed_s": res.elapsed_s, **request_figures(res),
             **({"logprobs": res.logprobs.model_dump()} if res.logprobs is not None else {}),
+            **({"prompt_logprobs": res.prompt_logprobs.model_dump()} if res.prompt_logprobs is not None else {}),
         }), flush=True)
     elif not streamed:
         print(f"\n=== prompt {i}: {prompt[:80]!r}\n{text}", flush=True)

@@ -195,7 +195,8 @@ def test_e_produce_cli_json(fleet, target_model):
 def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tmp_path):
     """``--json-schema FILE`` holds the answer to it (greedy decoding masked to the schema, the
     oracle of tests/test_grammar.py) and ``--logprobs 2`` adds the target's log-probabilities of
-    the answer's tokens (full re-forward) to the JSON row; a schema that is not JSON exits 2."""
+    the answer's tokens (full re-forward) to the JSON row, ``--prompt-logprobs 1`` the prompt's;
+    a schema that is not JSON exits 2."""
     import torch
 
     from specsplit.api.tokenizer import ServedTokenizer
@@ -208,8 +209,8 @@ def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tm
     (tmp_path / "bad.json").write_text("{not json")
     cmd = [sys.executable, "-m", "specsplit", "produce", "Colours:", "--json", "--max-new-tokens", "24",
            "--logprobs", "2", "--orchestrator", fleet.orchestrator]
-    out = subprocess.run([*cmd, "--json-schema", str(tmp_path / "schema.json")], capture_output=True, text=True,
-                         timeout=180, env=fleet.env)
+    out = subprocess.run([*cmd, "--json-schema", str(tmp_path / "schema.json"), "--prompt-logprobs", "1"],
+                         capture_output=True, text=True, timeout=180, env=fleet.env)
     assert out.returncode == 0, out.stderr[-2000:]
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]
     tok = ServedTokenizer(tiny_paths["target"])
@@ -224,6 +225,11 @@ def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tm
     assert len(lp["token"]) == len(row["token_ids"]) and all(len(r) == 2 for r in lp["top_ids"])
     want = rows.gather(1, torch.tensor(row["token_ids"]).unsqueeze(1))[:, 0]
     assert torch.allclose(torch.tensor(lp["token"]), want, atol=1e-4)
+    prompt = row["prompt_token_ids"]
+    prompt_rows = torch.log_softmax(logits[:len(prompt) - 1], dim=-1)
+    want = prompt_rows.gather(1, torch.tensor(prompt[1:]).unsqueeze(1))[:, 0]
+    assert torch.allclose(torch.tensor(row["prompt_logprobs"]["token"]), want, atol=1e-4)
+    assert [r[0] for r in row["prompt_logprobs"]["top_ids"]] == prompt_rows.argmax(-1).tolist()
     bad = subprocess.run([*cmd, "--json-schema", str(tmp_path / "bad.json")], capture_output=True, text=True,
                          timeout=180, env=fleet.env)
     assert bad.returncode == 2 and "not JSON" in bad.stderr
