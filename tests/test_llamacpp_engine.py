@@ -456,3 +456,34 @@ def test_logprobs_are_the_rows_the_round_was_decided_on(lm):
         path = [tree.token_ids[i] for i in path_to(node, tree.parents)[1:]]
         alone = torch.log_softmax(torch.from_numpy(_path_logits(lm, PROMPT + path)), -1)
         assert abs(reply.logprobs.token[k] - float(alone[t])) < TOLERANCE
+
+
+@pytest.mark.parametrize("length", [len(PROMPT), 700], ids=["with-the-tree", "chunks-first"])
+def test_prompt_logprobs_are_every_sync_tokens_row(lm, length):
+    """``prompt_logprobs`` on the llama.cpp target: the rows of the decodes that commit the prompt
+    (with the tree, or in chunks ahead of it when it does not fit one decode), each the
+    log-softmax of the model after that prefix: as one decode of the whole prompt reads them,
+    within llama.cpp's shape rounding. The round itself is unchanged."""
+    prompt = (PROMPT * 50)[:length] if length > len(PROMPT) else PROMPT
+    assert length < lm.n_batch or length > lm.n_batch  # (the long one does not fit one decode)
+    eng = LlamaTargetEngine(lm, EngineLimits(max_sessions=2, max_session_tokens=1024))
+    tree = _tree_along(greedy_decode(lm, prompt, 4), prompt[-1], "chain")
+    sync = CacheSync(base_len=0, append_token_ids=prompt[:-1], prompt_len=len(prompt))
+    scored = eng.handle(VerifyRequest(session_id="p", round=0, sync=sync, tree=tree, prompt_logprobs=2))
+    plain = eng.handle(VerifyRequest(session_id="q", round=0, sync=sync, tree=tree))
+    for sid in ("p", "q"):
+        eng.handle(EndSession(session_id=sid))
+    assert isinstance(scored, VerifyReply) and isinstance(plain, VerifyReply), (scored, plain)
+    assert scored.accepted_token_ids == plain.accepted_token_ids and scored.bonus_token_id == plain.bonus_token_id
+    assert plain.prompt_logprobs is None and len(scored.prompt_logprobs) == len(prompt) - 1
+    with lm.lock:
+        lm.lib.llama_memory_clear(lm.mem, True)
+        rows = []
+        for a in range(0, len(prompt) - 1, lm.n_batch):
+            part = prompt[a:min(a + lm.n_batch, len(prompt) - 1)]
+            rows.append(lm.decode(part, list(range(a, a + len(part))), [[0]] * len(part), list(range(len(part)))))
+    want = torch.log_softmax(torch.from_numpy(np.concatenate(rows)), -1)  # [P-1, V]
+    got = torch.tensor(scored.prompt_logprobs.token)
+    assert (got - want.gather(1, torch.tensor(prompt[1:]).unsqueeze(1))[:, 0]).abs().max() < TOLERANCE
+    agree = sum(ids[0] == int(row.argmax()) for ids, row in zip(scored.prompt_logprobs.top_ids, want))
+    assert agree >= 0.95 * (len(prompt) - 1)  # the most likely token, but where rounding reorders a near tie

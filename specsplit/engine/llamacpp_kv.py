@@ -72,18 +72,22 @@ class LlamaKV:
             self.lm.seq_cp(seq, self.trash, p0, p1)
         self.lm.seq_rm(seq, p0, p1)
 
-    def append_linear(self, tokens: list[int], chunk: int) -> np.ndarray:
+    def append_linear(self, tokens: list[int], chunk: int, on_rows=None) -> np.ndarray:
         """Committed tokens appended to the main sequence, ``chunk`` per decode; the last
-        token's logits [V]. Only with no tree slots."""
+        token's logits [V]. Only with no tree slots. ``on_rows``: given every token's logits,
+        each decode's [chunk, V] in order."""
         assert not self.slots and self.length == self.prefix
         logits = None
         for a in range(0, len(tokens), chunk):
             part = tokens[a:a + chunk]
             p = self.prefix
-            logits = self.lm.decode(part, list(range(p, p + len(part))), [[self.seq]] * len(part), [len(part) - 1])
+            outputs = list(range(len(part))) if on_rows is not None else [len(part) - 1]
+            logits = self.lm.decode(part, list(range(p, p + len(part))), [[self.seq]] * len(part), outputs)
             self.prefix += len(part)
             self.length = self.prefix
-        return logits[0]
+            if on_rows is not None:
+                on_rows(torch.from_numpy(logits))
+        return logits[-1]
 
     @property
     def nbytes(self) -> int:
@@ -185,10 +189,12 @@ class _LlamaEngineMixin:
             victim.draft_tree = None
         return [self.pool.take() for _ in range(count)]
 
-    def forward_linear(self, kv: LlamaKV, token_ids: list[int], chunk: int = LINEAR_CHUNK) -> torch.Tensor:
-        """Committed tokens appended to the session's main sequence; the last one's logits [V]."""
+    def forward_linear(self, kv: LlamaKV, token_ids: list[int], chunk: int = LINEAR_CHUNK,
+                       on_rows=None) -> torch.Tensor:
+        """Committed tokens appended to the session's main sequence; the last one's logits [V]
+        (``on_rows``: each decode's logits of every token, as ``LlamaKV.append_linear``)."""
         size = min(chunk, self.lm.n_batch)
-        return torch.from_numpy(self._retry_out_of_cells(kv, lambda: kv.append_linear(token_ids, size)))
+        return torch.from_numpy(self._retry_out_of_cells(kv, lambda: kv.append_linear(token_ids, size, on_rows)))
 
 
 

@@ -15,7 +15,7 @@ from specsplit.engine.llamacpp_model import LlamaCppModel, LlamaOutOfCells
 from specsplit.engine.target import TargetEngine
 from specsplit.engine.target_batch import verify_alone, verify_batch
 from specsplit.engine.store import Session
-from specsplit.engine.verify import Outcome, Verdict
+from specsplit.engine.verify import Outcome, PromptRows, Verdict
 from specsplit.errors import SpecError
 from specsplit.tree import TreeLayout
 
@@ -42,7 +42,6 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
 
     role = "target"
     trash = -1  # set to the last sequence id by _setup
-    reports_prompt_logprobs = False  # its decodes keep the last row of a sync only
 
     def __init__(self, lm: LlamaCppModel, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend=None):
@@ -161,19 +160,28 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
 
     def _round(self, session: Session, req, layout: TreeLayout) -> Outcome:
         kv: LlamaKV = session.kv
-        plan = self._plan(kv, req, layout)
+        lin = req.sync.append_token_ids
+        # the prompt's log-probabilities: every sync token's row is kept (VerifyRequest checks the
+        # sync is from an empty cache and names the prompt)
+        scored = PromptRows(req.prompt_logprobs, [*lin[1:], req.tree.token_ids[0]], req.sync.prompt_len - 1) \
+            if req.prompt_logprobs is not None else None
+        plan = self._plan(kv, req, layout, scored)
         try:
             logits = torch.from_numpy(self._retry_out_of_cells(
-                kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs, plan.outputs)))  # [N, V]
-            verdict = self._settle(kv, req, plan, logits, session)
+                kv, lambda: self.lm.decode(plan.tokens, plan.positions, plan.seqs, plan.outputs)))  # [lead + N, V]
+            if scored is not None:
+                scored.take(logits[:plan.lead])
+            verdict = self._settle(kv, req, plan, logits[plan.lead:], session)
         finally:
             self._release(kv, plan)
-        return Outcome(verdict, forward_tokens=len(req.sync.append_token_ids) + layout.num_nodes)
+        return Outcome(verdict, forward_tokens=len(lin) + layout.num_nodes,
+                       prompt_logprobs=scored.result() if scored is not None else None)
 
-    def _plan(self, kv: LlamaKV, req, layout: TreeLayout) -> "_Planned":
+    def _plan(self, kv: LlamaKV, req, layout: TreeLayout, scored: PromptRows | None = None) -> "_Planned":
         """Before the round's decode: the cache cropped to the sync's base, a sync too long for
         one decode with the tree committed ahead in chunks, and a scratch sequence (a copy of the
-        main one) per leaf of the tree; the decode's tokens, positions and sequences."""
+        main one) per leaf of the tree; the decode's tokens, positions and sequences. ``scored``:
+        every sync token's logits are read too (the chunks' go to it now)."""
         kv.crop_to(req.sync.base_len)
         lin = list(req.sync.append_token_ids)
         n = layout.num_nodes
@@ -181,7 +189,7 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
         room = self.lm.n_batch - n
         if len(lin) > room:  # a long sync (a prompt): committed first, in chunks
             head, lin = lin[:len(lin) - room], lin[len(lin) - room:]
-            self.forward_linear(kv, head)
+            self.forward_linear(kv, head, on_rows=scored.take if scored is not None else None)
         scratch = self._take_seqs(kv, len(leaves))
         for s in scratch:
             self.lm.seq_cp(kv.seq, s)
@@ -190,7 +198,8 @@ class LlamaTargetEngine(_LlamaEngineMixin, TargetEngine):
             lin=lin, layout=layout, scratch=scratch, below=below, start=start,
             tokens=[*lin, *req.tree.token_ids],
             positions=[*range(kv.prefix, start), *(start + d for d in layout.depths)],
-            seqs=[[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)])
+            seqs=[[kv.seq, *scratch]] * len(lin) + [[scratch[k] for k in below[i]] for i in range(n)],
+            lead=len(lin) if scored is not None else 0)
 
     def _settle(self, kv: LlamaKV, req, plan: "_Planned", logits: torch.Tensor, session: Session) -> Verdict:
         """After the decode (the sync's tokens are committed): the verdict from the tree's logits
@@ -222,8 +231,10 @@ class _Planned:
     tokens: list[int]
     positions: list[int]
     seqs: list[list[int]]
+    lead: int = 0  # sync tokens whose logits are read too, before the tree's (the prompt's rows)
 
     @property
     def outputs(self) -> list[int]:
-        """The tree nodes' indices in the decode's tokens (their logits are read)."""
-        return list(range(len(self.lin), len(self.tokens)))
+        """The tree nodes' indices in the decode's tokens (their logits are read), after the
+        first ``lead`` sync tokens'."""
+        return [*range(self.lead), *range(len(self.lin), len(self.tokens))]

@@ -39,7 +39,6 @@ from specsplit.tree import TreeLayout, validate_tree
 
 class TargetEngine(Engine):
     role = "target"
-    reports_prompt_logprobs = True  # VerifyRequest.prompt_logprobs is served (``PromptRows``)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,8 +82,6 @@ class TargetEngine(Engine):
         bias = req.sampling.logit_bias or ()
         if any(b.token_id >= self.vocab_size for b in bias):
             raise SpecError(ErrorCode.BAD_REQUEST, f"a logit_bias token is outside the vocabulary [0, {self.vocab_size})")
-        if req.prompt_logprobs is not None and not self.reports_prompt_logprobs:
-            raise SpecError(ErrorCode.BAD_REQUEST, "this target does not report the prompt's log-probabilities")
         if req.grammar is not None and self.grammars is None:
             raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
