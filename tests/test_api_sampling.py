@@ -172,7 +172,8 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     The target's: the other target takes the session (a resend from an empty cache rebuilds the
     penalties' state). The orchestrator's: the API resumes the generation on its successor, the
     output so far as prompt with ``output_from`` where the output began, so the penalties still
-    count it. Either way the text is the oracle's and every token's log-probability is listed."""
+    count it. Either way the text is the oracle's and every token's log-probability is listed,
+    the echoed prompt's first."""
     from tests.api_fleet import stream_killing
     from tests.test_penalties import penalized_greedy
 
@@ -183,14 +184,16 @@ def test_penalties_and_logprobs_survive_a_kill(fleet, tiny, role):
     want = want[:cut]
     assert len(want) > 200, "the answer should outlast the kill"
     body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
-            "presence_penalty": 0.3, "frequency_penalty": 0.2, "logprobs": 1}
+            "presence_penalty": 0.3, "frequency_penalty": 0.2, "logprobs": 1, "echo": True}
     choices = stream_killing(fleet, body, role)
     text = "".join(c["text"] for c in choices)
     listed = [lp for c in choices for lp in (c["logprobs"] or {}).get("token_logprobs", [])]
-    assert text == tok.decode(want)
-    rows = reference(model, prompt, want)
-    assert len(listed) == len(want)  # a completion lists its end token too
-    assert all(abs(lp - float(row[t])) < 1e-4 for lp, t, row in zip(listed, want, rows))
+    assert text == tok.decode(prompt) + tok.decode(want)  # echo: the prompt first
+    rows = reference(model, prompt[:1], prompt[1:] + want)  # the prompt's tokens after its first, then the answer's
+    assert len(listed) == len(prompt) + len(want)  # a completion lists its end token too
+    assert listed[0] is None
+    assert all(abs(lp - float(row[t])) < 1e-4 for lp, t, row in zip(listed[1:len(prompt)], prompt[1:], rows))
+    assert all(abs(lp - float(row[t])) < 1e-4 for lp, t, row in zip(listed[len(prompt):], want, rows[len(prompt) - 1:]))
 
 
 def loglikelihood(choice, ctxlen: int) -> tuple[float, bool]:
