@@ -24,13 +24,7 @@ from specsplit.engine.specpv import PartialView, attention_name, plan_view, view
 from specsplit.engine.store import Session
 from specsplit.engine.target_batch import fused, verify_batch
 from specsplit.engine.verify import (
-    Outcome,
-    PromptRows,
-    Verdict,
-    greedy_verdict,
-    logprobs_of,
-    verify_greedy,
-    verify_sampling,
+    Outcome, PromptRows, Verdict, greedy_verdict, logprobs_of, verify_greedy, verify_sampling,
 )
 from specsplit.errors import SpecError
 from specsplit.models.int8 import prompt_attention_name

@@ -48,7 +48,8 @@ def logprobs_of(tree: FlatTree, logits: torch.Tensor, verdict: Verdict, top: int
     for the path's rows only; two host copies."""
     tokens = [*(tree.token_ids[i] for i in verdict.path[1:]), verdict.bonus]
     rows = logits.index_select(0, torch.tensor(verdict.path, device=logits.device))  # [L, V]
-    return Logprobs(**dict(zip(("token", "top_ids", "top"), row_logprobs(rows, tokens, top))))
+    token, top_ids, top_lp = row_logprobs(rows, tokens, top)
+    return Logprobs(token=token, top_ids=top_ids, top=top_lp)
 
 
 def row_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[list, list, list]:
