@@ -1,13 +1,16 @@
 """lm-eval (EleutherAI's evaluation harness) on the real pair through the HTTP API, as people
 point it at an OpenAI server: its ``local-completions`` model (token prompts, ``echo`` +
 ``logprobs: 1`` + ``max_tokens: 1``: the loglikelihood request) against ``honcho start`` of the
-repository's Procfile and .env (the default preset, free ports), on a multiple-choice task kept
-here (ops/data/lm_eval_mc.jsonl: 24 questions x 4 answers, scored by loglikelihood).
+repository's Procfile and .env (the default preset, free ports), on two tasks kept here: a
+multiple-choice one (ops/data/lm_eval_mc.jsonl: 24 questions x 4 answers, scored by
+loglikelihood) and a perplexity one (ops/data/lm_eval_ppl.jsonl: texts of 250 to 1,800 tokens,
+loglikelihood_rolling, as wikitext's).
 
 Checks every (log-likelihood, is_greedy) lm-eval logged against the fleet target alone (its
 engine in this process, int8 as the worker runs it: a quantized target is its own reference):
 its prefill of the same tokens (to 1e-3), and its plain forward of them (reported, with the
-largest difference); the accuracy from those equals lm-eval's. Then the time lm-eval took, and
+largest difference); the accuracy from those equals lm-eval's; each text's log-likelihood
+equals the engine's prefill of it (to 1e-3). Then the time lm-eval took, and
 what the prompt's rows cost the engine: its prefill of the same requests, and of 512- and
 2048-token prompts, with and without them.
 
@@ -51,6 +54,24 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
+# perplexity (as wikitext's task): each text scored whole, after lm-eval's prefix token; the texts
+# (250, 900 and 1,800 tokens of this repository's docs) fit its 2,048-token window
+PPL_DATA = REPO / "ops" / "data" / "lm_eval_ppl.jsonl"
+PPL_TASK = "specsplit_ppl"
+PPL_YAML = f"""task: {PPL_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {PPL_DATA}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -65,10 +86,11 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
     return ctx, whole[len(ctx):]
 
 
-def requesting_s(log: str) -> int | None:
-    """The seconds lm-eval spent requesting the API (its progress bar's last elapsed time; its
-    start and its task loading excluded), or None when the log shows none."""
-    hits = re.findall(r"Requesting API: 100%.*?\[(\d+):(\d+)<", log)
+def requesting_s(log: str, total: int) -> int | None:
+    """The seconds lm-eval spent requesting the API for ``total`` requests (the elapsed time of
+    its progress bar over them: its start and its task loading excluded), or None when the log
+    shows none."""
+    hits = re.findall(rf"Requesting API: 100%[^\r\n]*? {total}/{total} \[(\d+):(\d+)<", log)
     return int(hits[-1][0]) * 60 + int(hits[-1][1]) if hits else None
 
 
@@ -122,6 +144,27 @@ class Alone:
         return lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1))[:, 0].tolist(), lp.argmax(-1).tolist()
 
 
+def perplexity_checks(alone: Alone, tok, tmp: Path, results: dict, report: dict) -> None:
+    """Each text's log-likelihood lm-eval logged (one window: its prefix token, then the text)
+    against the engine alone's prefill of the same tokens."""
+    samples = [json.loads(line) for f in (tmp / "out").rglob(f"samples_{PPL_TASK}_*.jsonl") for line in f.open()]
+    check(report, "every text was scored", len(samples) == sum(1 for _ in PPL_DATA.open()), samples=len(samples))
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id  # lm-eval's prefix_token_id
+    worst, lengths = 0.0, []
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        got = s["resps"][0][0]
+        got = float(got[0] if isinstance(got, list) else got)
+        ids = [prefix, *tok.encode(s["doc"]["text"], add_special_tokens=False)]
+        lengths.append(len(ids) - 1)
+        want = sum(alone.prefill(ids)[0])
+        worst = max(worst, abs(want - got))
+    report["perplexity"] = {"text_tokens": lengths, "max_abs_diff": worst,
+                            **{k: results["results"][PPL_TASK][f"{k},none"]
+                               for k in ("word_perplexity", "byte_perplexity", "bits_per_byte")}}
+    check(report, "each text's log-likelihood = the target's prefill alone (1e-3)", worst < 1e-3,
+          max_abs_diff=worst, text_tokens=lengths)
+
+
 def long_prompt_cost(alone: Alone, tok, report: dict, lengths=(512, 2048), repeats: int = 3) -> None:
     """The engine's prefill of a long prompt with and without its rows (alternating, best of
     ``repeats`` each): what the prompt's log-probabilities cost."""
@@ -160,10 +203,11 @@ def main(argv=None) -> int:
     with served_fleet("specsplit-lm-eval-", report) as (url, _, tmp):
         (tmp / "tasks").mkdir()
         (tmp / "tasks" / f"{TASK}.yaml").write_text(TASK_YAML)
+        (tmp / "tasks" / f"{PPL_TASK}.yaml").write_text(PPL_YAML)
         cmd = [args.lm_eval, "-m", "lm_eval", "--model", "local-completions", "--model_args",
                f"model={report['model']},base_url={url}/v1/completions,tokenizer={target_path},"
                "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=600",
-               "--tasks", TASK, "--include_path", str(tmp / "tasks"), "--batch_size", str(args.batch_size),
+               "--tasks", f"{TASK},{PPL_TASK}", "--include_path", str(tmp / "tasks"), "--batch_size", str(args.batch_size),
                "--output_path", str(tmp / "out"), "--log_samples"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OPENAI_API_KEY": "unused"}
@@ -171,7 +215,8 @@ def main(argv=None) -> int:
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         report["lm_eval_s"] = round(time.perf_counter() - t0, 2)
         (tmp / "lm_eval.log").write_text(run.stdout + run.stderr)
-        report["lm_eval_requesting_s"] = requesting_s(run.stdout + run.stderr)
+        # the multiple-choice task's requests (each text of the perplexity one has its own bar)
+        report["lm_eval_requesting_s"] = requesting_s(run.stdout + run.stderr, 4 * report["questions"])
         check(report, "lm-eval ran to its end", run.returncode == 0, rc=run.returncode)
         if run.returncode != 0:
             print((run.stdout + run.stderr)[-3000:])
@@ -227,6 +272,7 @@ def main(argv=None) -> int:
     print(f"largest |diff| of a log-likelihood: prefill alone {worst['prefill']:.2e}, plain forward "
           f"{worst['plain']:.2e} (is_greedy the same: {report['is_greedy_same']['plain']}; acc "
           f"{report['acc_alone']['plain']:.3f})")
+    perplexity_checks(alone, tok, tmp, results, report)
     long_prompt_cost(alone, tok, report)
     return report_checks(report, tmp, args.json)
 

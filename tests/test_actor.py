@@ -55,8 +55,10 @@ def test_actor_equals_greedy_with_and_without_growth(models, which, grow):
     want = greedy_reference(target, prompt, n)[0]
     done, grows = run_actor(draft, target, prompt, n, grow=grow, grow_fraction=4.0)
     assert done.token_ids == want
-    if grow:  # every round after the first (which has no verify time to size a budget) grows
-        assert len(grows) == done.rounds - 1 and all(g.round >= 1 for g in grows)
+    if grow:  # every round after the first (which has no verify time to size a budget) grows, but a
+        # last one left a single token to make: it is plain (no draft call, nothing to grow for)
+        assert len(grows) in (done.rounds - 1, done.rounds - 2)
+        assert sorted(g.round for g in grows) == list(range(1, len(grows) + 1))
     else:
         assert not grows
 

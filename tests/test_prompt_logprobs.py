@@ -178,3 +178,22 @@ def test_impossible_prompt_logprobs_are_refused():
     GenerateRequest(session_id="g", prompt_token_ids=long, prompt_logprobs=top, output_from=10_000)
     with pytest.raises(ValidationError):
         Logprobs(token=[-1.0], top_ids=[[1]], top=[[0.5]])
+
+
+def test_a_round_left_one_token_to_make_asks_the_draft_nothing(models):
+    """lm-eval's requests (``max_tokens`` 1) and the last round of any answer left one token: the
+    tree can hold its root only, so the round is plain: no DraftRequest (before, the draft
+    prefilled the whole prompt to propose nothing)."""
+    from schemas import DraftRequest
+
+    target, often, _ = models["qwen2"]
+    d_rpc, t_rpc = EngineRpc(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompt = prompt_of(12, seed=3)
+    for n in (1, 5):
+        req = GenerateRequest(session_id=f"one-{n}", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC,
+                              prompt_logprobs=1)
+        done = asyncio.run(SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC), lambda m: None).run())
+        assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    drafts = [m for m in d_rpc.requests if isinstance(m, DraftRequest)]
+    assert not any(m.session_id == "one-1" for m in drafts)  # one token: no draft call at all
+    assert all(m.tree.max_depth >= 1 for m in drafts) and any(m.session_id == "one-5" for m in drafts)

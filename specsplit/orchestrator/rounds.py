@@ -45,6 +45,7 @@ def plan(rnd: int, cur: SessionCursor, out: list[int], *, prompt_len: int, max_n
         spec = cost.draft_spec(spec)  # how deep drafting pays this round
     sync_tokens = len(cur.target_sync().append_token_ids)
     plain = (not any(p.model_cost for p in proposers)
+             or spec.max_depth == 0  # the tree holds its root only (the last token wanted): no draft call
              or (cost is not None and greedy and cost.plain_pays()))
     if confirm:
         asked: tuple[Proposer, ...] = ()
