@@ -234,13 +234,20 @@ def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, roun
     return rows, slot
 
 
-def _serving_target_slot(log: str, slots: tuple[str, ...]) -> str:
+def _serving_target_slot(log: str, slots: tuple[str, ...], before: str = "") -> str:
     """The first of ``slots`` that the target router's rendezvous hash gives a session of the
     rounds logged so far (worker identities are ``target-<slot>``): random session ids all land on
-    one of two workers 1 time in 2**(n-1), and a kill of the other one would test nothing."""
+    one of two workers 1 time in 2**(n-1), and a kill of the other one would test nothing. Only
+    sessions past their first round that ``before`` (the log before this run) does not name
+    count, where there are any: not the producer's one-token probe, nor an earlier run's session
+    whose last round was logged after it ended (an orchestrator logs a round once the next one
+    is under way, or after the session's end was sent)."""
     from brokers.rendezvous import pick
 
-    sessions = set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", log))
+    earlier = set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", before))
+    going = {sid for rnd, sid in re.findall(r"round_done\b.*?\bround=(\d+).*?\bsession_id\W+(\w+)", log)
+             if int(rnd) >= 1} - earlier
+    sessions = going or set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", log))
     keys = [f"target-{slot}".encode() for slot in slots]
     served = {pick(sid, keys) for sid in sessions}
     return next(slot for slot, key in zip(slots, keys) if key in served)

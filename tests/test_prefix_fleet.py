@@ -47,7 +47,8 @@ def test_cached_prefixes_through_honcho_survive_a_kill_and_stay_exact(tmp_path):
         producer = _produce(tmp_path, env, prompts, max_new_tokens=120, rounds=12)
         assert producer.poll() is None, "the run ended before the kill"
         # a target serving this run's sessions (the seeds' ended: a target that served only them is idle)
-        slot = _serving_target_slot(honcho_log(tmp_path)[seeded:], ("target.1", "target.2"))
+        log = honcho_log(tmp_path)
+        slot = _serving_target_slot(log[seeded:], ("target.1", "target.2"), before=log[:seeded])
         os.kill(worker_pid(proc.pid, slot), signal.SIGKILL)
         assert producer.wait(timeout=300) == 0, (tmp_path / "produce.err").read_text()[-3000:]
         rows = _rows(tmp_path)
