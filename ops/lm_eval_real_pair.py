@@ -37,41 +37,34 @@ sys.path.insert(0, str(REPO))
 
 from ops.api_real_pair import check, new_report, report_checks, served_fleet
 
+
+def task_yaml(name: str, data: Path, output_type: str, rest: str) -> str:
+    """An lm-eval task over a JSONL file of this repository (its test split)."""
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"output_type: {output_type}\ntest_split: test\n{rest}")
+
+
 DATA = REPO / "ops" / "data" / "lm_eval_mc.jsonl"
 TASK = "specsplit_mc"
-TASK_YAML = f"""task: {TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {DATA}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
+TASK_YAML = task_yaml(TASK, DATA, "multiple_choice", """doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
 doc_to_target: answer
 metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
-"""
+""")
 # perplexity (as wikitext's task): each text scored whole, after lm-eval's prefix token; the texts
 # (250, 900 and 1,800 tokens of this repository's docs) fit its 2,048-token window
 PPL_DATA = REPO / "ops" / "data" / "lm_eval_ppl.jsonl"
 PPL_TASK = "specsplit_ppl"
-PPL_YAML = f"""task: {PPL_TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {PPL_DATA}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
+PPL_YAML = task_yaml(PPL_TASK, PPL_DATA, "loglikelihood_rolling", """doc_to_text: ""
+doc_to_target: "{{text}}"
 metric_list:
   - metric: word_perplexity
   - metric: byte_perplexity
   - metric: bits_per_byte
-"""
+""")
 
 
 def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
