@@ -3,7 +3,8 @@ repository's Procfile and .env (the default preset, free ports), then, at temper
 answer with ``frequency_penalty`` / ``presence_penalty`` / ``repetition_penalty`` against the
 fleet target's own plain decoding with the same penalties (its engine in this process, int8 as
 the worker runs it, one token a round). Then the cost: the same questions with and without
-penalties, alternating: tok/s and tokens a round side by side.
+penalties, alternating: tok/s and tokens a round side by side. A fourth way bans two common
+tokens (``logit_bias`` -100 on " the" and ","), which the draft then never proposes.
 
     python ops/api_penalties_real_pair.py --json ops/results/api-penalties-real-pair-qwen-coder-cpu2-amx.json
 """
@@ -26,11 +27,21 @@ SETTINGS = {"frequency 0.5": {"frequency_penalty": 0.5},
             "presence 0.5, repetition 1.1": {"presence_penalty": 0.5, "repetition_penalty": 1.1}}
 
 
-def main(argv=None) -> int:
-    from schemas import SamplingSpec
+def sampling_of(penalties: dict):
+    """The ``SamplingSpec`` of a request's body (``logit_bias`` as OpenAI's dict)."""
+    from schemas import SamplingSpec, TokenBias
 
+    bias = penalties.get("logit_bias")
+    return SamplingSpec(**{**penalties, "logit_bias": [TokenBias(token_id=int(t), bias=b) for t, b in bias.items()]}
+                        if bias else penalties)
+
+
+def main(argv=None) -> int:
     args, tok = timed_run_args(__doc__, argv)
-    report = new_report(max_new_tokens=args.max_new_tokens, settings=SETTINGS)
+    banned = [tok.encode(" the"), tok.encode(",")]
+    assert all(len(ids) == 1 for ids in banned), banned
+    settings = {**SETTINGS, 'logit_bias -100 on " the", ","': {"logit_bias": {str(ids[0]): -100 for ids in banned}}}
+    report = new_report(max_new_tokens=args.max_new_tokens, settings=settings)
     with served_fleet("specsplit-api-penalties-", report) as (_, sync, tmp):
         model = report["model"]
         ref = Reference()
@@ -43,11 +54,11 @@ def main(argv=None) -> int:
                                                max_tokens=args.max_new_tokens, extra_body=extra or None, **body)
             return res, time.perf_counter() - t0
 
-        for name, penalties in SETTINGS.items():
+        for name, penalties in settings.items():
             for i, messages in enumerate(QUESTIONS):
                 ids = tok.encode_chat(messages)
                 want, _ = plain_decoding(ref, tok, ids, args.max_new_tokens, f"pen-{name}-{i}",
-                                         SamplingSpec(**penalties), logprobs=None)
+                                         sampling_of(penalties), logprobs=None)
                 res, _ = ask(messages, penalties)
                 plain, _ = ask(messages, {})
                 check(report, f"{name}, q{i}: = plain decoding with the penalties",
@@ -57,7 +68,7 @@ def main(argv=None) -> int:
         timings: dict[str, dict[str, list[float]]] = {}
         for r in range(args.repeats):
             for messages in QUESTIONS:
-                ways = [("none", {}), *SETTINGS.items()]
+                ways = [("none", {}), *settings.items()]
                 for way, penalties in (ways if r % 2 == 0 else ways[::-1]):
                     res, wall = ask(messages, penalties)
                     spec = res.choices[0].model_extra.get("speculative") or {}

@@ -90,7 +90,7 @@ def generate(
         if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
             plan = Candidates(root_only(cur.committed[-1]))
         else:
-            d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(),
+            d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(sampling.penalized),
                                                 root=cur.committed[-1], tree=spec, sampling=sampling))
             _raise_if_error(d_reply)
             cur.after_draft()
@@ -103,7 +103,7 @@ def generate(
                 _raise_if_error(d_eng.handle(GrowRequest(session_id=session_id, round=rnd, budget_ms=grow_budget_ms,
                                                          tree=hint, node_probs=probs)))
         verify_tree = plan.tree
-        v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(grammar is not None),
+        v_reply = t_eng.handle(VerifyRequest(session_id=session_id, round=rnd, sync=cur.target_sync(grammar is not None or sampling.penalized),
                                              tree=verify_tree, sampling=sampling, specpv=specpv, confirm=confirm,
                                              confirmed_len=cur.confirmed if exact else None, grammar=grammar))
         _raise_if_error(v_reply)

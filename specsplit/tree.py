@@ -185,6 +185,7 @@ class DraftTree:
         self.hinted: set[int] = set()
         self.discount: dict[int, float] = {}
         self.round, self.max_depth, self.forward_ms = -1, 0, 0.0
+        self.process = None  # the request's logits processing (engine.penalties.DraftProcessing)
 
     def __len__(self) -> int:
         return len(self.tokens)

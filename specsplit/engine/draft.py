@@ -31,6 +31,7 @@ from schemas import (
     MAX_TREE_DEPTH, MAX_TREE_NODES, DraftReply, DraftRequest, FlatTree, GrowReply, GrowRequest, Message, SamplingSpec,
     TreeSpec,
 )
+from specsplit.engine import penalties
 from specsplit.engine import sampling as S
 from specsplit.engine.base import LINEAR_CHUNK, Engine, EngineLimits, elapsed_ms
 from specsplit.engine.batch import Segment, using_attention
@@ -123,6 +124,8 @@ class DraftEngine(Engine):
         kept, session.draft_tree = session.draft_tree, None
         if sync is not req.sync:  # a cached prefix replaced the cache: nothing kept stands
             kept = None
+        process = penalties.for_draft(req.sampling, session.tokens, req.sync.base_len + len(req.sync.append_token_ids) + 1,
+                                      req.sync.prompt_len)
         if req.sampling.greedy:
             grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
             reused = len(grown.tokens) - 1 if grown is not None else 0
@@ -131,8 +134,9 @@ class DraftEngine(Engine):
                 if not req.sync.base_len:  # a context forwarded: kept at once (Engine.keep_prefix)
                     self.keep_prefix(session, held=True)
                 grown = DraftTree(req.root, kv.length, spec.branch)
+                grown.process = process
                 self._add_top_children(grown, [0], root_logits[None])
-            grown.round, grown.branch = req.round, spec.branch
+            grown.round, grown.branch, grown.process = req.round, spec.branch, process
             steps = spec.max_depth
             if reused and self.steps_after_reuse is not None:
                 steps = min(steps, self.steps_after_reuse)
@@ -145,7 +149,7 @@ class DraftEngine(Engine):
             self.keep_prefix(session, held=True)
         committed = kv.length
         try:
-            return (yield from self._build(kv, req.root, root_logits, spec, req.sampling, req.round)), 0
+            return (yield from self._build(kv, req.root, root_logits, spec, req.sampling, req.round, process)), 0
         finally:
             kv.crop_to(committed)
             session.last_round = req.round
@@ -178,11 +182,19 @@ class DraftEngine(Engine):
         pos = torch.arange(sync.base_len, sync.base_len + t, dtype=torch.long, device=self.device)
         return (yield Segment(kv, tokens, pos, causal(t, sync.base_len, self.device), keep=1))[0]
 
+    @staticmethod
+    def _processed(g: DraftTree, nodes: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """``nodes``' logits rows [F, V] with the request's bias and penalties, after each node's
+        path (``g.process``; the rows themselves when it has none)."""
+        if g.process is None:
+            return rows
+        return g.process.rows(rows, [[g.tokens[a] for a in path_to(n, g.parents)[1:]] for n in nodes])
+
     def _add_top_children(self, g: DraftTree, nodes: list[int], rows: torch.Tensor) -> None:
         """Each of ``nodes`` gets its ``g.branch`` most probable children from its logits row
-        (rows [F, V]), and its next ``grow_spares`` tokens as spares growth may add; one host
-        copy for all of them."""
-        logp = torch.log_softmax(rows.float(), dim=-1)  # [F, V]
+        (rows [F, V], processed as the request asks), and its next ``grow_spares`` tokens as
+        spares growth may add; one host copy for all of them."""
+        logp = torch.log_softmax(self._processed(g, nodes, rows).float(), dim=-1)  # [F, V]
         top = torch.topk(logp, min(g.branch + self.grow_spares, logp.shape[-1]), dim=-1)  # [F, B + S]
         ids, lps = top.indices.tolist(), top.values.tolist()
         for node, tok_row, lp_row in zip(nodes, ids, lps):
@@ -305,9 +317,11 @@ class DraftEngine(Engine):
 
     # ---- sampled: level by level, cache cropped afterwards -----------------------------
     def _build(
-        self, kv: SessionKV, root: int, root_logits: torch.Tensor, spec: TreeSpec, sampling: SamplingSpec, round: int
+        self, kv: SessionKV, root: int, root_logits: torch.Tensor, spec: TreeSpec, sampling: SamplingSpec, round: int,
+        process: penalties.DraftProcessing | None = None,
     ) -> Forwards[FlatTree]:
         g = DraftTree(root, kv.length, spec.branch)
+        g.process = process
         gen = S.make_generator(sampling.seed, round, "draft", self.device)
         frontier, rows = [0], root_logits[None]  # [F], [F, V]
         min_logp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
@@ -332,7 +346,7 @@ class DraftEngine(Engine):
     def _expand_sampled(self, g: DraftTree, frontier, rows, spec: TreeSpec, sampling: SamplingSpec, gen) -> list[int]:
         """Children of every frontier node drawn i.i.d. from its processed distribution q, which
         the tree carries (support capped at ``max_support``); one host copy per level."""
-        q = S.probs_from_logits(rows, sampling, self.max_support)  # [F, V]
+        q = S.probs_from_logits(self._processed(g, frontier, rows), sampling, self.max_support)  # [F, V]
         draws = S.sample_rows(q, gen, spec.branch)  # [F, B]
         logq = torch.log(q.gather(1, draws))  # [F, B]
         # the support: max_support ids, plus room for ties with the k-th logit (which survive)

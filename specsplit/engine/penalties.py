@@ -7,7 +7,8 @@ penalty subtracts ``frequency x count`` and the presence penalty ``presence`` fr
 the output holds. "The output" at a node is the committed tokens from the prompt's end on, then
 the node's path. The verification rules then run unchanged, so greedy output equals plain greedy
 decoding with the penalties, and sampling draws from the penalized distribution. The draft
-proposes unpenalized: where a penalty changes the choice, its tokens are rejected.
+proposes from its own logits processed the same way (``Seen``, ``penalize_paths``), so where a
+penalty changes the target's choice it changes the draft's too.
 
 A session's committed tokens live on the session (``PenaltyState``) and advance with each
 accepted path; a request that does not continue them (a resend from an empty cache, a retried
@@ -70,36 +71,84 @@ def accepted(session, req, path: list[int]) -> None:
         st.tokens += [req.tree.token_ids[i] for i in path[1:]]
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What every row's penalties start from: the output's token counts up to and including the
+    root, and (with a repetition penalty) the prompt's tokens."""
+
+    output: Counter
+    prompt: frozenset
+
+    @classmethod
+    def of(cls, sampling, tokens: list[int], prompt_len: int) -> Seen:
+        """From the committed tokens (the prompt's first ``prompt_len``) through the root."""
+        rep = sampling.repetition_penalty not in (None, 1.0)
+        return cls(Counter(tokens[prompt_len:]), frozenset(tokens[:prompt_len]) if rep else frozenset())
+
+
 def penalize(session, req, layout, logits: torch.Tensor) -> torch.Tensor:
     """The tree's logits [N, V] with the request's penalties applied at every node (a copy)."""
-    s, st = req.sampling, at_root(session, req)
+    st = at_root(session, req)
     tokens, parents = req.tree.token_ids, layout.parents
-    output = Counter(st.tokens[st.prompt_len:])
-    rep = s.repetition_penalty if s.repetition_penalty is not None else 1.0
-    prompt = set(st.tokens[:st.prompt_len]) if rep != 1.0 else set()
-    cols = sorted(set(output) | prompt | set(tokens[1:]))
+    paths: list[list[int]] = [[]]  # each node's path after the root (parents come first): its tokens
+    for i in range(1, len(tokens)):  # join the node's output
+        paths.append([*paths[parents[i]], tokens[i]])
+    return penalize_paths(req.sampling, Seen.of(req.sampling, st.tokens, st.prompt_len), paths, logits)
+
+
+def penalize_paths(sampling, seen: Seen, paths: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, V] with the penalties applied to row i as plain decoding applies them after
+    the output ``seen.output`` + ``paths[i]`` (a copy). Only the columns of tokens seen change."""
+    output, prompt = seen.output, seen.prompt
+    rep = sampling.repetition_penalty if sampling.repetition_penalty is not None else 1.0
+    cols = sorted(set(output) | prompt | {t for p in paths for t in p})
     col = {t: j for j, t in enumerate(cols)}
-    n, dev = len(tokens), logits.device
-    rows, at = [], []  # each node's path after the root: one more of its tokens in the node's output
-    for i in range(1, n):
-        node = i
-        while node > 0:
-            rows.append(i)
-            at.append(col[tokens[node]])
-            node = parents[node]
-    base = torch.zeros(len(cols), dtype=torch.float32)
-    for t, c in output.items():
-        base[col[t]] = c
-    cnt = base.to(dev).expand(n, -1).clone()  # [N, K]: the output's counts after each node's path
+    n, dev = len(paths), logits.device
+    rows = [i for i, p in enumerate(paths) for _ in p]
+    at = [col[t] for p in paths for t in p]
+    base = torch.tensor([output.get(t, 0) for t in cols], dtype=torch.float32, device=dev)
+    cnt = base.expand(n, -1).clone()  # [N, K]: the output's counts after each row's path
     if rows:
         cnt.index_put_((torch.tensor(rows, device=dev), torch.tensor(at, device=dev)),
                        torch.ones(len(rows), device=dev), accumulate=True)
     index = torch.tensor(cols, dtype=torch.long, device=dev)
     sub = logits.index_select(1, index).float()  # [N, K]
     if rep != 1.0:
-        seen = (cnt > 0) | torch.tensor([t in prompt for t in cols], dtype=torch.bool, device=dev)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - (s.frequency_penalty or 0.0) * cnt - (s.presence_penalty or 0.0) * (cnt > 0).float()
+        seen_any = (cnt > 0) | torch.tensor([t in prompt for t in cols], dtype=torch.bool, device=dev)
+        sub = torch.where(seen_any, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - (sampling.frequency_penalty or 0.0) * cnt - (sampling.presence_penalty or 0.0) * (cnt > 0).float()
     out = logits.clone()
     out.index_copy_(1, index, sub.to(logits.dtype))
     return out
+
+
+@dataclass(frozen=True)
+class DraftProcessing:
+    """The draft's rows processed as the target processes its own: the logit bias, then the
+    penalties after each row's path (``seen`` None: the bias alone)."""
+
+    sampling: object
+    seen: Seen | None
+
+    def rows(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """``logits`` [N, V], row i a node whose path after the root is ``paths[i]`` (a copy)."""
+        bias = [b for b in self.sampling.logit_bias or () if b.token_id < logits.shape[-1]]
+        if bias:
+            logits = biased(bias, logits)
+        if self.seen is not None:
+            logits = penalize_paths(self.sampling, self.seen, paths, logits)
+        return logits
+
+
+def for_draft(sampling, tokens: list[int], committed: int, prompt_len: int) -> DraftProcessing | None:
+    """How a draft processes its rows for a request whose sync names ``committed`` tokens through
+    the root (``tokens``: the session's, as far as it knows them) and ``prompt_len`` of them as the
+    prompt; None: not at all. The penalties need the output's tokens: without them (the prompt
+    not named, the session's tokens not all known) the draft proposes unpenalized, which costs
+    only acceptance."""
+    seen = None
+    if sampling.penalized and 0 < prompt_len <= committed == len(tokens):
+        seen = Seen.of(sampling, tokens, prompt_len)
+    if seen is None and not sampling.logit_bias:
+        return None
+    return DraftProcessing(sampling, seen)

@@ -44,9 +44,12 @@ class SessionCursor:
         """Committed tokens accepted under a partial view and not yet confirmed."""
         return len(self.committed) - self.confirmed
 
-    def draft_sync(self) -> CacheSync:
+    def draft_sync(self, name_prompt: bool = False) -> CacheSync:
+        """The draft's sync; it names the prompt where the draft needs to know where the output
+        begins (``name_prompt``: a penalized session's, whose draft counts the output too)."""
         base = min(self.draft_len, len(self.committed) - 1)
-        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1])
+        return CacheSync(base_len=base, append_token_ids=self.committed[base:-1],
+                         prompt_len=self.prompt_len if name_prompt else 0)
 
     def target_sync(self, name_prompt: bool = False) -> CacheSync:
         """The target's sync; it names the prompt (``CacheSync.prompt_len``) while it is part of

@@ -52,7 +52,7 @@ class DraftModel(Proposer):
             grown.cancel()  # the DraftRequest below stops the growth (it yields to waiting requests)
 
         def build():
-            return DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(), root=s.cur.committed[-1],
+            return DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(sampling.penalized), root=s.cur.committed[-1],
                                 tree=budget.spec, sampling=sampling)
 
         reply: DraftReply = await s.call(s.draft_rpc, build, self._reset)
@@ -80,7 +80,7 @@ class DraftModel(Proposer):
             return None
         if local is None:
             return None
-        req = DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(), root=committed[-1],
+        req = DraftRequest(session_id=s.sid, round=rnd, sync=s.cur.draft_sync(sampling.penalized), root=committed[-1],
                            tree=budget.spec, sampling=sampling)
         s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
         self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
