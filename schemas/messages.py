@@ -24,6 +24,7 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
     MAX_LOGIT_BIAS,
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_SESSION_ID_LEN,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEXT_LEN,
     MAX_TOP_LOGPROBS,
     MAX_TREE_DEPTH,
@@ -44,17 +45,22 @@ from schemas.base import (  # noqa: F401  (re-exported: schemas.messages is wher
 
 
 class SamplingSpec(Message):
-    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off. The
+    """How tokens are chosen. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 mean off. The
     penalties (None: off) are vLLM's (PROTOCOL.md, "Penalties"); logit_bias, OpenAI's."""
 
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_DIST_SUPPORT * 1024)
+    # tokens less probable than min_p x the most probable one are dropped (after top-k and top-p)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int = Field(default=0, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logit_bias: list[TokenBias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)  # before the penalties' logits
+    # never chosen at any node (their logits -inf, after the bias and penalties): the stop tokens
+    # of a round whose tokens are all within the answer's ``GenerateRequest.min_tokens``
+    masked_token_ids: list[TokenId] | None = Field(default=None, max_length=2 * MAX_STOP_TOKEN_IDS)
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +73,7 @@ class SamplingSpec(Message):
     @property
     def processed(self) -> bool:
         """Logits the target changes before choosing: verified against the full cache only."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or bool(self.masked_token_ids)
 
 
 class TreeSpec(Message):

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from schemas.base import (
     MAX_CONTEXT_TOKENS,
     MAX_PROMPT_LOGPROB_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     MAX_TREE_DEPTH,
     Logprobs,
@@ -32,7 +33,10 @@ class GenerateRequest(Message):
     max_new_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT_TOKENS)
     sampling: SamplingSpec = SamplingSpec()
     tree: TreeSpec | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    # no stop token among the first min_tokens new tokens (vLLM's min_tokens): the target and the
+    # draft mask them there; at most max_new_tokens
+    min_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
     specpv: SpecPVSpec | None = None  # None: the orchestrator's default (SPECSPLIT_SPECPV_*; off unless set)
     grammar: GrammarSpec | None = None  # constrained decoding: the session runs without SpecPV
     # a resumed generation: prompt_token_ids[output_from:] is output an earlier session generated
@@ -47,6 +51,10 @@ class GenerateRequest(Message):
 
     @model_validator(mode="after")
     def _output_in_prompt(self) -> GenerateRequest:
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_new_tokens {self.max_new_tokens}")
+        if self.min_tokens and self.grammar is not None:  # a grammar may allow only an end token
+            raise ValueError("min_tokens with a grammar is not supported")
         if self.output_from is not None and self.output_from > len(self.prompt_token_ids):
             raise ValueError(f"output_from {self.output_from} is past the {len(self.prompt_token_ids)} prompt tokens")
         if self.prompt_logprobs is not None:

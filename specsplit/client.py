@@ -320,9 +320,10 @@ class SpecSplitClient:
         on_tokens: Callable[[list[int]], None] | None = None, specpv: SpecPVSpec | None = None,
         grammar: GrammarSpec | None = None, output_from: int | None = None, logprobs: int | None = None,
         on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
-        on_prompt_logprobs: Callable[[Logprobs], None] | None = None,
+        on_prompt_logprobs: Callable[[Logprobs], None] | None = None, min_tokens: int = 0,
     ) -> GenerationResult:
-        """``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
+        """``min_tokens``: no stop token among the first this many new tokens (vLLM's).
+        ``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
         there on are output already generated (a resumed generation; see GenerateRequest).
         ``logprobs``: the output's log-probabilities with this many alternatives (the result's
         ``logprobs``; each chunk's to ``on_logprobs``, called before ``on_tokens``).
@@ -332,7 +333,7 @@ class SpecSplitClient:
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
                               sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
                               specpv=specpv, grammar=grammar, output_from=output_from, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, min_tokens=min_tokens)
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")

@@ -102,12 +102,13 @@ class OrchestratorPool:
         tree: TreeSpec | None = None, stop_token_ids=(), on_tokens: Callable[[list[int]], None] | None = None,
         session_group: str | None = None, grammar: GrammarSpec | None = None, logprobs: int | None = None,
         on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
-        on_prompt_logprobs: Callable[[Logprobs], None] | None = None,
+        on_prompt_logprobs: Callable[[Logprobs], None] | None = None, min_tokens: int = 0,
     ) -> GenerationResult:
         """``SpecSplitClient.generate`` on a live orchestrator, resumed on another where one is
         lost: ``on_tokens`` / ``on_logprobs`` see every token once, and the result holds them all;
         the prompt's log-probabilities (asked for) come once, from the first attempt that sends
-        them (they come before its first tokens: a resume after tokens has them)."""
+        them (they come before its first tokens: a resume after tokens has them). A resume's
+        ``max_new_tokens`` and ``min_tokens`` are what remains of them."""
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -153,7 +154,8 @@ class OrchestratorPool:
                                                 on_logprobs=seen_logprobs,
                                                 output_from=len(prompt) if on_output and received else None,
                                                 prompt_logprobs=prompt_logprobs if total.prompt_logprobs is None
-                                                else None, on_prompt_logprobs=seen_prompt)
+                                                else None, on_prompt_logprobs=seen_prompt,
+                                                min_tokens=max(0, min_tokens - len(received)))
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -66,13 +67,15 @@ def marginal(counts: Counter, n: int) -> Counter:
 
 
 def hf_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    """The reference distribution: transformers' warpers (temperature, top-k, top-p) + softmax.
+    """The reference distribution: transformers' warpers (temperature, top-k, top-p, min-p) + softmax.
     logits [N, V] -> [N, V] float64."""
     x = TemperatureLogitsWarper(sampling.temperature)(None, logits.to(torch.float64))
     if sampling.top_k > 0:
         x = TopKLogitsWarper(sampling.top_k)(None, x)
     if sampling.top_p < 1.0:
         x = TopPLogitsWarper(sampling.top_p)(None, x)
+    if sampling.min_p > 0.0:
+        x = MinPLogitsWarper(sampling.min_p)(None, x)
     return torch.softmax(x, dim=-1)
 
 

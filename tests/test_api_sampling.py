@@ -275,3 +275,69 @@ def test_echo_streamed_alone_and_without_logprobs(fleet, tiny):
     assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
     api_error(post_json(fleet, "/v1/completions", {**body, "echo": False, "max_tokens": 0}), 400, param="max_tokens")
     api_error(post_json(fleet, "/v1/completions", {**body, "echo": "yes"}), 400, param="echo")
+
+
+def test_ignore_eos_and_min_tokens_as_serving_benchmarks_send_them(fleet, tiny):
+    """A bias of +100 on the end tokens ends the answer at once. ``min_tokens`` 5 keeps them out
+    of the first five tokens (greedy decoding with them masked there, then the end token);
+    ``ignore_eos`` makes the answer run to ``max_tokens``, as vLLM's and SGLang's serving
+    benchmarks ask (completions, streamed, ``ignore_eos`` sent even when false)."""
+    model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Say something."}]
+    ids = tok.encode_chat(messages)
+    client = openai_client(fleet)
+    ends = {str(t): 100 for t in tok.stop_token_ids}
+
+    def oracle(prompt: list[int], n: int, min_tokens: int) -> list[int]:
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                row = model(torch.tensor([prompt + out])).logits[0, -1].float()
+                row[list(tok.stop_token_ids)] += 100.0
+                if len(out) < min_tokens:
+                    row[list(tok.stop_token_ids)] = float("-inf")
+                out.append(int(row.argmax()))
+                if out[-1] in tok.stop_token_ids:
+                    break
+        return out
+
+    body = {"model": "tiny-v1", "messages": messages, "max_tokens": 12, "temperature": 0, "logit_bias": ends}
+    plain = client.chat.completions.create(**body)
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    want = oracle(ids, 12, 5)
+    assert len(want) == 6 and want[-1] in tok.stop_token_ids
+    for stream in (False, True):
+        res = client.chat.completions.create(**body, stream=stream, extra_body={"min_tokens": 5},
+                                             **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(res) if stream else [res]
+        text = "".join((c.choices[0].delta.content or "") if stream else c.choices[0].message.content
+                       for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert text == tok.decode(want[:-1]) and usage.completion_tokens == 6
+    prompt = [5, 17, 99, 3, 250]
+    for stream in (False, True):
+        res = client.completions.create(model="tiny-v1", prompt=prompt, max_tokens=7, temperature=0, logit_bias=ends,
+                                        stream=stream, extra_body={"ignore_eos": True},
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(res) if stream else [res]
+        assert chunks[-1].usage.completion_tokens == 7
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    off = client.completions.create(model="tiny-v1", prompt=prompt, max_tokens=7, temperature=0, logit_bias=ends,
+                                    extra_body={"ignore_eos": False})
+    assert off.usage.completion_tokens == 1 and off.choices[0].finish_reason == "stop"
+    for bad in ({"min_tokens": 13}, {"min_tokens": -1}, {"ignore_eos": "yes"}, {"min_p": 1.5},
+                {"min_tokens": 2, "response_format": {"type": "json_object"}}):
+        api_error(post_json(fleet, "/v1/chat/completions", {**body, **bad}), 400, param=next(iter(bad)))
+
+
+def test_min_p_one_samples_the_greedy_answer(fleet, tiny):
+    """``min_p`` 1 keeps only the most probable token: a sample at temperature 1 is the greedy
+    answer (the tiny model has no exact ties), while the same seed without it is not."""
+    model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Say something."}]
+    want = expected(model, tok, tok.encode_chat(messages), 16)
+    client = openai_client(fleet)
+    body = {"model": "tiny-v1", "messages": messages, "max_tokens": 16, "temperature": 1.0, "seed": 3}
+    res = client.chat.completions.create(**body, extra_body={"min_p": 1.0})
+    assert res.choices[0].message.content == tok.decode(want)
+    assert client.chat.completions.create(**body).choices[0].message.content != tok.decode(want)

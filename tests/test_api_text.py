@@ -59,6 +59,28 @@ def test_stop_strings_cut_exactly_and_no_stop_character_is_ever_emitted(text, cu
     assert choice.stopped == (want != text or any(s and s in text for s in stops))
 
 
+@settings(max_examples=400, deadline=None)
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=12),
+       stops=st.lists(st.text(alphabet=st.sampled_from(list("ab \n") + ["é"]), min_size=1, max_size=3), max_size=3),
+       min_tokens=st.integers(0, 30), each=st.booleans())
+def test_with_min_tokens_a_stop_counts_only_where_it_ends_after_them(text, cuts, stops, min_tokens, each):
+    """vLLM's rule: a stop string ending in the text of the first ``min_tokens`` ids does not
+    cut; the first one ending after it does (``push`` and ``push_each`` alike)."""
+    ids = list(text.encode())
+    floor = len(bytes(ids[:min_tokens]).decode("utf-8", errors="ignore"))  # whole characters only
+    found = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stops) if i >= 0]
+    want = text[:min(found)] if found else text
+    choice = ChoiceText(byte_decode, [], stops, min_tokens=min_tokens)
+    out = ""
+    for chunk in chunked(ids, cuts):
+        out += choice.push_each(chunk)[0] if each else choice.push(chunk)
+        assert want.startswith(out)
+        if choice.stopped:
+            break
+    out += choice.finish()
+    assert out == want
+
+
 def test_stop_matcher_holds_a_possible_stop_start_then_releases_it():
     m = StopMatcher(["\n\n"])
     assert m.feed("a\n") == "a"

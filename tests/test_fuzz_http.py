@@ -83,7 +83,7 @@ def test_cases_are_rebuilt_from_seed_and_index():
 
 def test_cases_expect_documented_statuses_and_cover_both_schemas():
     g = _gen(3)
-    cases = [g.case(i) for i in range(2000)]
+    cases = [g.case(i) for i in range(3000)]
     assert {c.family.split("/")[0] for c in cases} == set(FAMILIES)
     for c in cases:
         assert c.expect and c.expect <= DOCUMENTED and 500 not in c.expect, c

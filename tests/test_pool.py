@@ -131,6 +131,22 @@ def test_a_session_failed_after_streaming_resumes_after_what_it_streamed():
     assert b.requests[-1].prompt_token_ids == [1, 2, 3, *full[:4]] and b.requests[-1].max_new_tokens == 16
 
 
+
+def test_a_resume_keeps_what_remains_of_min_tokens():
+    """min_tokens 12, the first orchestrator failing after 4 tokens: the resume asks for the 8
+    that remain (and 0 once the minimum was streamed)."""
+
+    async def fail_after(orch, req, send, k):
+        toks = continuation(req)[:k]
+        await send(TokenChunk(session_id=req.session_id, round=0, token_ids=toks))
+        await send(ErrorReply.of(ErrorCode.NO_WORKER, "gave up", session_id=req.session_id))
+
+    for k, rest in ((4, 8), (15, 0)):
+        res, a, b = asyncio.run(_run(lambda o, r, s, k=k: fail_after(o, r, s, k), gen={"min_tokens": 12}))
+        assert res.resumes == 1 and len(res.token_ids) == 20
+        assert a.requests[0].min_tokens == 12 and b.requests[-1].min_tokens == rest
+
+
 def test_logprobs_follow_their_tokens_across_a_resume():
     """Each chunk's log-probabilities reach ``on_logprobs`` and the result, aligned with the
     tokens, through a resume after an orchestrator died mid-stream."""

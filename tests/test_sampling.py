@@ -9,11 +9,6 @@ import itertools
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from schemas import FlatTree, SamplingSpec, TreeSpec
 from specsplit.local import generate
@@ -21,20 +16,9 @@ from specsplit.engine import sampling as S
 from specsplit.tree import validate_tree
 from specsplit.engine.verify import verify_sampling
 from tests.conftest import tiny_model
+from tests.sampling_oracle import hf_probs
 
 V = 16
-
-
-def hf_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    """Oracle: transformers' warpers in generate's order (temperature, top-k, top-p), then softmax.
-    logits [N, V] -> [N, V] float64."""
-    x = logits.to(torch.float64)
-    x = TemperatureLogitsWarper(sampling.temperature)(None, x)
-    if sampling.top_k > 0:
-        x = TopKLogitsWarper(sampling.top_k)(None, x)
-    if sampling.top_p < 1.0:
-        x = TopPLogitsWarper(sampling.top_p)(None, x)
-    return torch.softmax(x, dim=-1)
 
 
 def sparse(probs: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -75,10 +59,11 @@ def vec(entries: dict[int, float]) -> torch.Tensor:
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
 @pytest.mark.parametrize("top_k", [0, 1, 3, 8, 16, 40])
 @pytest.mark.parametrize("top_p", [1.0, 0.95, 0.8, 0.5, 0.1])
-def test_probs_from_logits_matches_transformers_warpers(temperature, top_k, top_p):
-    g = torch.Generator().manual_seed(int(temperature * 10) * 1000 + top_k * 10 + int(top_p * 100))
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3])
+def test_probs_from_logits_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(int(temperature * 10) * 1000 + top_k * 10 + int(top_p * 100) + int(min_p * 7))
     logits = torch.randn(64, V, generator=g) * 3.0  # [64, V] float32, no ties
-    sampling = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     ours = S.probs_from_logits(logits, sampling)
     ref = hf_probs(logits, sampling)
     assert ours.dtype == torch.float64 and ours.shape == (64, V)

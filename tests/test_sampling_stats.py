@@ -58,7 +58,7 @@ from tests.sampling_oracle import (
 from tests.test_sampling import sparse
 
 DRAWS = {"reference": 10_000, "chain_3_tokens": 5_000, "eagle_frontier_3_tokens": 5_000,
-         "duplicate_siblings_topk_topp": 5_000, "point_mass_duplicates_topp": 5_000}  # per rule-level case
+         "duplicate_siblings_topk_topp": 5_000, "point_mass_duplicates_topp": 5_000, "min_p": 5_000}  # per rule-level case
 V = 8  # rule-level vocabulary
 
 
@@ -242,6 +242,11 @@ CASES = {
     "point_mass_duplicates_topp": (  # proposals [a, a, b], then [a, b]: no q is carried
         16, 1.0, 1.0,
         Case(branch=(3, 2), n_tokens=2, target=SamplingSpec(temperature=1.0, top_p=0.95), draft=T1, proposals="dup"),
+    ),
+    "min_p": (  # p and q each cut by min-p (q more): the draft proposes from a smaller support
+        17, 1.5, 1.0,
+        Case(branch=(3, 2), n_tokens=2, target=SamplingSpec(temperature=1.0, min_p=0.05),
+             draft=SamplingSpec(temperature=0.9, min_p=0.2)),
     ),
 }
 

@@ -41,6 +41,7 @@ class Job:
     echo: str | None = None  # the prompt's text, returned before the choice's (max_tokens 0: alone)
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens' too
     ends_listed: bool = False  # end tokens are listed with the logprobs (a completion's, as vLLM's)
+    min_tokens: int = 0  # no end token, and no stop string ending in their text, before this many tokens
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Generation:
         self.decode = decode
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops),
+        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens),
                                 parser=job.tools.parser() if job.tools else None,
                                 trail=LogprobTrail(() if job.ends_listed else self.stop_token_ids)
                                 if job.logprobs is not None else None)
@@ -160,7 +161,8 @@ class Generation:
                                            session_group=job.group, grammar=job.grammar, logprobs=job.logprobs,
                                            on_logprobs=c.trail.add if c.trail is not None else None,
                                            prompt_logprobs=job.prompt_logprobs,
-                                           on_prompt_logprobs=lambda rows: setattr(c, "prompt_rows", rows))
+                                           on_prompt_logprobs=lambda rows: setattr(c, "prompt_rows", rows),
+                                           min_tokens=job.min_tokens)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.stopped:  # our own cut at a stop string or a call: a normal end

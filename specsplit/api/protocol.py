@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas import GrammarSpec, SamplingSpec
-from schemas.messages import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, TokenBias
+from schemas.messages import MAX_CONTEXT_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, TokenBias
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -119,6 +119,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # extension (vLLM's): -1 or 0 is off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM's, llama.cpp's): 0 is off
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
@@ -138,6 +139,11 @@ class _Request(BaseModel):
     # OpenAI's: token id (a string) -> a bias added to its logit, -100 to 100 (the ids are checked
     # against the served tokenizer when the request is planned: ``logit_bias_for``)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: the end tokens do not end the answer (only max_tokens and stop strings do), as
+    # serving benchmarks ask for fixed lengths; no end token among the first min_tokens tokens
+    # (and no stop string ending in their text)
+    ignore_eos: bool = Field(default=False, strict=True)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
     # accepted at their "off" value only (UNSUPPORTED)
     response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
 

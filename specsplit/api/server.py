@@ -91,8 +91,8 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
     return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                        seed=0 if seed is None else seed, presence_penalty=req.presence_penalty or None,
-                        frequency_penalty=req.frequency_penalty or None,
+                        min_p=req.min_p or 0.0, seed=0 if seed is None else seed,
+                        presence_penalty=req.presence_penalty or None, frequency_penalty=req.frequency_penalty or None,
                         repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 
 
@@ -126,6 +126,12 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         max_tokens = req.budget if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else limit - len(ids)
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                           param="min_tokens")
+        if req.min_tokens and grammar is not None:  # where the grammar allows only an end token
+            raise ApiError(400, "min_tokens with response_format or required tool calls is not supported",
+                           param="min_tokens")
         if len(ids) + max(1, max_tokens) > limit or (max_tokens < 1 and echoes is None):
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
                                 f"{len(ids)} prompt tokens and asks for {max_tokens} more",
@@ -140,7 +146,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
             sampling = sampling_for(req, all_seeds[k]).model_copy(update={"logit_bias": bias})
             jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
                             req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
-                            ends_listed=not isinstance(req, ChatCompletionRequest)))
+                            ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens))
     return jobs
 
 
@@ -263,7 +269,8 @@ async def run_generation(request: Request, state: ApiState, req, prompts: list[l
     if not state.pool.live:
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     responder = Responder(chat, state.model_name, req.logprobs_asked, state.tokenizer.token_piece)
-    gen = Generation(state.pool, state.tokenizer.decode, jobs, state.tokenizer.stop_token_ids, state.metrics)
+    gen = Generation(state.pool, state.tokenizer.decode, jobs, [] if req.ignore_eos else state.tokenizer.stop_token_ids,
+                     state.metrics)
     state.inflight += len(jobs)
     gen.start()
     released = False

@@ -11,7 +11,9 @@ start in the whole text, however it was chunked) and never emits a stop string, 
 first characters: it holds back the longest tail of the text that is a prefix of some stop
 string until the next delta settles it. Worked example, stop ``"\\n\\n"``:
 feeding ``"a\\n"`` emits ``"a"`` (the ``"\\n"`` might start a stop), then ``"b"`` emits ``"\\nb"``,
-then ``"\\n\\nc"`` emits nothing more and reports the stop.
+then ``"\\n\\nc"`` emits nothing more and reports the stop. With ``min_tokens`` (vLLM's), a
+stop string counts only where it ends in the text of the tokens after the first ``min_tokens``
+(``StopMatcher.floor``).
 
 Both are plain objects over a tokenizer's ``decode``; the non-streamed answer goes through the
 same path, so streamed and non-streamed text are equal by construction.
@@ -45,6 +47,13 @@ class IncrementalDecoder:
         self._prefix, self._read = self._read, len(self.ids)
         return text[len(prefix_text):]
 
+    def held(self) -> int:
+        """Characters of whole text the ids pushed so far make beyond what ``push`` returned
+        (held behind an incomplete character)."""
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:]).rstrip(REPLACEMENT)
+        return max(0, len(text) - len(prefix_text))
+
     def finish(self) -> str:
         """Whatever text was held back (a final incomplete character decodes as U+FFFD)."""
         prefix_text = self._decode(self.ids[self._prefix:self._read])
@@ -61,6 +70,8 @@ class StopMatcher:
         self.text = ""  # everything fed so far, cut at the stop once one is found
         self.emitted = 0  # characters of text already returned
         self.stopped = False
+        # a stop string counts where it ends past this many characters; None: none counts yet
+        self.floor: int | None = 0
 
     def feed(self, delta: str) -> str:
         """The part of the text that is now safe to emit."""
@@ -92,7 +103,13 @@ class StopMatcher:
         return out
 
     def _first_stop(self, start: int) -> int | None:
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if self.floor is None:
+            return None
+        found = []
+        for s in self.stops:
+            i = self.text.find(s, max(start, self.floor - len(s) + 1))  # the first that ends past the floor
+            if i >= 0:
+                found.append(i)
         return min(found) if found else None
 
     def _held_tail(self) -> int:
@@ -108,11 +125,30 @@ class StopMatcher:
 
 
 class ChoiceText:
-    """One choice's text: ids in, safe text deltas out, the stop string cut."""
+    """One choice's text: ids in, safe text deltas out, the stop string cut (one that ends in
+    the text of the first ``min_tokens`` ids does not count)."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int], stops: Sequence[str],
+                 min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(decode, context)
         self.matcher = StopMatcher(stops)
+        self.min_tokens, self.tokens = min_tokens, 0
+        if min_tokens > 0:
+            self.matcher.floor = None
+
+    def _split(self, ids: Sequence[int]) -> int:
+        """How many of ``ids`` come before stop strings start to count (all: none)."""
+        if self.matcher.floor is not None:
+            return 0
+        return min(len(ids), self.min_tokens - self.tokens)
+
+    def _floor_after(self, k: int, held: bool = True) -> None:
+        """``k`` more ids pushed: the floor is set once the first ``min_tokens`` are in (their
+        text: what the matcher was fed, and the whole characters the decoder holds, ``held``,
+        where it has decoded no further ids)."""
+        self.tokens += k
+        if self.matcher.floor is None and self.tokens >= self.min_tokens:
+            self.matcher.floor = len(self.matcher.text) + (self.decoder.held() if held else 0)
 
     @property
     def stopped(self) -> bool:
@@ -120,7 +156,15 @@ class ChoiceText:
         return self.matcher.stopped
 
     def push(self, ids: Sequence[int]) -> str:
-        return self.matcher.feed(self.decoder.push(ids)) if not self.stopped else ""
+        if self.stopped:
+            return ""
+        k = self._split(ids)
+        out = self.matcher.feed(self.decoder.push(ids[:k])) if k else ""
+        self._floor_after(k)
+        if k < len(ids):
+            out += self.matcher.feed(self.decoder.push(ids[k:]))
+            self._floor_after(len(ids) - k)
+        return out
 
     def push_each(self, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
         """``push``, one id at a time: also where each id's text lies in the text fed so far
@@ -133,7 +177,13 @@ class ChoiceText:
             spans.append((at, at + len(piece)))
             pieces.append(piece)
             at += len(piece)
-        return self.matcher.feed("".join(pieces)), spans
+        k = self._split(ids)
+        out = self.matcher.feed("".join(pieces[:k])) if k else ""
+        self._floor_after(k, held=False)  # (a character is the text of the id that completes it)
+        if k < len(ids):
+            out += self.matcher.feed("".join(pieces[k:]))
+            self._floor_after(len(ids) - k, held=False)
+        return out, spans
 
     @property
     def emitted(self) -> int:

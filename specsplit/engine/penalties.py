@@ -64,6 +64,13 @@ def biased(bias, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def masked(token_ids, logits: torch.Tensor) -> torch.Tensor:
+    """The logits [N, V] with those tokens' columns -inf at every node (a copy; ids checked
+    against the vocabulary already)."""
+    index = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
+    return logits.index_fill(1, index, float("-inf"))
+
+
 def accepted(session, req, path: list[int]) -> None:
     """The round's accepted nodes after the root are committed."""
     st: PenaltyState | None = getattr(session, "penalties", None)
@@ -125,7 +132,7 @@ def penalize_paths(sampling, seen: Seen, paths: list[list[int]], logits: torch.T
 @dataclass(frozen=True)
 class DraftProcessing:
     """The draft's rows processed as the target processes its own: the logit bias, then the
-    penalties after each row's path (``seen`` None: the bias alone)."""
+    penalties after each row's path (``seen`` None: none), then the masked tokens."""
 
     sampling: object
     seen: Seen | None
@@ -137,7 +144,8 @@ class DraftProcessing:
             logits = biased(bias, logits)
         if self.seen is not None:
             logits = penalize_paths(self.sampling, self.seen, paths, logits)
-        return logits
+        mask = [t for t in self.sampling.masked_token_ids or () if t < logits.shape[-1]]
+        return masked(mask, logits) if mask else logits
 
 
 def for_draft(sampling, tokens: list[int], committed: int, prompt_len: int) -> DraftProcessing | None:
@@ -149,6 +157,6 @@ def for_draft(sampling, tokens: list[int], committed: int, prompt_len: int) -> D
     seen = None
     if sampling.penalized and 0 < prompt_len <= committed == len(tokens):
         seen = Seen.of(sampling, tokens, prompt_len)
-    if seen is None and not sampling.logit_bias:
+    if seen is None and not sampling.logit_bias and not sampling.masked_token_ids:
         return None
     return DraftProcessing(sampling, seen)

@@ -41,13 +41,14 @@ def make_generator(seed: int, round: int, role: str, device: torch.device | str 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support: int = 0) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (float64 where the device has it) after temperature,
-    top-k and top-p.
+    top-k, top-p and min-p.
 
     max_support > 0 additionally caps the support (the draft uses it so its distribution fits
-    in a message). The three steps are transformers' TemperatureLogitsWarper, TopKLogitsWarper
-    (ties with the k-th logit survive) and TopPLogitsWarper, computed the same way: top-p drops
-    the tokens whose ascending cumulative probability is <= 1 - top_p (the largest always
-    survives), so results agree with transformers even at exact mass boundaries.
+    in a message). The four steps are transformers' TemperatureLogitsWarper, TopKLogitsWarper
+    (ties with the k-th logit survive), TopPLogitsWarper and MinPLogitsWarper, in generate's
+    order and computed the same way: top-p drops the tokens whose ascending cumulative
+    probability is <= 1 - top_p (the largest always survives), min-p those less probable than
+    min_p x the most probable, so results agree with transformers even at exact mass boundaries.
     """
     if sampling.temperature <= 0:
         raise ValueError("probs_from_logits needs temperature > 0")
@@ -63,6 +64,9 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
         drop_sorted = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
         drop_sorted[..., -1] = False
         x = x.masked_fill(drop_sorted.scatter(-1, idx, drop_sorted), float("-inf"))
+    if sampling.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 

@@ -76,6 +76,8 @@ class TargetEngine(Engine):
         bias = req.sampling.logit_bias or ()
         if any(b.token_id >= self.vocab_size for b in bias):
             raise SpecError(ErrorCode.BAD_REQUEST, f"a logit_bias token is outside the vocabulary [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in req.sampling.masked_token_ids or ()):
+            raise SpecError(ErrorCode.BAD_REQUEST, f"a masked token is outside the vocabulary [0, {self.vocab_size})")
         if req.grammar is not None and self.grammars is None:
             raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
@@ -347,13 +349,16 @@ class TargetEngine(Engine):
         """The verdict on the tree from its logits [N, V] (greedy: or from its rows' ``argmax``,
         computed for several sessions at once). With a grammar, from the logits it allows
         (``grammar.GrammarBook.constrain``), and the session's matcher takes the accepted path;
-        with a logit bias and penalties, from the logits they make (``engine.penalties``).
+        with a logit bias, penalties and masked tokens, from the logits they make
+        (``engine.penalties``).
         With ``logprobs`` asked, the committed tokens' log-probabilities (``verify.logprobs_of``)."""
         scores = logits
         if req.sampling.logit_bias:  # (``argmax`` was of the raw rows, as below)
             scores, argmax = penalties.biased(req.sampling.logit_bias, logits), None
         if req.sampling.penalized:  # (``argmax`` was of the unpenalized rows)
             scores, argmax = penalties.penalize(session, req, layout, scores), None
+        if req.sampling.masked_token_ids:
+            scores, argmax = penalties.masked(req.sampling.masked_token_ids, scores), None
         if req.grammar is not None:
             masked = self.grammars.constrain(session, req, layout, scores)
             verdict = self._decide(req, layout, masked, None)

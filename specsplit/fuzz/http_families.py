@@ -14,7 +14,8 @@ from specsplit.fuzz.http_wire import bad_headers, disconnect, method_path, slow,
 
 NUMBER_LITERALS = ("1e999", "-1e999", "1" + "0" * 5000, "1e-999", "0." + "0" * 5000 + "1", "9" * 400, "-0", "1E400",
                    "123456789012345678901234567890", "-9223372036854775809")
-NUMERIC_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "frequency_penalty", "logprobs")
+NUMERIC_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "frequency_penalty", "logprobs",
+                  "min_tokens", "min_p")
 BAD_UTF8 = (b"\xff", b"\xc3\x28", b"\xe9", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"\x80")
 SURROGATE_UTF8 = b"\xed\xa0\x80"  # U+D800 as UTF-8 would spell it: json.loads reads it as a lone surrogate
 MARK = "@@fuzz@@"

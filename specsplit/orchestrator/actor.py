@@ -107,7 +107,8 @@ class SessionActor:
         # are verified against the full cache: their sessions run without SpecPV
         self.on_output = req.grammar is not None or req.sampling.penalized
         scored = req.prompt_logprobs is not None
-        full = self.on_output or scored or req.logprobs is not None or req.sampling.processed
+        full = (self.on_output or scored or req.logprobs is not None or req.sampling.processed
+                or req.min_tokens > 0)
         self.specpv: SpecPVSpec | None = None if full else req.specpv or policy.specpv
         self.exact = self.specpv is not None and self.specpv.exact
         # a resumed session: its output (which the grammar holds, or the penalties count) began
@@ -202,17 +203,18 @@ class SessionActor:
         while True:
             structlog.contextvars.bind_contextvars(round=rnd)
             t_round = time.perf_counter()
-            rp = rounds.plan(rnd, self.cur, self.out, prompt_len=prompt_len, max_new_tokens=self.req.max_new_tokens,
-                             stop=stop, tree=self.tree, sampling=self.sampling, exact=self.exact,
+            horizon, sampling = self._round_sampling(prompt_len)
+            rp = rounds.plan(rnd, self.cur, self.out, prompt_len=prompt_len, max_new_tokens=horizon,
+                             stop=stop, tree=self.tree, sampling=sampling, exact=self.exact,
                              proposers=self.proposers, cost=self.cost)
             self._set_drafting(any(p.model_cost for p in rp.proposers))
             t_propose = time.perf_counter()
-            cands = await rounds.propose(rp, self.cur.committed, self.sampling,
+            cands = await rounds.propose(rp, self.cur.committed, sampling,
                                          chain_tokens=self.policy.lookup_max_tokens, cost=self.cost)
             t_verify = time.perf_counter()
             timing = rounds.Timing(propose_ms=(t_verify - t_propose) * 1e3)
             sent = self._once_sent(rp, cands)
-            reply = await self._verify(rnd, cands.tree, rp.confirm)
+            reply = await self._verify(rnd, cands.tree, rp.confirm, sampling)
             timing.verify_ms, timing.verify_rpc_ms = reply.verify_ms, (time.perf_counter() - t_verify) * 1e3
             cands = sent.result()
             if cands.drafted is not None:
@@ -242,6 +244,16 @@ class SessionActor:
             if got.done:
                 return "stop" if self.out[-1] in stop else "length"
             rnd += 1
+
+    def _round_sampling(self, prompt_len: int) -> tuple[int, SamplingSpec]:
+        """The round's token horizon and sampling: while the answer is shorter than its
+        ``min_tokens``, the round makes none past them and its stop tokens are masked (the
+        target never chooses them, the draft never proposes them); then the request's own."""
+        produced = self.cur.produced(prompt_len)
+        if produced >= self.req.min_tokens or not self.req.stop_token_ids:
+            return self.req.max_new_tokens, self.sampling
+        masked = sorted(set(self.sampling.masked_token_ids or ()) | set(self.req.stop_token_ids))
+        return self.req.min_tokens, self.sampling.model_copy(update={"masked_token_ids": masked})
 
     def _logprobs(self, reply: VerifyReply, got: rounds.Committed) -> Logprobs | None:
         """The log-probabilities of the tokens this round streams (asked for): without SpecPV
@@ -332,10 +344,11 @@ class SessionActor:
         self._drafting = on
 
     # ---- one request each, with recovery --------------------------------------------------
-    async def _verify(self, rnd: int, tree: FlatTree, confirm: bool = False) -> VerifyReply:
+    async def _verify(self, rnd: int, tree: FlatTree, confirm: bool = False,
+                      sampling: SamplingSpec | None = None) -> VerifyReply:
         def build():
             sync = self.cur.target_sync(self.on_output)
-            return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=self.sampling,
+            return VerifyRequest(session_id=self.sid, round=rnd, sync=sync, tree=tree, sampling=sampling or self.sampling,
                                  specpv=self.specpv, confirm=confirm, confirmed_len=self.cur.confirmed if self.exact else None,
                                  grammar=self.req.grammar, logprobs=self.req.logprobs,
                                  prompt_logprobs=self.req.prompt_logprobs if self._prompt_due and not sync.base_len
