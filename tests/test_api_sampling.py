@@ -341,3 +341,27 @@ def test_min_p_one_samples_the_greedy_answer(fleet, tiny):
     res = client.chat.completions.create(**body, extra_body={"min_p": 1.0})
     assert res.choices[0].message.content == tok.decode(want)
     assert client.chat.completions.create(**body).choices[0].message.content != tok.decode(want)
+
+
+def test_stop_token_ids_end_the_answer_at_them(fleet, tiny):
+    """vLLM's ``stop_token_ids``: the answer ends at the first of them (included, its text too:
+    not a special token); with ``min_tokens`` not before it; an id outside the vocabulary is a
+    400."""
+    model, tok, _ = tiny
+    prompt = [5, 17, 99, 3, 250]
+    want = expected(model, tok, prompt, 16)
+    stop = next(t for t in want[3:] if t not in want[:3] and t < tok.vocab_size)
+    at = want.index(stop)
+    client = openai_client(fleet)
+    body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    res = client.completions.create(**body, extra_body={"stop_token_ids": [stop]})
+    assert res.choices[0].text == tok.decode(want[:at + 1]) and res.usage.completion_tokens == at + 1
+    assert res.choices[0].finish_reason == "stop"
+    from tests.test_min_tokens import masked_greedy
+
+    late = masked_greedy(model, prompt, 16, {stop, *tok.stop_token_ids}, at + 1)
+    assert late != want[:at + 1]
+    res = client.completions.create(**body, extra_body={"stop_token_ids": [stop], "min_tokens": at + 1})
+    assert res.choices[0].text == tok.decode(late) and res.usage.completion_tokens == len(late)
+    api_error(post_json(fleet, "/v1/completions", {**body, "stop_token_ids": [tok.vocab_size]}), 400,
+              param="stop_token_ids")

@@ -117,14 +117,16 @@ class _Choice:
 
 class Generation:
     def __init__(self, pool, decode, jobs: list[Job], stop_token_ids: list[int], metrics: ApiMetrics,
-                 arrived: float | None = None) -> None:
+                 arrived: float | None = None, unlisted: list[int] | None = None) -> None:
+        """``unlisted``: end tokens a chat's logprobs leave out (default: ``stop_token_ids``)."""
         self.pool, self.metrics, self.stop_token_ids = pool, metrics, list(stop_token_ids)
         self.decode = decode
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens),
                                 parser=job.tools.parser() if job.tools else None,
-                                trail=LogprobTrail(() if job.ends_listed else self.stop_token_ids)
+                                trail=LogprobTrail(() if job.ends_listed else
+                                                   self.stop_token_ids if unlisted is None else unlisted)
                                 if job.logprobs is not None else None)
                         for job in jobs]
         self.open = len(self.choices)

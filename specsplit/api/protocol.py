@@ -14,12 +14,14 @@ failure becomes ``ApiError`` (400), never a 422.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas import GrammarSpec, SamplingSpec
-from schemas.messages import MAX_CONTEXT_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, TokenBias
+from schemas.messages import (
+    MAX_CONTEXT_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, TokenBias,
+)
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -144,6 +146,8 @@ class _Request(BaseModel):
     # (and no stop string ending in their text)
     ignore_eos: bool = Field(default=False, strict=True)
     min_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
+    # vLLM's: more token ids that end the answer (included in it; their text too unless special)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS // 2)
     # accepted at their "off" value only (UNSUPPORTED)
     response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
 

@@ -119,6 +119,9 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                        param="response_format")
     grammar = grammar or (tool_plan.grammar if tool_plan else None)  # "required" / named: the calls' schemas
     bias = logit_bias_for(req, state.tokenizer.vocab_size)
+    if any(t >= state.tokenizer.vocab_size for t in req.stop_token_ids or ()):
+        raise ApiError(400, f"stop_token_ids: a token id outside 0 to {state.tokenizer.vocab_size - 1}",
+                       param="stop_token_ids")
     group = None
     if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
         group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
@@ -269,8 +272,9 @@ async def run_generation(request: Request, state: ApiState, req, prompts: list[l
     if not state.pool.live:
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     responder = Responder(chat, state.model_name, req.logprobs_asked, state.tokenizer.token_piece)
-    gen = Generation(state.pool, state.tokenizer.decode, jobs, [] if req.ignore_eos else state.tokenizer.stop_token_ids,
-                     state.metrics)
+    ends = state.tokenizer.stop_token_ids  # (a chat's logprobs do not list them)
+    stops = sorted({*([] if req.ignore_eos else ends), *(req.stop_token_ids or ())})
+    gen = Generation(state.pool, state.tokenizer.decode, jobs, stops, state.metrics, unlisted=ends)
     state.inflight += len(jobs)
     gen.start()
     released = False
