@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equal to the target's greedy decoding)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling, 0 to 1 (0: off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end token among the first this many (vLLM's)")
+    p.add_argument("--ignore-eos", action="store_true", help="the end tokens do not end an answer (vLLM's)")
     for name, help_ in (("presence", "-2 to 2, 0: off"), ("frequency", "-2 to 2, 0: off"),
                         ("repetition", "above 0, 1: off")):
         p.add_argument(f"--{name}-penalty", type=float, default=None, help=f"vLLM's {name} penalty ({help_})")
@@ -118,13 +121,16 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     except ValueError as exc:
         print(f"specsplit produce: --json-schema: {exc}", file=sys.stderr)
         return 2
+    if not 0 <= args.min_tokens <= args.max_new_tokens or (args.min_tokens and args.json_schema):
+        print("specsplit produce: --min-tokens must be 0 to --max-new-tokens, and 0 with --json-schema", file=sys.stderr)
+        return 2
     for flag in ("logprobs", "prompt_logprobs"):
         if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= MAX_TOP_LOGPROBS:
             print(f"specsplit produce: --{flag.replace('_', '-')} must be 0 to {MAX_TOP_LOGPROBS}", file=sys.stderr)
             return 2
     def sampling(i: int) -> SamplingSpec:
         seed = secrets.randbits(63) if args.seed is None else (args.seed + i) % 2**63
-        return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
+        return SamplingSpec(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=seed,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             repetition_penalty=args.repetition_penalty)
 
@@ -160,9 +166,9 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
                     on_tokens = lambda toks: print(text.push(toks), end="", flush=True)  # noqa: E731
                 try:
                     res = await pool.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling(i),
-                                              stop_token_ids=codec.stop_token_ids, on_tokens=on_tokens,
-                                              grammar=grammar, logprobs=args.logprobs,
-                                              prompt_logprobs=args.prompt_logprobs)
+                                              stop_token_ids=[] if args.ignore_eos else codec.stop_token_ids,
+                                              on_tokens=on_tokens, grammar=grammar, logprobs=args.logprobs,
+                                              prompt_logprobs=args.prompt_logprobs, min_tokens=args.min_tokens)
                     if stream:
                         print(text.finish(), end="", flush=True)
                 except (GenerationError, TimeoutError, asyncio.TimeoutError) as exc:

@@ -196,7 +196,8 @@ def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tm
     """``--json-schema FILE`` holds the answer to it (greedy decoding masked to the schema, the
     oracle of tests/test_grammar.py) and ``--logprobs 2`` adds the target's log-probabilities of
     the answer's tokens (full re-forward) to the JSON row, ``--prompt-logprobs 1`` the prompt's;
-    a schema that is not JSON exits 2."""
+    a schema that is not JSON exits 2. Penalties, ``--min-p``, ``--ignore-eos`` and ``--min-tokens``
+    as the API takes them."""
     import torch
 
     from specsplit.api.tokenizer import ServedTokenizer
@@ -242,6 +243,15 @@ def test_e2_produce_json_schema_and_logprobs(fleet, target_model, tiny_paths, tm
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]
     want = penalized_greedy(target_model, row["prompt_token_ids"], len(row["token_ids"]), -2.0, 0.5)
     assert row["token_ids"] == want and "logprobs" not in row
+    # min-p 1 samples the greedy answer; --ignore-eos runs it to --max-new-tokens
+    out = subprocess.run([*cmd[:-4], "--temperature", "1", "--min-p", "1", "--ignore-eos", "--min-tokens", "4",
+                          "--orchestrator", fleet.orchestrator], capture_output=True, text=True, timeout=180,
+                         env=fleet.env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert row["token_ids"] == greedy_reference(target_model, row["prompt_token_ids"], 24)[0]
+    bad = subprocess.run([*cmd, "--min-tokens", "25"], capture_output=True, text=True, timeout=180, env=fleet.env)
+    assert bad.returncode == 2 and "--min-tokens" in bad.stderr
 
 
 def test_f_sampling_reproducible_through_fleet(fleet):
