@@ -80,6 +80,7 @@ class GrammarSpec(Message):
 LOGPROB_FLOOR = -9999.0  # a token of no probability (OpenAI's value; JSON has no -inf)
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 64  # stop token ids a generation may name
+MAX_PREDICTION_TOKENS = 32768  # a predicted output's tokens (GenerateRequest.prediction_token_ids)
 
 
 class TokenBias(Message):

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from schemas.base import (
     MAX_CONTEXT_TOKENS,
+    MAX_PREDICTION_TOKENS,
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
@@ -37,6 +38,9 @@ class GenerateRequest(Message):
     # no stop token among the first min_tokens new tokens (vLLM's min_tokens): the target and the
     # draft mask them there; at most max_new_tokens
     min_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
+    # a predicted output (OpenAI's ``prediction``): what the answer is expected to be, mostly;
+    # greedy rounds hang its next tokens under their root (the ``prediction`` proposer)
+    prediction_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_PREDICTION_TOKENS)
     specpv: SpecPVSpec | None = None  # None: the orchestrator's default (SPECSPLIT_SPECPV_*; off unless set)
     grammar: GrammarSpec | None = None  # constrained decoding: the session runs without SpecPV
     # a resumed generation: prompt_token_ids[output_from:] is output an earlier session generated

@@ -25,6 +25,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Callable
 
 import zmq
@@ -321,8 +322,10 @@ class SpecSplitClient:
         grammar: GrammarSpec | None = None, output_from: int | None = None, logprobs: int | None = None,
         on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
         on_prompt_logprobs: Callable[[Logprobs], None] | None = None, min_tokens: int = 0,
+        prediction: Sequence[int] = (),
     ) -> GenerationResult:
         """``min_tokens``: no stop token among the first this many new tokens (vLLM's).
+        ``prediction``: the answer's expected tokens (OpenAI's predicted outputs).
         ``grammar``: the output is constrained to it; ``output_from``: the prompt's tokens from
         there on are output already generated (a resumed generation; see GenerateRequest).
         ``logprobs``: the output's log-probabilities with this many alternatives (the result's
@@ -333,7 +336,8 @@ class SpecSplitClient:
         req = GenerateRequest(session_id=sid, prompt_token_ids=list(prompt_token_ids), max_new_tokens=max_new_tokens,
                               sampling=sampling or SamplingSpec(), tree=tree, stop_token_ids=list(stop_token_ids),
                               specpv=specpv, grammar=grammar, output_from=output_from, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, min_tokens=min_tokens)
+                              prompt_logprobs=prompt_logprobs, min_tokens=min_tokens,
+                              prediction_token_ids=list(prediction))
         t0 = time.perf_counter()
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")

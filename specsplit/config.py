@@ -267,7 +267,8 @@ class OrchestratorSettings(SessionLimitSettings):
         "What proposes each round's tokens, in order, comma-separated (specsplit.proposers): `draft` (the "
         "draft model's tree), `lookup` (prompt lookup), `ngrams` (the cross-session n-gram cache, asked where "
         "lookup finds nothing), `repeat_line` (the rest of the previous line; loads the target's tokenizer), "
-        "`grammar` (the tokens a session's grammar forces, as its target reports them). "
+        "`grammar` (the tokens a session's grammar forces, as its target reports them), `prediction` (a "
+        "request's predicted output, OpenAI's `prediction`). "
         "The chain proposers (all but `draft`) add at most SPECSPLIT_LOOKUP_MAX_TOKENS nodes a round together. "
         "Empty: from SPECSPLIT_SPECULATOR, SPECSPLIT_LOOKUP_MAX_TOKENS and SPECSPLIT_LOOKUP_CACHE_KEYS."))
     trace_file: str | None = Field(default=None, description=(

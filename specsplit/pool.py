@@ -25,6 +25,7 @@ import asyncio
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Callable
 
 import zmq.asyncio
@@ -103,6 +104,7 @@ class OrchestratorPool:
         session_group: str | None = None, grammar: GrammarSpec | None = None, logprobs: int | None = None,
         on_logprobs: Callable[[Logprobs], None] | None = None, prompt_logprobs: int | None = None,
         on_prompt_logprobs: Callable[[Logprobs], None] | None = None, min_tokens: int = 0,
+        prediction: Sequence[int] = (),
     ) -> GenerationResult:
         """``SpecSplitClient.generate`` on a live orchestrator, resumed on another where one is
         lost: ``on_tokens`` / ``on_logprobs`` see every token once, and the result holds them all;
@@ -117,8 +119,8 @@ class OrchestratorPool:
         resumes, delay, client, overloaded, answered = 0, self.backoff_s, None, 0, False
 
         attempt: list[int] = []  # the tokens the current attempt streamed
-        # where the output began matters to a grammar and to penalties: a resume says it (output_from)
-        on_output = grammar is not None or (sampling is not None and sampling.penalized)
+        # where the output began matters to a grammar, penalties and a prediction: a resume says it (output_from)
+        on_output = grammar is not None or (sampling is not None and sampling.penalized) or bool(prediction)
 
         def seen(tokens: list[int]) -> None:  # the caller's time to first token, across resumes
             attempt.extend(tokens)
@@ -155,7 +157,8 @@ class OrchestratorPool:
                                                 output_from=len(prompt) if on_output and received else None,
                                                 prompt_logprobs=prompt_logprobs if total.prompt_logprobs is None
                                                 else None, on_prompt_logprobs=seen_prompt,
-                                                min_tokens=max(0, min_tokens - len(received)))
+                                                min_tokens=max(0, min_tokens - len(received)),
+                                                prediction=prediction)
             except OrchestratorLost as exc:
                 received.extend(exc.token_ids)
                 why = f"lost: {exc.reason}"

@@ -365,3 +365,23 @@ def test_stop_token_ids_end_the_answer_at_them(fleet, tiny):
     assert res.choices[0].text == tok.decode(late) and res.usage.completion_tokens == len(late)
     api_error(post_json(fleet, "/v1/completions", {**body, "stop_token_ids": [tok.vocab_size]}), 400,
               param="stop_token_ids")
+
+
+def test_a_predicted_output_never_changes_the_answer(fleet, tiny):
+    """OpenAI's ``prediction`` with the official client: the answer is the target's greedy one
+    whatever is predicted (right, a word changed, wrong). (The rounds it saves: tests/
+    test_prediction.py on token ids; the tiny model's answers hold ids its tokenizer cannot
+    spell, so their text does not tokenize back into them.)"""
+    model, tok, _ = tiny
+    client = openai_client(fleet)
+    for content, predicted in (("Predict this.", lambda w: w),
+                               ("Predict that.", lambda w: w[:len(w) // 2] + " zebra " + w[len(w) // 2:]),
+                               ("Predict something.", lambda w: "Something else entirely.")):
+        messages = [{"role": "user", "content": content}]
+        want = tok.decode(expected(model, tok, tok.encode_chat(messages), 48))
+        res = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=48, temperature=0,
+                                             prediction={"type": "content", "content": predicted(want)})
+        assert res.choices[0].message.content == want, content
+    body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    api_error(post_json(fleet, "/v1/chat/completions", {**body, "prediction": {"type": "text", "content": "x"}}), 400,
+              param="prediction")

@@ -42,6 +42,7 @@ class Job:
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens' too
     ends_listed: bool = False  # end tokens are listed with the logprobs (a completion's, as vLLM's)
     min_tokens: int = 0  # no end token, and no stop string ending in their text, before this many tokens
+    prediction: tuple[int, ...] = ()  # the answer's expected tokens (a chat's ``prediction``)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class Generation:
                                            on_logprobs=c.trail.add if c.trail is not None else None,
                                            prompt_logprobs=job.prompt_logprobs,
                                            on_prompt_logprobs=lambda rows: setattr(c, "prompt_rows", rows),
-                                           min_tokens=job.min_tokens)
+                                           min_tokens=job.min_tokens, prediction=job.prediction)
             reason = self._finish(c, res)
         except asyncio.CancelledError:
             if c.stopped:  # our own cut at a stop string or a call: a normal end

@@ -331,6 +331,19 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: what the answer is expected to be, mostly (a file to edit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: system (or developer), user, assistant and tool turns; text only.
     ``tools`` with ``tool_choice`` "auto" (the default with tools), "none", "required" or a named
@@ -341,6 +354,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    prediction: Prediction | None = None  # its tokens go to the ``prediction`` proposer (Job.prediction)
     functions: Any = None
     function_call: Any = None
 

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas import SamplingSpec
-from schemas.base import MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
+from schemas.base import MAX_PREDICTION_TOKENS, MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
 from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
@@ -119,6 +119,12 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                        param="response_format")
     grammar = grammar or (tool_plan.grammar if tool_plan else None)  # "required" / named: the calls' schemas
     bias = logit_bias_for(req, state.tokenizer.vocab_size)
+    prediction: tuple[int, ...] = ()
+    if getattr(req, "prediction", None) is not None:
+        prediction = tuple(state.tokenizer.encode_text(req.prediction.text))
+        if len(prediction) > MAX_PREDICTION_TOKENS:
+            raise ApiError(400, f"the prediction is {len(prediction)} tokens, over {MAX_PREDICTION_TOKENS}",
+                           param="prediction")
     if any(t >= state.tokenizer.vocab_size for t in req.stop_token_ids or ()):
         raise ApiError(400, f"stop_token_ids: a token id outside 0 to {state.tokenizer.vocab_size - 1}",
                        param="stop_token_ids")
@@ -149,7 +155,8 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
             sampling = sampling_for(req, all_seeds[k]).model_copy(update={"logit_bias": bias})
             jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
                             req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
-                            ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens))
+                            ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens,
+                            prediction=prediction))
     return jobs
 
 

@@ -128,6 +128,10 @@ class ServedTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tok.encode(text)]
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as an answer spells it: no special tokens added (a predicted output)."""
+        return [int(t) for t in self.tok.encode(text, add_special_tokens=False)]
+
     def encode_chat(self, turns: list[dict], tools: list[dict] | None = None, prefill: str = "") -> list[int]:
         """The conversation through the model's chat template, ready for the assistant's turn
         (shown ``tools`` when given), which begins with ``prefill``."""

@@ -68,13 +68,13 @@ class ActorPolicy:
 
     def proposer_names(self, ngrams: bool = False) -> tuple[str, ...]:
         """The proposers the fleet runs: the draft model unless ``lookup_only``, then the tokens a
-        grammar forces, prompt lookup and (``ngrams``: an n-gram cache is kept) the cache when
-        lookup tokens are on."""
+        grammar forces, a request's predicted output, prompt lookup and (``ngrams``: an n-gram
+        cache is kept) the cache when lookup tokens are on."""
         if self.proposers is not None:
             return self.proposers
         names = [] if self.lookup_only else ["draft"]
-        if self.lookup_max_tokens > 0:  # "grammar" proposes only in sessions held to a grammar
-            names += ["grammar", "lookup", "ngrams"] if ngrams else ["grammar", "lookup"]
+        if self.lookup_max_tokens > 0:  # "grammar" and "prediction" propose only in sessions with one
+            names += ["grammar", "prediction", "lookup", *(["ngrams"] if ngrams else [])]
         return tuple(names)
 
 

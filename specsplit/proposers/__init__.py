@@ -3,7 +3,7 @@
 Importing a module registers its proposer; a new proposer is one module plus one line here."""
 
 from specsplit.proposers import (  # noqa: F401  (registration)
-    draft_model, grammar_forced, ngram_cache, prompt_lookup, repeat_line,
+    draft_model, grammar_forced, ngram_cache, prediction, prompt_lookup, repeat_line,
 )
 from specsplit.proposers.base import REGISTRY, Budget, Proposal, Proposer, Shared, Verdict, register, resolve
 
