@@ -42,6 +42,9 @@ def test_it_follows_the_answer_and_finds_its_place_after_an_edit():
     assert chain(p, [1, 2, 10, 11, 99, 98, 14, 15, 16, 17]) == ([18, 19, 20, 21], 1)
     assert chain(p, [1, 2, 10, 11, 99, 98, 14, 15, 16, 17, 18, 19, 20, 21]) is None  # the prediction is spent
     assert chain(proposer([]), [1, 2, 3]) is None
+    p = proposer(pred)  # tokens rolled back (exact SpecPV): the place is found again
+    assert chain(p, [1, 2, 10, 11, 12, 13, 14]) == ([15, 16, 17, 18], 1)
+    assert chain(p, [1, 2, 10, 11, 12]) == ([13, 14, 15, 16], 0)
 
 
 def test_resync_prefers_the_longest_recurrence_then_the_one_past_the_last_place():

@@ -48,7 +48,7 @@ class PredictedOutput(Proposer):
         super().__init__(session, shared)
         req = getattr(session, "req", None)
         self.pred: list[int] = list(getattr(req, "prediction_token_ids", None) or ())
-        self.start = req.prompt_len if req is not None else 0  # where the answer begins in the context
+        self.start = getattr(req, "prompt_len", 0)  # where the answer begins in the context
         self.at: int | None = 0  # the next prediction token, while the answer follows it
         self.last = 0  # where the answer last followed it
         self.seen = 0  # answer tokens already walked
@@ -57,6 +57,8 @@ class PredictedOutput(Proposer):
         if not self.pred:
             return None
         out = committed[self.start:]
+        if len(out) < self.seen:  # tokens rolled back (exact SpecPV): find the place again
+            self.at, self.seen = None, len(out)
         for t in out[self.seen:]:  # walk the new tokens along the prediction
             if self.at is not None and self.at < len(self.pred) and self.pred[self.at] == t:
                 self.at += 1
