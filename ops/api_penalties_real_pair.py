@@ -11,16 +11,16 @@ tokens (``logit_bias`` -100 on " the" and ","), which the draft then never propo
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ops.api_logprobs_real_pair import QUESTIONS, plain_decoding
-from ops.api_real_pair import check, new_report, report_checks, served_fleet, timed_run_args
+from ops.api_real_pair import check, new_report, report_checks, served_fleet, time_ways, timed_run_args
 from ops.api_structured_real_pair import Reference
 
 SETTINGS = {"frequency 0.5": {"frequency_penalty": 0.5},
@@ -65,20 +65,9 @@ def main(argv=None) -> int:
                       res.choices[0].message.content == tok.decode(want),
                       tokens=res.usage.completion_tokens, changed=res.choices[0].message.content
                       != plain.choices[0].message.content, answer=res.choices[0].message.content)
-        timings: dict[str, dict[str, list[float]]] = {}
-        for r in range(args.repeats):
-            for messages in QUESTIONS:
-                ways = [("none", {}), *settings.items()]
-                for way, penalties in (ways if r % 2 == 0 else ways[::-1]):
-                    res, wall = ask(messages, penalties)
-                    spec = res.choices[0].model_extra.get("speculative") or {}
-                    t = timings.setdefault(way, {"tok_s": [], "per_round": []})
-                    t["tok_s"].append(res.usage.completion_tokens / wall)
-                    t["per_round"].append(spec.get("mean_accepted_length") or 0.0)
-        report["timings"] = {k: {m: round(statistics.mean(v), 3) for m, v in t.items()} for k, t in timings.items()}
-        print("\n| penalties | tok/s | tokens a round |\n|---|---|---|")
-        for k, t in report["timings"].items():
-            print(f"| {k} | {t['tok_s']} | {t['per_round']} |")
+        time_ways(report, args.repeats, [("", [(way, partial(ask, messages, penalties))
+                                               for way, penalties in [("none", {}), *settings.items()]])
+                                         for messages in QUESTIONS], "penalties")
     return report_checks(report, tmp, args.json)
 
 

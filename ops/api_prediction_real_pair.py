@@ -16,17 +16,19 @@ asked with and without it, alternating: tok/s and tokens a round side by side.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ops.api_logprobs_real_pair import plain_decoding
-from ops.api_real_pair import check, new_report, report_checks, start_fleet, stop_fleet, timed_run_args, wait_health
+from ops.api_real_pair import (
+    check, new_report, report_checks, start_fleet, stop_fleet, time_ways, timed_run_args, wait_health,
+)
 from ops.api_structured_real_pair import Reference
 
 CODE = '''def is_prime(n):
@@ -75,23 +77,16 @@ def main(argv=None) -> int:
                 check(report, f"{name} {way} the prediction = the target's decoding",
                       res.choices[0].message.content == want, tokens=res.usage.completion_tokens,
                       answer=res.choices[0].message.content)
-        timings: dict[str, dict[str, list[float]]] = {}
-        for r in range(args.repeats):
-            for name, (messages, predicted) in tasks.items():
-                ways = [("without", {}), ("with", {"prediction": {"type": "content", "content": predicted}})]
-                for way, extra in (ways if r % 2 == 0 else ways[::-1]):
-                    t0 = time.perf_counter()
-                    res = client.chat.completions.create(model=model, messages=messages, temperature=0,
-                                                         max_tokens=args.max_new_tokens, **extra)
-                    wall = time.perf_counter() - t0
-                    spec = res.choices[0].model_extra.get("speculative") or {}
-                    t = timings.setdefault(f"{name} {way}", {"tok_s": [], "per_round": []})
-                    t["tok_s"].append(res.usage.completion_tokens / wall)
-                    t["per_round"].append(spec.get("mean_accepted_length") or 0.0)
-        report["timings"] = {k: {m: round(statistics.mean(v), 3) for m, v in t.items()} for k, t in timings.items()}
-        print("\n| task, prediction | tok/s | tokens a round |\n|---|---|---|")
-        for k, t in report["timings"].items():
-            print(f"| {k} | {t['tok_s']} | {t['per_round']} |")
+        def ask(messages, extra):
+            t0 = time.perf_counter()
+            res = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                                 max_tokens=args.max_new_tokens, **extra)
+            return res, time.perf_counter() - t0
+
+        time_ways(report, args.repeats, [
+            (f"{name} ", [("without", partial(ask, messages, {})),
+                          ("with", partial(ask, messages, {"prediction": {"type": "content", "content": predicted}}))])
+            for name, (messages, predicted) in tasks.items()], "task, prediction")
     finally:
         stop_fleet(proc)
     return report_checks(report, tmp, args.json)

@@ -167,6 +167,27 @@ def timed_run_args(doc: str, argv) -> tuple[argparse.Namespace, object]:
     return args, ServedTokenizer(resolve_model_paths(ModelSettings()).target)
 
 
+def time_ways(report: dict, repeats: int, cases, header: str) -> None:
+    """Times each case's ways, alternating their order run by run: ``cases`` is
+    [(label prefix, [(way, call)])], ``call()`` returns (a chat completion, its wall seconds).
+    ``report["timings"]``: mean tok/s and tokens a round per label; printed as a table."""
+    import statistics
+
+    timings: dict[str, dict[str, list[float]]] = {}
+    for r in range(repeats):
+        for prefix, ways in cases:
+            for way, call in (ways if r % 2 == 0 else ways[::-1]):
+                res, wall = call()
+                spec = res.choices[0].model_extra.get("speculative") or {}
+                t = timings.setdefault(f"{prefix}{way}", {"tok_s": [], "per_round": []})
+                t["tok_s"].append(res.usage.completion_tokens / wall)
+                t["per_round"].append(spec.get("mean_accepted_length") or 0.0)
+    report["timings"] = {k: {m: round(statistics.mean(v), 3) for m, v in t.items()} for k, t in timings.items()}
+    print(f"\n| {header} | tok/s | tokens a round |\n|---|---|---|")
+    for k, t in report["timings"].items():
+        print(f"| {k} | {t['tok_s']} | {t['per_round']} |")
+
+
 def new_report(**extra) -> dict:
     """A real-pair report's header: the machine, the date, and ``extra``."""
     return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "checks": [],
