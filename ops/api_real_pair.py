@@ -35,8 +35,9 @@ MESSAGES = [
 ]
 
 
-def start_fleet(tmp: Path, **settings: str) -> tuple[subprocess.Popen, str]:
-    """``honcho start`` of the Procfile and .env on free ports (``settings``: SPECSPLIT_* over them)."""
+def start_fleet(tmp: Path, repo: Path = REPO, **settings: str) -> tuple[subprocess.Popen, str]:
+    """``honcho start`` of ``repo``'s Procfile and .env on free ports (``settings``: SPECSPLIT_* over
+    them); another ``repo`` (a worktree of another commit) runs its own code with this environment."""
     from specsplit.launch import free_ports
 
     names = ["draft_fe", "draft_be", "target_fe", "target_be", "orch", "api"]
@@ -51,10 +52,12 @@ def start_fleet(tmp: Path, **settings: str) -> tuple[subprocess.Popen, str]:
     for k, v in (line.split("=", 1) for line in (tmp / "ports.env").read_text().split()):
         os.environ[k] = v  # this process's producer and reference read the same settings
     log = open(tmp / "fleet.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"),
-                             "-e", f"{REPO / '.env'},{tmp / 'ports.env'}", "-d", str(REPO)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if repo != REPO:
+        env["PYTHONPATH"] = str(repo)
+    proc = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(repo / "Procfile"),
+                             "-e", f"{repo / '.env'},{tmp / 'ports.env'}", "-d", str(repo)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return proc, f"http://127.0.0.1:{ports['api']}"
 
 

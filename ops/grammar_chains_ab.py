@@ -1,8 +1,11 @@
-"""The ``grammar`` proposer on the real pair: two default fleets side by side (``honcho start``,
-one with SPECSPLIT_PROPOSERS=draft,lookup,ngrams, i.e. without it), the same JSON-schema requests
-through the ``openai`` client to each in turn (the first fleet alternating), greedy. Prints per
-request the tokens, seconds and tokens a round of each, and writes JSON; exit 1 unless every
-answer is the same from both (the forced tokens are verified like any node).
+"""Constrained decoding's speed on the real pair: two default fleets side by side (``honcho
+start``), "with" this checkout's code and "without" one thing, the same JSON-schema requests
+through the ``openai`` client to each in turn (the first fleet alternating), greedy. Without
+``--ref-source``, the second fleet runs SPECSPLIT_PROPOSERS=draft,lookup,ngrams (no ``grammar``
+proposer); with ``--ref-source DIR``, the code of DIR (a worktree of another commit: ``git worktree
+add /tmp/before COMMIT``) with the same settings. Prints per request the tokens, seconds and
+tokens a round of each, and writes JSON; exit 1 unless every answer is the same from both (what
+either proposes is verified like any node).
 
     python ops/grammar_chains_ab.py --json ops/results/grammar-chains-ab-qwen-coder.json
 """
@@ -68,13 +71,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--ref-source", default=None, help="the second fleet runs this checkout's code (same settings)")
     args = p.parse_args(argv)
     from openai import OpenAI
 
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-grammar-ab-"))
     fleets = {}
     try:
-        for name, settings in (("with", {}), ("without", {"SPECSPLIT_PROPOSERS": "draft,lookup,ngrams"})):
+        ref = Path(args.ref_source).resolve() if args.ref_source else None
+        without = {"repo": ref} if ref else {"SPECSPLIT_PROPOSERS": "draft,lookup,ngrams"}
+        for name, settings in (("with", {}), ("without", without)):
             (tmp / name).mkdir()
             fleets[name] = start_fleet(tmp / name, **settings)
         clients = {}
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
              for name in ("with", "without")}
     report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "max_new_tokens": args.max_new_tokens, "rows": rows,
+              "without": f"the code of {args.ref_source}" if args.ref_source else "SPECSPLIT_PROPOSERS=draft,lookup,ngrams",
               "tok_s": total, "speedup": total["with"] / total["without"],
               "identical": sum(r["identical"] for r in rows)}
     print(f"tok/s with {total['with']:.2f}, without {total['without']:.2f}: {report['speedup']:.3f}x; "

@@ -71,7 +71,7 @@ class GrammarSpec(Message):
     """A constraint on a session's output: the target samples only tokens that keep it a prefix
     of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
     as llguidance reads it). Sent with every verify request of the session (so any target can
-    rebuild its state); the draft proposes unconstrained."""
+    rebuild its state), and every draft request (the draft proposes what it allows)."""
 
     kind: Literal["json_schema", "lark"]
     text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)

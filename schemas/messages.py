@@ -197,12 +197,16 @@ class CacheSync(Message):
 
 
 class DraftRequest(Message):
+    """``grammar``: the session's (as its VerifyRequests carry it), with a sync that names the
+    prompt; the draft proposes only what it allows (a draft that cannot, unconstrained)."""
+
     session_id: SessionId
     round: Round
     sync: CacheSync
     root: TokenId
     tree: TreeSpec = TreeSpec()
     sampling: SamplingSpec = SamplingSpec()
+    grammar: GrammarSpec | None = None
 
 
 class DraftReply(Message):

@@ -40,6 +40,7 @@ def generate(
     grammar: GrammarSpec | None = None,
     grammars=None,
     grammar_chains: bool = True,
+    draft_grammar: bool = True,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -57,7 +58,8 @@ def generate(
     ``grammars``, a ``specsplit.engine.grammar.GrammarBook``, compiles it); at temperature 0 the
     result equals greedy decoding of ``target`` masked to the grammar; with ``lookup_max_tokens``
     > 0 (and ``grammar_chains``) each greedy round also proposes the tokens the grammar forces
-    after its root, as the target reported them (the ``grammar`` proposer's chain)."""
+    after its root, as the target reported them (the ``grammar`` proposer's chain); the draft
+    proposes only what the grammar allows (``draft_grammar``; False: unconstrained)."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -76,6 +78,8 @@ def generate(
     d_eng, t_eng = make_draft_engine(draft, limits), make_target_engine(target, limits)
     if grammars is not None:
         t_eng.grammars = grammars
+        if draft_grammar:
+            d_eng.grammars = grammars
     cur = SessionCursor(list(prompt_ids))
     stop, out, stats = set(int(s) for s in stop_token_ids), [], stats or RoundStats()
     exact = specpv is not None and specpv.exact
@@ -90,8 +94,9 @@ def generate(
         if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
             plan = Candidates(root_only(cur.committed[-1]))
         else:
-            d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd, sync=cur.draft_sync(sampling.penalized),
-                                                root=cur.committed[-1], tree=spec, sampling=sampling))
+            d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd,
+                                                sync=cur.draft_sync(sampling.penalized or grammar is not None),
+                                                root=cur.committed[-1], tree=spec, sampling=sampling, grammar=grammar))
             _raise_if_error(d_reply)
             cur.after_draft()
             stats.reused_rounds += d_reply.reused_nodes > 0

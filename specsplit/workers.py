@@ -126,10 +126,12 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
 
 
 def take_grammars(engine, tokenizer, model_dir) -> None:
-    """A target constrains sessions to grammars (``engine.grammar``) with the served tokenizer."""
+    """A target constrains sessions to grammars (``engine.grammars``) with the served tokenizer; a
+    draft masks its proposals to them with its own (llguidance's tokenizer is built at the first
+    grammar, not here)."""
     from specsplit.engine.grammar import GrammarBook  # torch: never at this module's import
 
-    if getattr(engine, "role", None) == "target":
+    if getattr(engine, "role", None) in ("target", "draft"):
         engine.grammars = GrammarBook.for_model(tokenizer, model_dir, engine.vocab_size)
 
 

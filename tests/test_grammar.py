@@ -84,7 +84,8 @@ def test_speculative_output_equals_greedy_decoding_masked_to_the_schema(pair, sc
 def test_the_tokens_a_grammar_forces_are_proposed_and_change_nothing(pair):
     """With the target's forced tokens hung under each round's root (the ``grammar`` chain), the
     answer is still the masked oracle's, in fewer rounds than without them: the schema's keys
-    and punctuation are accepted where the unconstrained draft guesses otherwise."""
+    and punctuation are accepted where an unconstrained draft guesses otherwise (a draft masked
+    to the grammar proposes them itself: tests/test_draft_grammar.py)."""
     from specsplit.orchestrator.state import RoundStats
 
     target, draft, tok, book, prompt = pair
@@ -95,7 +96,7 @@ def test_the_tokens_a_grammar_forces_are_proposed_and_change_nothing(pair):
         stats = RoundStats()
         got = generate(draft, target, prompt, max_new_tokens=48, tree=TreeSpec(max_nodes=8, max_depth=4, branch=2),
                        sampling=SamplingSpec(), stop_token_ids=tok.stop_token_ids, grammar=spec(schema),
-                       grammars=book, lookup_max_tokens=8, grammar_chains=chains, stats=stats)
+                       grammars=book, lookup_max_tokens=8, grammar_chains=chains, stats=stats, draft_grammar=False)
         assert got == want, chains
         rounds[chains] = stats.rounds
     assert rounds[True] < rounds[False], rounds

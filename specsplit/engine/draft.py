@@ -40,7 +40,8 @@ from specsplit.engine.draftview import WINDOW_KWARG, DraftWindow, window_attenti
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.store import Session
 from specsplit.engine.masks import causal
-from specsplit.errors import TreeError
+from specsplit.engine.grammar import DraftGrammar
+from specsplit.errors import SpecError, TreeError
 from specsplit.tree import DraftTree, check_token_ids, path_to, validate_tree
 
 
@@ -51,6 +52,7 @@ Forwards = Generator[Segment, torch.Tensor, T]  # yields the forwards it needs, 
 class DraftEngine(Engine):
     role = "draft"
     grow_spares = 0  # engines that build their own state (llama.cpp's) add no spares
+    grammars = None  # a GrammarBook (set by the worker: it has the tokenizer); None: proposes unconstrained
     # a forward may hold a node with unforwarded ancestors when they are in it too (the mask
     # shows each node its ancestors' rows of the same forward): a hinted chain in one forward
     tree_forward = True
@@ -125,7 +127,7 @@ class DraftEngine(Engine):
         if sync is not req.sync:  # a cached prefix replaced the cache: nothing kept stands
             kept = None
         process = penalties.for_draft(req.sampling, session.tokens, req.sync.base_len + len(req.sync.append_token_ids) + 1,
-                                      req.sync.prompt_len)
+                                      req.sync.prompt_len, self._grammar(session, req))
         if req.sampling.greedy:
             grown = self._reroot(kv, kept, sync, req.root) if kept is not None else None
             reused = len(grown.tokens) - 1 if grown is not None else 0
@@ -153,6 +155,18 @@ class DraftEngine(Engine):
         finally:
             kv.crop_to(committed)
             session.last_round = req.round
+
+    def _grammar(self, session: Session, req: DraftRequest) -> DraftGrammar | None:
+        """The request's grammar on this draft's rows (its matcher after the round's root); None
+        where it has none, this draft cannot apply it (no tokenizer for grammars, the prompt not
+        named) or the session's output is not known to it: proposing unconstrained costs only
+        acceptance, the target holds the answer to the grammar."""
+        if req.grammar is None or self.grammars is None or req.sync.prompt_len < 1:
+            return None
+        try:
+            return DraftGrammar(self.grammars, session, self.grammars.at(session, req.grammar, req.sync, req.root))
+        except SpecError:
+            return None
 
     def forward(self, kv: SessionKV, token_ids: list[int], position_ids: torch.Tensor, visible: torch.Tensor,
                 keep: int, **model_kwargs) -> torch.Tensor:

@@ -5,7 +5,9 @@ grammar allows after the node's path (the committed output, then the path's toke
 renormalized: what plain decoding under the same grammar samples from, greedy or not. The
 verification rules are unchanged: they get the masked logits (``constrain``), so greedy output
 equals masked greedy decoding and sampling stays lossless against the masked distribution. The
-draft proposes unconstrained; a proposal the grammar forbids is simply rejected.
+draft masks its own rows the same way (``DraftGrammar``: a matcher of its own per session), so it
+proposes only what the grammar allows; a draft without one proposes unconstrained, and a
+proposal the grammar forbids is simply rejected.
 
 Grammars are llguidance's (https://github.com/guidance-ai/llguidance, the engine vLLM and
 llama.cpp use for structured output): compiled per request text (an LRU of compiled grammars),
@@ -110,10 +112,13 @@ class GrammarBook:
 
     # ---- a session's state ----------------------------------------------------------------
     def at_root(self, session, req) -> SessionGrammar:
-        """The session's matcher in the state after the request's root (every committed token
-        from the prompt's end on consumed), rebuilt from the request where it must be."""
-        sync, root = req.sync, req.tree.token_ids[0]
-        key = self.compile(req.grammar)
+        """The session's matcher in the state after the verify request's root (every committed
+        token from the prompt's end on consumed), rebuilt from the request where it must be."""
+        return self.at(session, req.grammar, req.sync, req.tree.token_ids[0])
+
+    def at(self, session, spec: GrammarSpec, sync, root: int) -> SessionGrammar:
+        """The session's matcher for ``spec`` after ``sync``'s tokens and ``root``."""
+        key = self.compile(spec)
         if sync.prompt_len < 1:
             raise SpecError(ErrorCode.BAD_REQUEST, "a grammar needs the sync's prompt_len")
         st: SessionGrammar | None = getattr(session, "grammar", None)
@@ -170,18 +175,16 @@ class GrammarBook:
         set to -inf. A node the grammar cannot reach (its token forbidden at its parent) is left
         as it is: no rule accepts it, so its row is never read."""
         st = self.at_root(session, req)
-        n, vocab = logits.shape
-        words = (self.vocab_size + 31) // 32
-        bits = torch.full((n, words * 4), 255, dtype=torch.uint8)  # host; all allowed until computed
+        n = logits.shape[0]
+        bits = self.new_bits(n)  # host; all allowed until computed
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[layout.parents[i]].append(i)
         tokens, m, ends = req.tree.token_ids, st.matcher, frozenset(self.eos_ids)
 
         def visit(node: int) -> None:
-            row, mask = bits[node], m.compute_bitmask()
-            if mask.count(0) < len(mask):  # none allowed (past an end token): the row is never read
-                row.copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8)[:row.numel()])
+            row = bits[node]
+            fill_row(row, m.compute_bitmask())
             for c in children[node]:
                 t = tokens[c]
                 # an end token ends the output: its row and subtree are never read, and the
@@ -192,11 +195,59 @@ class GrammarBook:
                     rollback(session, m, 1)
 
         visit(0)
-        shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-        allowed = (bits.to(logits.device).unsqueeze(-1) >> shifts & 1).flatten(1)[:, :vocab].bool()  # [N, V]
-        if allowed.shape[1] < vocab:  # rows past the tokenizer's words: never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        return logits.masked_fill(~allowed, float("-inf"))
+        return apply_bits(bits, logits)
+
+    def new_bits(self, n: int) -> torch.Tensor:
+        """[n, words] of host bitmask rows, every token allowed until a row is computed."""
+        return torch.full((n, (self.vocab_size + 31) // 32 * 4), 255, dtype=torch.uint8)
+
+
+def fill_row(row: torch.Tensor, mask: bytes) -> None:
+    """A bitmask row from the matcher's mask; left all-allowed when it allows nothing (past an
+    end token, where the row is never read)."""
+    if mask.count(0) < len(mask):
+        row.copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8)[:row.numel()])
+
+
+def apply_bits(bits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, V] with each token whose bit is clear in its row of ``bits`` (host uint8
+    [N, words], little-endian bits) set to -inf; one copy to the device."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = (bits.to(logits.device).unsqueeze(-1) >> shifts & 1).flatten(1)[:, :vocab].bool()  # [N, V]
+    if allowed.shape[1] < vocab:  # rows past the tokenizer's words: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+@dataclass
+class DraftGrammar:
+    """A draft session's rows masked to its grammar: row i to what the grammar allows after the
+    session's matcher state (at the round's root, ``GrammarBook.at``) and then ``paths[i]``. A
+    row whose path the grammar forbids (a hinted chain's), or which passes an end token, is left
+    as it is: nothing under it is accepted. Where the matcher cannot be rolled back its state is
+    lost: the session's grammar goes (the next request rebuilds it) and later rows stay unmasked."""
+
+    book: GrammarBook
+    session: object
+    state: SessionGrammar
+
+    def mask(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        st, ends = self.state, frozenset(self.book.eos_ids)
+        if self.session.grammar is not st:  # lost (or rebuilt by a later request): unmasked
+            return logits
+        bits, m = self.book.new_bits(len(paths)), st.matcher
+        for i, path in enumerate(paths):
+            if ends.intersection(path) or (path and m.validate_tokens(path) < len(path)):
+                continue
+            if path and not m.consume_tokens(path):  # validated: cannot happen
+                self.session.grammar = None
+                break
+            fill_row(bits[i], m.compute_bitmask())
+            if path and not m.rollback(len(path)):
+                self.session.grammar = None
+                break
+        return apply_bits(bits, logits)
 
 
 def rollback(session, matcher, n: int) -> None:

@@ -132,10 +132,12 @@ def penalize_paths(sampling, seen: Seen, paths: list[list[int]], logits: torch.T
 @dataclass(frozen=True)
 class DraftProcessing:
     """The draft's rows processed as the target processes its own: the logit bias, then the
-    penalties after each row's path (``seen`` None: none), then the masked tokens."""
+    penalties after each row's path (``seen`` None: none), then the masked tokens, then the
+    grammar's mask after each row's path (``grammar``: a ``specsplit.engine.grammar.DraftGrammar``)."""
 
     sampling: object
     seen: Seen | None
+    grammar: object = None
 
     def rows(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``logits`` [N, V], row i a node whose path after the root is ``paths[i]`` (a copy)."""
@@ -145,18 +147,20 @@ class DraftProcessing:
         if self.seen is not None:
             logits = penalize_paths(self.sampling, self.seen, paths, logits)
         mask = [t for t in self.sampling.masked_token_ids or () if t < logits.shape[-1]]
-        return masked(mask, logits) if mask else logits
+        if mask:
+            logits = masked(mask, logits)
+        return self.grammar.mask(logits, paths) if self.grammar is not None else logits
 
 
-def for_draft(sampling, tokens: list[int], committed: int, prompt_len: int) -> DraftProcessing | None:
+def for_draft(sampling, tokens: list[int], committed: int, prompt_len: int, grammar=None) -> DraftProcessing | None:
     """How a draft processes its rows for a request whose sync names ``committed`` tokens through
     the root (``tokens``: the session's, as far as it knows them) and ``prompt_len`` of them as the
-    prompt; None: not at all. The penalties need the output's tokens: without them (the prompt
-    not named, the session's tokens not all known) the draft proposes unpenalized, which costs
-    only acceptance."""
+    prompt, ``grammar`` its DraftGrammar (or None); None: not at all. The penalties need the
+    output's tokens: without them (the prompt not named, the session's tokens not all known) the
+    draft proposes unpenalized, which costs only acceptance."""
     seen = None
     if sampling.penalized and 0 < prompt_len <= committed == len(tokens):
         seen = Seen.of(sampling, tokens, prompt_len)
-    if seen is None and not sampling.logit_bias and not sampling.masked_token_ids:
+    if seen is None and not sampling.logit_bias and not sampling.masked_token_ids and grammar is None:
         return None
-    return DraftProcessing(sampling, seen)
+    return DraftProcessing(sampling, seen, grammar)
