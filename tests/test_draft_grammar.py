@@ -217,6 +217,17 @@ def test_through_the_actor_the_answer_is_the_targets_in_fewer_rounds(pair, schem
     json.loads(tok.decode(want[:-1] if want[-1] in tok.stop_token_ids else want))
 
 
+def test_bitmasks_unpack_alike_on_the_host_and_on_a_device():
+    """The host's numpy unpacking (CPU logits) and the device's shifts (others) agree, bit order
+    included: bit j of byte i is token 8i + j."""
+    from specsplit.engine.grammar import unpack_host, unpack_on
+
+    bits = torch.randint(0, 256, (5, 12), dtype=torch.uint8)
+    host = unpack_host(bits)
+    assert torch.equal(host, unpack_on(bits, torch.device("cpu")))
+    assert bool(host[2, 8 * 3 + 5]) == bool(int(bits[2, 3]) >> 5 & 1)
+
+
 def test_for_draft_keeps_a_grammar_alone():
     """A request with only a grammar is processed (its rows masked), one with nothing is not."""
     assert penalties.for_draft(SamplingSpec(), [1, 2, 3], 3, 1) is None

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 
 from schemas import ErrorCode, GrammarSpec
@@ -211,13 +212,27 @@ def fill_row(row: torch.Tensor, mask: bytes) -> None:
 
 def apply_bits(bits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """``logits`` [N, V] with each token whose bit is clear in its row of ``bits`` (host uint8
-    [N, words], little-endian bits) set to -inf; one copy to the device."""
+    [N, words], little-endian bits) set to -inf (a copy). Where the logits are on the host the
+    bits are unpacked there by numpy; elsewhere the packed bits go to the device in one copy and
+    are unpacked there (~2.7x less time than shifts on the host for a draft's rows:
+    docs/results.md)."""
     vocab = logits.shape[1]
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    allowed = (bits.to(logits.device).unsqueeze(-1) >> shifts & 1).flatten(1)[:, :vocab].bool()  # [N, V]
+    allowed = unpack_host(bits) if logits.device.type == "cpu" else unpack_on(bits, logits.device)
+    allowed = allowed[:, :vocab]  # [N, V]
     if allowed.shape[1] < vocab:  # rows past the tokenizer's words: never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    return logits.masked_fill(~allowed, float("-inf"))
+    return torch.where(allowed, logits, float("-inf"))
+
+
+def unpack_host(bits: torch.Tensor) -> torch.Tensor:
+    """Host uint8 bitmask rows [N, words] as bools [N, 8 x words] (little-endian bits), by numpy."""
+    return torch.from_numpy(numpy.unpackbits(bits.numpy(), axis=1, bitorder="little").view(numpy.bool_))
+
+
+def unpack_on(bits: torch.Tensor, device) -> torch.Tensor:
+    """The same, unpacked on ``device`` after one copy of the packed rows."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    return (bits.to(device).unsqueeze(-1) >> shifts & 1).flatten(1).bool()
 
 
 @dataclass
