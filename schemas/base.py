@@ -70,10 +70,11 @@ MAX_FORCED_TOKENS = 64  # tokens a grammar forces that a reply reports (VerifyRe
 class GrammarSpec(Message):
     """A constraint on a session's output: the target samples only tokens that keep it a prefix
     of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
-    as llguidance reads it). Sent with every verify request of the session (so any target can
+    as llguidance reads it; ``regex``: a regular expression the whole output matches, Rust's
+    syntax). Sent with every verify request of the session (so any target can
     rebuild its state), and every draft request (the draft proposes what it allows)."""
 
-    kind: Literal["json_schema", "lark"]
+    kind: Literal["json_schema", "lark", "regex"]
     text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
 

@@ -49,7 +49,7 @@ def build_engine(service: str, settings: WorkerSettings, model_settings):
     model, tokenizer = load_model(path, dtype=backend.load_dtype(model_dtype(service, model_settings)), device=device)
     model = backend.prepare(model)
     engine = role_engine(service, settings, model, backend, DraftEngine, TargetEngine)
-    take_grammars(engine, tokenizer, path)
+    take_grammars(engine, tokenizer, path, settings.draft_grammar)
     engine.check_runs()  # a model the engines cannot run is refused here, naming why
     if engine.graphs is not None:  # one session's first forwards, captured before any request
         engine.graphs.warm(compact=service == "target")
@@ -117,7 +117,7 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
                        prefill_threads=backend.prefill_threads)
     lm.threads_for = backend.threads_for
     engine = role_engine(service, settings, lm, backend, LlamaDraftEngine, LlamaTargetEngine)
-    take_grammars(engine, tokenizer, tokenizer_dir)
+    take_grammars(engine, tokenizer, tokenizer_dir, settings.draft_grammar)
     hello = WorkerHello(
         service=service, model_id=str(gguf), vocab_size=lm.vocab_size,
         tokenizer_hash=tokenizer_fingerprint(tokenizer, fingerprint_memo_dir(model_settings)), pid=os.getpid(),
@@ -125,13 +125,14 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
     return engine, hello
 
 
-def take_grammars(engine, tokenizer, model_dir) -> None:
+def take_grammars(engine, tokenizer, model_dir, draft: bool = True) -> None:
     """A target constrains sessions to grammars (``engine.grammars``) with the served tokenizer; a
-    draft masks its proposals to them with its own (llguidance's tokenizer is built at the first
-    grammar, not here)."""
+    draft masks its proposals to them with its own (``draft``: SPECSPLIT_DRAFT_GRAMMAR).
+    llguidance's tokenizer is built at the first grammar, not here."""
     from specsplit.engine.grammar import GrammarBook  # torch: never at this module's import
 
-    if getattr(engine, "role", None) in ("target", "draft"):
+    role = getattr(engine, "role", None)
+    if role == "target" or (role == "draft" and draft):
         engine.grammars = GrammarBook.for_model(tokenizer, model_dir, engine.vocab_size)
 
 

@@ -10,6 +10,8 @@ official ``openai`` client.
   (tests/test_grammar.py's oracle), whole and streamed, and stays so when the process of the
   target serving it is killed -9 mid-stream (the other target rebuilds the grammar's state from
   the resend). Schemas the grammar engine cannot take, and JSON output with tools, are a 400.
+- vLLM's ``structured_outputs`` (and ``guided_*``): choices, a regex, a GBNF grammar and a JSON
+  schema, each answer the target's greedy decoding masked to its grammar.
 """
 
 from __future__ import annotations
@@ -144,6 +146,64 @@ def test_json_output_is_the_targets_greedy_answer_masked_to_the_schema(fleet, ti
     api_error(post_json(fleet, "/v1/chat/completions", {**bad, "tools": [WEATHER],
                                                         "response_format": {"type": "json_object"}}), 400,
               param="response_format")
+
+
+def test_vllm_structured_outputs_are_the_targets_greedy_answer_masked(fleet, tiny, served, book):
+    """vLLM's ``structured_outputs`` and its older ``guided_*`` fields, sent as code written for
+    vLLM sends them (the ``openai`` client's extra_body), on both endpoints: each answer, whole
+    and streamed, is greedy decoding of the target masked to the constraint's grammar; two
+    constraints at once, or one with tools, are a 400 naming the parameter."""
+    import re
+
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    from schemas import GrammarSpec
+    from tests.test_grammar import masked_greedy
+
+    model, _, _ = tiny
+    client = openai_client(fleet)
+    messages = [{"role": "user", "content": "Pick one."}]
+    regex, gbnf = r"[0-9]{3}-[a-z]{2,5}", 'root ::= "yes" | "no" | "maybe" " not"?'
+    cases = [
+        ("chat", {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+         GrammarSpec(kind="lark", text='start: "red" | "green" | "blue"')),
+        ("completions", {"structured_outputs": {"regex": regex}}, GrammarSpec(kind="regex", text=regex)),
+        ("chat", {"guided_grammar": gbnf}, GrammarSpec(kind="lark", text=any_to_lark(gbnf))),
+        ("completions", {"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"},
+         GrammarSpec(kind="json_schema", text=json.dumps(SCHEMA))),
+    ]
+    for endpoint, extra, grammar in cases:
+        ids = served.encode_chat(messages) if endpoint == "chat" else served.encode("Code:")
+        want = masked_greedy(model, book, ids, 48, served.stop_token_ids, grammar)
+        text = served.decode(want)
+        for stream in (False, True):
+            if endpoint == "chat":
+                res = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=48, temperature=0,
+                                                     extra_body=extra, stream=stream)
+                got = "".join(c.choices[0].delta.content or "" for c in res if c.choices) if stream else \
+                    res.choices[0].message.content
+            else:
+                res = client.completions.create(model="tiny-v1", prompt="Code:", max_tokens=48, temperature=0,
+                                                extra_body=extra, stream=stream)
+                got = "".join(c.choices[0].text for c in res if c.choices) if stream else res.choices[0].text
+            assert got == text, (extra, stream)
+        ended = want[-1] in served.stop_token_ids
+        if ended and grammar.kind == "regex":
+            assert re.fullmatch(regex, text)
+        elif ended and grammar.kind == "json_schema":
+            assert set(json.loads(text)) == {"n", "tags"}
+        elif "choice" in json.dumps(extra):
+            assert ended and text in ("red", "green", "blue")
+    bad = {"model": "tiny-v1", "messages": messages}
+    api_error(post_json(fleet, "/v1/chat/completions", {**bad, "guided_regex": "a+",
+                                                        "response_format": {"type": "json_object"}}), 400,
+              param="response_format")
+    api_error(post_json(fleet, "/v1/chat/completions", {**bad, "tools": [WEATHER],
+                                                        "structured_outputs": {"choice": ["a"]}}), 400,
+              param="structured_outputs")
+    api_error(post_json(fleet, "/v1/completions", {"model": "tiny-v1", "prompt": "x",
+                                                   "structured_outputs": {"regex": "("}}), 400,
+              param="structured_outputs")
 
 
 COLOURS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 120, "maxItems": 120,

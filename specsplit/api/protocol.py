@@ -6,7 +6,7 @@ suffix) are accepted only at the value that means "off" (what OpenAI's SDKs send
 e.g. ``best_of: 1``); any other value is a 400 naming the parameter. Tools, tool choices and the
 messages of a tool call are typed here (``specsplit.api.tools`` renders and parses them), and so
 is ``response_format``: a JSON schema (or any JSON object) the target holds the output to
-(``grammar``); ``logprobs`` per endpoint (``logprobs_asked``); a completion's ``echo`` (the
+(``grammar``), and vLLM's structured outputs (``specsplit.api.structured``); ``logprobs`` per endpoint (``logprobs_asked``); a completion's ``echo`` (the
 prompt's log-probabilities with ``logprobs``: ``prompt_logprobs_asked``). Every validation
 failure becomes ``ApiError`` (400), never a 422.
 """
@@ -22,6 +22,7 @@ from schemas import GrammarSpec, SamplingSpec
 from schemas.messages import (
     MAX_CONTEXT_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, TokenBias,
 )
+from specsplit.grammar_text import grammar_error
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM more
@@ -30,6 +31,7 @@ MAX_N = 16
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
+MAX_CHOICES = 1024  # vLLM's structured_outputs.choice
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -83,16 +85,31 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (``specsplit.api.structured``): one of json (a JSON schema, or
+    its text), regex, choice, grammar (Lark or GBNF), json_object; JSON's whitespace and extra
+    properties as vLLM shapes them. ``disable_fallback`` changes nothing (one engine, no other to
+    fall back to); ``structural_tag`` is accepted only absent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = Field(default=None, min_length=1, max_length=1024)
+    disable_fallback: bool = False
+    structural_tag: None = None
+
+
 def schema_error(text: str) -> str:
     """Why the grammar engine (llguidance: no torch, a Rust wheel) cannot enforce a JSON
     schema's text; "" when it can."""
-    from llguidance import LLMatcher
-
-    try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(text))
-    except Exception as exc:  # noqa: BLE001  (whatever a client's schema does is the client's 400)
-        return str(exc) or type(exc).__name__
-    return "" if not error or error.startswith("WARNING") else error
+    return grammar_error("json_schema", text)
 
 
 def grammar_of(fmt: ResponseFormat | None) -> GrammarSpec | None:
@@ -150,6 +167,16 @@ class _Request(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS // 2)
     # accepted at their "off" value only (UNSUPPORTED)
     response_format: ResponseFormat | None = None  # the output held to JSON (grammar_of)
+    # vLLM's constraints on the output, and those of vLLM before 0.12 (specsplit.api.structured)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_whitespace_pattern: str | None = Field(default=None, min_length=1, max_length=1024)
+    # which of vLLM's engines enforces them: here always llguidance (vLLM's "guidance"), whatever is named
+    guided_decoding_backend: str | None = Field(default=None, max_length=64)
 
     @field_validator("stop")
     @classmethod

@@ -33,10 +33,9 @@ from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
-from specsplit.api.protocol import (
-    ApiError, ChatCompletionRequest, CompletionRequest, grammar_of, logit_bias_for, parse,
-)
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, logit_bias_for, parse
 from specsplit.api.state import ApiState
+from specsplit.api.structured import constraint_of
 
 SEED_MOD = 2**63
 
@@ -113,11 +112,11 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
         raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     jobs: list[Job] = []
     all_seeds = seeds(req, len(prompts) * req.n)
-    grammar = grammar_of(req.response_format)
-    if grammar is not None and tool_plan is not None:
-        raise ApiError(400, "response_format with tools is not supported: the calls' tags are no JSON",
-                       param="response_format")
-    grammar = grammar or (tool_plan.grammar if tool_plan else None)  # "required" / named: the calls' schemas
+    constraint = constraint_of(req)  # response_format, or vLLM's structured outputs
+    if constraint is not None and tool_plan is not None:
+        raise ApiError(400, f"{constraint[0]} with tools is not supported: the calls' tags are no JSON",
+                       param=constraint[0])
+    grammar = constraint[1] if constraint else (tool_plan.grammar if tool_plan else None)  # "required" / named
     bias = logit_bias_for(req, state.tokenizer.vocab_size)
     prediction: tuple[int, ...] = ()
     if getattr(req, "prediction", None) is not None:
@@ -139,7 +138,8 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
             raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
                            param="min_tokens")
         if req.min_tokens and grammar is not None:  # where the grammar allows only an end token
-            raise ApiError(400, "min_tokens with response_format or required tool calls is not supported",
+            raise ApiError(400, "min_tokens with a constraint on the output (response_format, structured "
+                                "outputs, required tool calls) is not supported",
                            param="min_tokens")
         if len(ids) + max(1, max_tokens) > limit or (max_tokens < 1 and echoes is None):
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "

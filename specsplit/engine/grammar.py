@@ -35,6 +35,7 @@ import torch
 from schemas import ErrorCode, GrammarSpec
 from schemas.messages import MAX_FORCED_TOKENS
 from specsplit.errors import SpecError
+from specsplit.grammar_text import llguidance_grammar
 
 MAX_COMPILED = 64  # compiled grammars kept (by the text's hash)
 
@@ -275,11 +276,7 @@ def rollback(session, matcher, n: int) -> None:
 
 def to_grammar(spec: GrammarSpec) -> str:
     """An llguidance grammar from the request's spec (BAD_REQUEST when it is not one)."""
-    from llguidance import LLMatcher
-
     try:
-        if spec.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(spec.text)
-        return LLMatcher.grammar_from_lark(spec.text)
+        return llguidance_grammar(spec.kind, spec.text)
     except (ValueError, TypeError) as exc:
         raise SpecError(ErrorCode.BAD_REQUEST, f"the grammar is not valid: {exc}") from None

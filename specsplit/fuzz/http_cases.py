@@ -35,6 +35,10 @@ BAD_VALUES = (None, True, False, "x", "", "1", "true", 1.5, -1, 0, -0.0, 2**53 +
 DELETE = object()  # a field left out
 RESPONSE_FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
     "name": "n", "schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}}]
+# vLLM's constraints (one a request: never with a response_format that is one)
+STRUCTURED = [("structured_outputs", {"choice": ["yes", "no"]}), ("structured_outputs", {"regex": "[a-c]{1,3}"}),
+              ("structured_outputs", {"json": {"type": "integer"}, "disable_any_whitespace": True}),
+              ("guided_grammar", 'root ::= "x" | "y" "z"?'), ("guided_json", {"type": "object"})]
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,9 @@ class Builder:
                              ("logprobs", [None]), ("response_format", RESPONSE_FORMATS)):
             if g.random() < 0.2:
                 body[name] = g.choice(values)
+        if g.random() < 0.1 and body.get("response_format", {"type": "text"})["type"] == "text":
+            name, value = g.choice(STRUCTURED)
+            body[name] = value
 
     def completion(self, stream: bool | None = None, max_tokens: int | None = None) -> Draft:
         g = self.rng
