@@ -72,7 +72,7 @@ class GrammarSpec(Message):
     of the grammar's language (``json_schema``: a JSON Schema's text; ``lark``: a Lark grammar
     as llguidance reads it; ``regex``: a regular expression the whole output matches, Rust's
     syntax). Sent with every verify request of the session (so any target can
-    rebuild its state), and every draft request (the draft proposes what it allows)."""
+    rebuild its state), and every draft request (a draft that takes it proposes what it allows)."""
 
     kind: Literal["json_schema", "lark", "regex"]
     text: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)

@@ -198,7 +198,7 @@ class CacheSync(Message):
 
 class DraftRequest(Message):
     """``grammar``: the session's (as its VerifyRequests carry it), with a sync that names the
-    prompt; the draft proposes only what it allows (a draft that cannot, unconstrained)."""
+    prompt; a draft that takes grammars (SPECSPLIT_DRAFT_GRAMMAR) proposes only what it allows."""
 
     session_id: SessionId
     round: Round

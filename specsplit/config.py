@@ -197,11 +197,13 @@ class WorkerSettings(SessionLimitSettings):
         "the target rejects every verified child of a node, its token is often the next one down: a forwarded "
         "sibling lets the next round start from the grown tree instead of drafting from scratch "
         "(docs/results.md). 0: children past the branch are never drafted."))
-    draft_grammar: bool = Field(default=True, description=(
-        "A session held to a grammar (JSON output, structured outputs, required tool calls): the draft masks its "
-        "proposals to what the grammar allows, as the target masks its verification, with a matcher of its own "
-        "per session (a few hundred microseconds a forward). false: the draft proposes unconstrained and the "
-        "target rejects what strays. Never changes the output (docs/results.md)."))
+    draft_grammar: bool = Field(default=False, description=(
+        "A session held to a grammar (JSON output, structured outputs, required tool calls): true makes the draft "
+        "mask its proposals to what the grammar allows, as the target masks its verification, with a matcher of "
+        "its own per session. Rounds then accept more (2-12% fewer rounds on the real pair), but the draft, "
+        "surer of itself, drafts deeper trees: on a 2-core CPU 0.96-0.995x the tok/s of false, so false is the "
+        "default; turn it on where draft forwards are cheap beside verification. Never changes the output "
+        "(docs/results.md)."))
     draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576, description=(
         "Long contexts: past sink + window cached tokens, draft forwards attend only to the first "
         "SPECSPLIT_DRAFT_SINK_TOKENS and the last this many (0: the whole context). Never changes the output: "

@@ -40,7 +40,7 @@ def generate(
     grammar: GrammarSpec | None = None,
     grammars=None,
     grammar_chains: bool = True,
-    draft_grammar: bool = True,
+    draft_grammar: bool = False,
 ) -> list[int]:
     """Speculative generation in one process. Returns exactly the new token ids (at most
     max_new_tokens; stops early only at a stop id, which is included). At temperature 0 the
@@ -58,8 +58,8 @@ def generate(
     ``grammars``, a ``specsplit.engine.grammar.GrammarBook``, compiles it); at temperature 0 the
     result equals greedy decoding of ``target`` masked to the grammar; with ``lookup_max_tokens``
     > 0 (and ``grammar_chains``) each greedy round also proposes the tokens the grammar forces
-    after its root, as the target reported them (the ``grammar`` proposer's chain); the draft
-    proposes only what the grammar allows (``draft_grammar``; False: unconstrained)."""
+    after its root, as the target reported them (the ``grammar`` proposer's chain); with
+    ``draft_grammar`` the draft proposes only what the grammar allows (SPECSPLIT_DRAFT_GRAMMAR)."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")

@@ -125,7 +125,7 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
     return engine, hello
 
 
-def take_grammars(engine, tokenizer, model_dir, draft: bool = True) -> None:
+def take_grammars(engine, tokenizer, model_dir, draft: bool = False) -> None:
     """A target constrains sessions to grammars (``engine.grammars``) with the served tokenizer; a
     draft masks its proposals to them with its own (``draft``: SPECSPLIT_DRAFT_GRAMMAR).
     llguidance's tokenizer is built at the first grammar, not here."""

@@ -1,7 +1,8 @@
 """Tool calls and JSON output as people use them: ``honcho start`` of the repository's Procfile
 and .env (the ``api`` line included; tiny fp32 pair, two targets, free ports), the API serving
 the Qwen2.5 chat template (SPECSPLIT_API_CHAT_TEMPLATE: the tiny model's own takes no tools), the
-official ``openai`` client.
+draft masking its proposals to each grammar (SPECSPLIT_DRAFT_GRAMMAR), the official ``openai``
+client.
 
 - Tools: for each tool choice the prompt is the template's (a forced opening included) and the
   answer, whole and streamed (the client's own accumulator), is the API's parser over the
@@ -34,7 +35,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny):  # tiny first: it provisions the pair the fleet loads
-    yield from api_fleet(tmp_path_factory, SPECSPLIT_API_CHAT_TEMPLATE=str(TEMPLATE))
+    # the draft masks its proposals to the grammars too (off by default): every answer below, the
+    # kills included, goes through its matchers
+    yield from api_fleet(tmp_path_factory, SPECSPLIT_API_CHAT_TEMPLATE=str(TEMPLATE), SPECSPLIT_DRAFT_GRAMMAR="true")
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def test_the_tokens_a_grammar_forces_are_proposed_and_change_nothing(pair):
         stats = RoundStats()
         got = generate(draft, target, prompt, max_new_tokens=48, tree=TreeSpec(max_nodes=8, max_depth=4, branch=2),
                        sampling=SamplingSpec(), stop_token_ids=tok.stop_token_ids, grammar=spec(schema),
-                       grammars=book, lookup_max_tokens=8, grammar_chains=chains, stats=stats, draft_grammar=False)
+                       grammars=book, lookup_max_tokens=8, grammar_chains=chains, stats=stats)
         assert got == want, chains
         rounds[chains] = stats.rounds
     assert rounds[True] < rounds[False], rounds

@@ -4,10 +4,11 @@ The target's distribution at a tree node becomes its distribution masked to the 
 grammar allows after the node's path (the committed output, then the path's tokens), then
 renormalized: what plain decoding under the same grammar samples from, greedy or not. The
 verification rules are unchanged: they get the masked logits (``constrain``), so greedy output
-equals masked greedy decoding and sampling stays lossless against the masked distribution. The
-draft masks its own rows the same way (``DraftGrammar``: a matcher of its own per session), so it
-proposes only what the grammar allows; a draft without one proposes unconstrained, and a
-proposal the grammar forbids is simply rejected.
+equals masked greedy decoding and sampling stays lossless against the masked distribution. A
+draft given a GrammarBook (SPECSPLIT_DRAFT_GRAMMAR) masks its own rows the same way
+(``DraftGrammar``: a matcher of its own per session), so it proposes only what the grammar
+allows; a draft without one proposes unconstrained, and a proposal the grammar forbids is simply
+rejected.
 
 Grammars are llguidance's (https://github.com/guidance-ai/llguidance, the engine vLLM and
 llama.cpp use for structured output): compiled per request text (an LRU of compiled grammars),
