@@ -198,13 +198,14 @@ def new_report(**extra) -> dict:
 
 
 @contextlib.contextmanager
-def served_fleet(prefix: str, report: dict):
-    """The default fleet under honcho, healthy: yields (the API's url, an ``openai`` client, the
-    fleet's folder), the served model's name in ``report``; stopped on the way out."""
+def served_fleet(prefix: str, report: dict, **settings: str):
+    """The default fleet under honcho (``settings``: SPECSPLIT_* over its .env), healthy: yields
+    (the API's url, an ``openai`` client, the fleet's folder), the served model's name in
+    ``report``; stopped on the way out."""
     from openai import OpenAI
 
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
-    proc, url = start_fleet(tmp)
+    proc, url = start_fleet(tmp, **settings)
     try:
         wait_health(url, proc)
         report["model"] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -1,13 +1,14 @@
 """The OpenAI request bodies the API accepts, and its error type. No torch, no sockets.
 
 Requests are pydantic models that forbid unknown fields, so nothing a client sends is silently
-ignored. Parameters the fleet cannot honour exactly (the deprecated ``functions``, best_of,
-suffix) are accepted only at the value that means "off" (what OpenAI's SDKs send as defaults,
+ignored. Parameters the fleet cannot honour exactly (the deprecated ``functions``, best_of)
+are accepted only at the value that means "off" (what OpenAI's SDKs send as defaults,
 e.g. ``best_of: 1``); any other value is a 400 naming the parameter. Tools, tool choices and the
 messages of a tool call are typed here (``specsplit.api.tools`` renders and parses them), and so
 is ``response_format``: a JSON schema (or any JSON object) the target holds the output to
-(``grammar``), and vLLM's structured outputs (``specsplit.api.structured``); ``logprobs`` per endpoint (``logprobs_asked``); a completion's ``echo`` (the
-prompt's log-probabilities with ``logprobs``: ``prompt_logprobs_asked``). Every validation
+(``grammar``), and vLLM's structured outputs (``specsplit.api.structured``); ``logprobs`` per
+endpoint (``logprobs_asked``); a completion's ``echo`` (the prompt's log-probabilities with
+``logprobs``: ``prompt_logprobs_asked``) and ``suffix`` (fill in the middle). Every validation
 failure becomes ``ApiError`` (400), never a 422.
 """
 
@@ -40,7 +41,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "best_of": (None, 1),
-    "suffix": (None, ""),
 }
 
 
@@ -242,10 +242,13 @@ class CompletionRequest(_Request):
     # the first without one, as nothing precedes it)
     echo: bool | None = Field(default=None, strict=True)
     best_of: Any = None
-    suffix: Any = None
+    # the text after the gap the answer fills (fill in the middle; "": none), for models with FIM tokens
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _nothing_to_return(self):
+        if self.suffix and self.echo:
+            raise ApiError(400, "echo and suffix do not go together: the answer fills a gap", param="suffix")
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
                            param="max_tokens")

@@ -391,7 +391,12 @@ async def completions(request: Request) -> Response:
     req = parse(CompletionRequest, await read_json(request, state))
     state.check_model(req.model)
     tok = state.require_ready()
-    prompts = [encode_text(tok, p) if isinstance(p, str) else state.check_ids(p) for p in req.prompts()]
+    raw = req.prompts()
+    if req.suffix:  # fill in the middle: each prompt is the text before the gap
+        if tok.fim is None:
+            raise ApiError(400, "suffix needs fill-in-the-middle tokens: the served model has none", param="suffix")
+        raw = [tok.infill(p if isinstance(p, str) else state.check_ids(p), req.suffix) for p in raw]
+    prompts = [encode_text(tok, p) if isinstance(p, str) else state.check_ids(p) for p in raw]
     if any(not p for p in prompts):
         raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
     echoes = [p if isinstance(p, str) else tok.decode(ids) for p, ids in zip(req.prompts(), prompts)] \

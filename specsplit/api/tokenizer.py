@@ -26,6 +26,10 @@ from specsplit.models.pull import is_provisioned
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_PIECES = 65536  # tokens whose text and bytes token_piece keeps
+# fill-in-the-middle tokens in the order a prompt holds them (before the gap, after it, the gap):
+# Qwen2.5-Coder's, StarCoder's and SantaCoder's, DeepSeek-Coder's
+FIM_STYLES = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -111,6 +115,7 @@ class ServedTokenizer:
         self.has_chat_template = bool(self.chat_template)
         self.stop_token_ids = sorted(self._stop_ids())
         self.added_tokens = frozenset(self.tok.get_added_vocab())  # e.g. "<tool_call>": one token each
+        self.fim = next((style for style in FIM_STYLES if set(style) <= self.added_tokens), None)
         self.vocab_size = len(self.tok)
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, bounded (MAX_PIECES)
 
@@ -131,6 +136,15 @@ class ServedTokenizer:
     def encode_text(self, text: str) -> list[int]:
         """``text`` as an answer spells it: no special tokens added (a predicted output)."""
         return [int(t) for t in self.tok.encode(text, add_special_tokens=False)]
+
+    def infill(self, before: str | list[int], after: str) -> str | list[int]:
+        """The fill-in-the-middle prompt for the gap between ``before`` and ``after`` (the model's
+        own tokens, ``fim``: not None): text for a text ``before``, token ids for ids."""
+        pre, suf, mid = self.fim
+        if isinstance(before, str):
+            return f"{pre}{before}{suf}{after}{mid}"
+        ids = [int(t) for t in self.tok.convert_tokens_to_ids([pre, suf, mid])]
+        return [ids[0], *before, ids[1], *self.encode_text(after), ids[2]]
 
     def encode_chat(self, turns: list[dict], tools: list[dict] | None = None, prefill: str = "") -> list[int]:
         """The conversation through the model's chat template, ready for the assistant's turn
