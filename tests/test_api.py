@@ -155,6 +155,43 @@ def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
 
     a, b = asyncio.run(run())
     assert a == want and b == want
+    # vLLM's and SGLang's template variables (Qwen3's enable_thinking): rendered with the messages
+    kw = {"enable_thinking": False, "custom_note": "x"}
+    res = openai_client(fleet).chat.completions.create(model="tiny-v1", messages=messages, max_tokens=32,
+                                                        temperature=0, extra_body={"chat_template_kwargs": kw})
+    assert res.choices[0].message.content == tok.decode(expected(model, tok, tok.encode_chat(messages, variables=kw),
+                                                                 32))
+    api_error(post_json(fleet, "/v1/chat/completions", {"model": "tiny-v1", "messages": messages,
+                                                        "chat_template_kwargs": {"add_generation_prompt": False}}),
+              400, param="chat_template_kwargs")
+
+
+def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(fleet, tiny):
+    """``POST /tokenize`` and ``/detokenize`` (curl's way: plain JSON bodies): the served
+    tokenizer's ids for a text (vLLM's ``prompt``, llama-server's ``content``) or a conversation
+    (the chat template's, as the chat endpoint encodes it), and back; bad bodies are 400s."""
+    _, tok, _ = tiny
+    text = "Count: one two <|im_end|>"
+
+    def post(path, body, status=200):
+        res = post_json(fleet, path, body)
+        assert res.status_code == status, res.text
+        return res.json()
+
+    vllm = post("/tokenize", {"model": "tiny-v1", "prompt": text})
+    assert vllm["tokens"] == tok.encode(text) and vllm["count"] == len(vllm["tokens"]) and vllm["max_model_len"] > 0
+    assert post("/tokenize", {"content": text})["tokens"] == tok.encode_text(text)
+    pieces = post("/tokenize", {"content": "one two", "with_pieces": True})["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "one two" and [p["id"] for p in pieces] == tok.encode_text("one two")
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    assert post("/tokenize", {"messages": messages})["tokens"] == tok.encode_chat(messages)
+    back = post("/detokenize", {"model": "tiny-v1", "tokens": vllm["tokens"]})
+    assert back["prompt"] == back["content"] == tok.tok.decode(vllm["tokens"])
+    api_error(post_json(fleet, "/tokenize", {"prompt": "a", "content": "b"}), 400)
+    api_error(post_json(fleet, "/tokenize", {"model": "gpt-4", "prompt": "a"}), 404, param="model")
+    api_error(post_json(fleet, "/tokenize", {"prompt": "a", "bogus": 1}), 400, param="bogus")
+    api_error(post_json(fleet, "/detokenize", {"tokens": [10**9]}), 400, param="tokens")
+    api_error(post_json(fleet, "/detokenize", {"tokens": "abc"}), 400, param="tokens")
 
 
 def test_stop_string_cuts_exactly_where_it_begins(fleet, tiny):

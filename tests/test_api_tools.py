@@ -417,3 +417,22 @@ def test_a_choice_with_calls_finishes_as_openai_says(single, ended_by, want):
     assert made == (["Paris"] if single else ["Paris", "Oslo"])
     assert events[-1].finish_reason == want
     assert (len(c.streamed) < len(ids)) == single  # the first call ended it: the rest was never asked for
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """A request's ``chat_template_kwargs`` are the template's variables (vLLM's and SGLang's
+    parameter); the names the server sets itself are a 400."""
+    from specsplit.api.tokenizer import ServedTokenizer
+    from tests.api_fleet import tiny_pair
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    tok = ServedTokenizer(tiny_pair()[2].target, template)
+    turns = [{"role": "user", "content": "hi"}]
+    assert tok.tok.decode(tok.encode_chat(turns, variables={"enable_thinking": True})).endswith("<think>")
+    assert not tok.tok.decode(tok.encode_chat(turns, variables={"enable_thinking": False})).endswith("<think>")
+    req = chat(chat_template_kwargs={"enable_thinking": True})
+    assert req.chat_template_kwargs == {"enable_thinking": True}
+    for name in ("tools", "add_generation_prompt", "messages", "tokenize", "chat_template"):
+        with pytest.raises(ApiError) as err:
+            chat(chat_template_kwargs={name: 1})
+        assert err.value.param == "chat_template_kwargs"

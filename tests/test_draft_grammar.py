@@ -29,13 +29,13 @@ from specsplit.engine import penalties
 from specsplit.engine import sampling as S
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.draft import DraftEngine
-from specsplit.engine.grammar import DraftGrammar, GrammarBook, to_grammar
+from specsplit.engine.grammar import DraftGrammar, to_grammar
 from specsplit.engine.store import Session
 from specsplit.engine.target import TargetEngine
 from specsplit.orchestrator.actor import ActorPolicy, SessionActor
 from tests.conftest import greedy_reference
 from tests.test_actor import EngineRpc
-from tests.test_grammar import SCHEMAS, masked_greedy, spec
+from tests.test_grammar import SCHEMAS, masked_greedy, pair, spec  # noqa: F401  (pair: the tiny pair's fixture)
 
 LIMITS = EngineLimits(max_sessions=8, max_session_tokens=1024, max_tree_nodes=32, max_tree_depth=8)
 CHAIN = TreeSpec(max_nodes=6, max_depth=5, branch=1, min_path_prob=0.0)
@@ -43,18 +43,6 @@ CHAIN = TreeSpec(max_nodes=6, max_depth=5, branch=1, min_path_prob=0.0)
 COMPACT = [{**s, "x-guidance": {"whitespace_flexible": False}} for s in SCHEMAS]
 # answers of 10 or more tokens from the tiny draft (its enum array closes after one item)
 LONG = [COMPACT[0], {**COMPACT[1], "minItems": 4}, COMPACT[2]]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    from specsplit.models import load_model
-    from tests.api_fleet import tiny_pair
-
-    target, tok, paths = tiny_pair()
-    draft, _ = load_model(paths.draft)
-    book = GrammarBook.for_model(tok.tok, paths.draft, draft.config.vocab_size)
-    prompt = tok.encode_chat([{"role": "user", "content": "Answer in JSON: what is it?"}])
-    return target, draft, tok, book, prompt
 
 
 def engine(draft, book) -> DraftEngine:

@@ -2,7 +2,8 @@
 (``structured_outputs`` and the ``guided_*`` fields before vLLM 0.12) becomes a grammar that
 passes exactly the outputs it should (llguidance on the tiny tokenizer: a text passes when its
 tokens are allowed and leave the grammar accepting), the old fields mean what the new ones do,
-and what cannot be honoured is a 400 naming its parameter. The fleet's answers under them:
+SGLang's ``json_schema``, ``regex`` and ``ebnf`` too, and what cannot be honoured is a 400
+naming its parameter. The fleet's answers under them:
 tests/test_api_structured.py."""
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": [
      ['{"a":1}', '{ "a": 1 }'], ['{\n"a": 1}', '{"a":  1}']),
     ({"structured_outputs": {"json_object": True}}, ["{}", '{"x": [1]}'], ["[]", "1"]),
     ({"response_format": {"type": "json_object"}}, ["{}"], ["[]"]),
+    ({"regex": "[xy]{2}"}, ["xy", "yy"], ["x", "xyz"]),  # SGLang's
+    ({"ebnf": 'root ::= "a" "b"*'}, ["a", "abb"], ["b"]),
+    ({"json_schema": json.dumps(OBJ)}, ['{"a": 3}'], ['{"b": 3}']),
 ])
 def test_each_form_passes_exactly_what_it_asks_for(passes, body, good, bad):
     for text in good:
@@ -74,6 +78,9 @@ def test_the_fields_before_vllm_0_12_mean_what_structured_outputs_do():
         for cls in (CompletionRequest, ChatCompletionRequest):
             was, now = spec({old[0]: old[1]}, cls), spec({"structured_outputs": {new[0]: new[1]}}, cls)
             assert (was[0], now[0]) == (old[0], "structured_outputs") and was[1] == now[1]
+    for sglang, new in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar")):
+        text = {"json": json.dumps(OBJ), "regex": "a+", "grammar": 'root ::= "z"'}[new]
+        assert spec({sglang: text})[1] == spec({"structured_outputs": {new: text}})[1]
     assert spec({}) is None and spec({"response_format": {"type": "text"}}) is None
     assert closed({"type": "object", "properties": {"p": {"type": "object"}}, "additionalProperties": True}) == \
         {"type": "object", "properties": {"p": {"type": "object", "additionalProperties": False}},
@@ -99,6 +106,9 @@ def test_the_fields_before_vllm_0_12_mean_what_structured_outputs_do():
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, "structured_outputs"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex"),
+    ({"regex": "a", "guided_regex": "a"}, "regex"),
+    ({"ebnf": "root ::= ("}, "ebnf"),
     ({"guided_choice": ["x" * 70_000]}, "guided_choice"),
     ({"guided_choice": ["x" * 40_000, "y" * 40_000]}, "guided_choice"),
 ])

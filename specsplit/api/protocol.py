@@ -33,6 +33,12 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
 MAX_CHOICES = 1024  # vLLM's structured_outputs.choice
+# apply_chat_template's own arguments and what the server puts in the template: no client's variables
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "bos_token", "eos_token", "pad_token",
+    "unk_token"})
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -177,6 +183,10 @@ class _Request(BaseModel):
     guided_whitespace_pattern: str | None = Field(default=None, min_length=1, max_length=1024)
     # which of vLLM's engines enforces them: here always llguidance (vLLM's "guidance"), whatever is named
     guided_decoding_backend: str | None = Field(default=None, max_length=64)
+    # SGLang's constraints: a JSON schema's text, a regex, an EBNF (GBNF) grammar
+    json_schema: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     @field_validator("stop")
     @classmethod
@@ -385,6 +395,8 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     prediction: Prediction | None = None  # its tokens go to the ``prediction`` proposer (Job.prediction)
+    # vLLM's and SGLang's: more variables for the chat template (Qwen3's enable_thinking, say)
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)
     functions: Any = None
     function_call: Any = None
 
@@ -407,6 +419,14 @@ class ChatCompletionRequest(_Request):
             raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        taken = sorted(set(v or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server, not a template variable")
+        return v
 
     @property
     def budget(self) -> int | None:

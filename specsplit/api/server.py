@@ -2,7 +2,8 @@
 
 A producer of the orchestrators (``specsplit.pool.OrchestratorPool``: spread over the live ones,
 resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions``, ``GET /health``, ``GET /metrics``. It loads the target's tokenizer only
+/v1/chat/completions``, ``POST /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``), ``GET
+/health``, ``GET /metrics``. It loads the target's tokenizer only
 (no torch, no weights) and checks it against the tokenizer the orchestrators report
 (``Heartbeat.tokenizer_hash``): another one ends the process with code 2, naming both.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
 import secrets
 import time
@@ -33,59 +33,17 @@ from specsplit.api import tools
 from specsplit.api.generation import Done, Failed, Generation, Job
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
+from specsplit.api.plumbing import check_key, encode_text, read_json, request_state
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, logit_bias_for, parse
 from specsplit.api.state import ApiState
 from specsplit.api.structured import constraint_of
+from specsplit.api.tokens import detokenize, tokenize
 
 SEED_MOD = 2**63
 
 
 # ---------------------------------------------------------------------------- request plumbing
-async def read_json(request: Request, state: ApiState):
-    """The body as JSON: 413 past the size limit (by Content-Length before reading, or while
-    reading a chunked body), 408 past the body timeout, 400 when it is not JSON."""
-    limit = state.settings.api_max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(state.settings.api_body_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"request body not received within {state.settings.api_body_timeout_s:.0f}s",
-                       code="request_timeout") from None
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise ApiError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
-
-
-def encode_text(tok, text: str) -> list[int]:
-    """A prompt string's ids; 400 for text that is not valid Unicode (a lone surrogate escaped in JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate)", param="prompt") from None
-    return tok.encode(text)
-
-
-def check_key(request: Request, state: ApiState) -> None:
-    if not state.keys:
-        return
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.keys)
-    if not ok:
-        raise ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", type="authentication_error",
-                       code="invalid_api_key")
-
-
+# (reading, the key, the state: specsplit.api.plumbing)
 def sampling_for(req, seed: int | None) -> SamplingSpec:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
@@ -381,12 +339,8 @@ async def stream_events(gen: Generation, first, responder: Responder, req, relea
 
 
 # ---------------------------------------------------------------------------- endpoints
-def _state(request: Request) -> ApiState:
-    return request.app.state.api
-
-
 async def completions(request: Request) -> Response:
-    state = _state(request)
+    state = request_state(request)
     check_key(request, state)
     req = parse(CompletionRequest, await read_json(request, state))
     state.check_model(req.model)
@@ -405,7 +359,7 @@ async def completions(request: Request) -> Response:
 
 
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
+    state = request_state(request)
     check_key(request, state)
     req = parse(ChatCompletionRequest, await read_json(request, state))
     state.check_model(req.model)
@@ -419,7 +373,7 @@ async def chat_completions(request: Request) -> Response:
     turns = tools.turns(req)
     try:
         ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
-                              prefill=tool_plan.prefill if tool_plan else "")
+                              prefill=tool_plan.prefill if tool_plan else "", variables=req.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return await run_generation(request, state, req, [ids], True, None,
@@ -427,7 +381,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    state = _state(request)
+    state = request_state(request)
     check_key(request, state)
     state.require_ready()
     return JSONResponse({"object": "list", "data": [{
@@ -437,7 +391,7 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    state = _state(request)
+    state = request_state(request)
     ok, why = state.serving()
     return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
 
@@ -445,7 +399,7 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(request_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 # ---------------------------------------------------------------------------- the app
@@ -470,6 +424,8 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

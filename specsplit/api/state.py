@@ -143,9 +143,9 @@ class ApiState:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = max((c.fleet.vocab_size for c in self.pool.live), default=0) or self.tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="prompt")
+            raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param=param)
         return list(ids)

@@ -3,7 +3,8 @@ OpenAI's ``response_format`` (``protocol.grammar_of``), or vLLM's structured out
 completions endpoint, ``structured_outputs`` {json, regex, choice, grammar, json_object} (vLLM
 0.12's) and the ``guided_*`` fields that came before it (``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar``, ``guided_whitespace_pattern``), so that code written for
-vLLM runs here unchanged. One constraint a request (a 400 otherwise, as vLLM's).
+vLLM runs here unchanged; and SGLang's ``json_schema``, ``regex`` and ``ebnf``. One constraint a
+request (a 400 otherwise, as vLLM's).
 
 All of them are enforced by llguidance, vLLM's ``guidance`` backend: a JSON schema as written
 (``disable_any_whitespace``, ``whitespace_pattern`` and ``disable_additional_properties`` as vLLM
@@ -23,6 +24,7 @@ from specsplit.api.protocol import ApiError, StructuredOutputs, grammar_of
 from specsplit.grammar_text import grammar_error
 
 LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+SGLANG = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}  # SGLang's field -> structured_outputs' key
 
 
 def constraint_of(req) -> tuple[str, GrammarSpec] | None:
@@ -42,6 +44,10 @@ def constraint_of(req) -> tuple[str, GrammarSpec] | None:
         found += [(asked[0], g) for g in _of(legacy, asked[0])]
     elif req.guided_whitespace_pattern is not None:
         raise ApiError(400, "guided_whitespace_pattern needs guided_json", param="guided_whitespace_pattern")
+    for name, key in SGLANG.items():
+        if getattr(req, name) is not None:
+            asked.append(name)
+            found += [(name, g) for g in _of(StructuredOutputs(**{key: getattr(req, name)}), name)]
     if len(found) > 1 or len(asked) > 1:
         names = sorted({name for name, _ in found} | set(asked))  # as vLLM: one kind of constraint
         raise ApiError(400, f"one constraint on the output at a time: {', '.join(names)} were sent",

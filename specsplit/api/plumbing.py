@@ -1,0 +1,62 @@
+"""What every endpoint does with a request before its own work: the app's state, the API key,
+the body read as JSON within its limits, a prompt's text as ids. No torch."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from starlette.requests import Request
+
+from specsplit.api.protocol import ApiError
+from specsplit.api.state import ApiState
+
+
+def request_state(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+async def read_json(request: Request, state: ApiState):
+    """The body as JSON: 413 past the size limit (by Content-Length before reading, or while
+    reading a chunked body), 408 past the body timeout, 400 when it is not JSON."""
+    limit = state.settings.api_max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(state.settings.api_body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {state.settings.api_body_timeout_s:.0f}s",
+                       code="request_timeout") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ApiError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
+
+
+def encode_text(tok, text: str) -> list[int]:
+    """A prompt string's ids; 400 for text that is not valid Unicode (a lone surrogate escaped in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate)", param="prompt") from None
+    return tok.encode(text)
+
+
+def check_key(request: Request, state: ApiState) -> None:
+    if not state.keys:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.keys)
+    if not ok:
+        raise ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", type="authentication_error",
+                       code="invalid_api_key")
