@@ -14,7 +14,10 @@ reference). Tool calls, parsed by the API's own parser:
 
 JSON output (``response_format``): a JSON schema and ``json_object``, each equal to the target's
 greedy decoding masked to the schema (the same engine, one token a round), valid JSON, and timed
-against the same question answered without a format.
+against the same question answered without a format. vLLM's constraints (``structured_outputs``:
+a choice, a regex, a GBNF grammar, a schema with compact JSON; ``guided_choice``; SGLang's
+``ebnf``): each the target's greedy decoding masked to its grammar. ``--parts`` picks among
+``tools``, ``json`` and ``vllm``.
 
 Prints each check and writes a JSON report with every answer.
 
@@ -195,11 +198,57 @@ def run_json(sync, ref: Reference, tok, model: str, max_new: int, report: dict) 
               "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text)
 
 
+SENTIMENT = [{"role": "user", "content": "Is this review positive or negative? 'The battery died in a day.'"}]
+STATES = [{"role": "user", "content": "List five US states, one per line, each line '- Name'."}]
+SQL_ASK = [{"role": "user", "content": "Write a SQL query for the names of users older than 30 in the users table."}]
+VLLM = [  # (name, messages, extra body: vLLM's constraints as its clients send them, SGLang's)
+    ("structured_outputs.choice", SENTIMENT, {"structured_outputs": {"choice": ["positive", "negative"]}}),
+    ("structured_outputs.regex", STATES, {"structured_outputs": {"regex": r"(- [A-Z][a-z]+( [A-Z][a-z]+)?\n){5}"}}),
+    ("structured_outputs.grammar (GBNF)", SQL_ASK, {"structured_outputs": {"grammar": (
+        'root ::= "SELECT " ident (", " ident)* " FROM " ident (" WHERE " ident " " ("<" | ">" | "=") " " [0-9]+)? ";"'
+        '\nident ::= [a-z_]+')}}),
+    ("structured_outputs.json + disable_any_whitespace", DESCRIBE,
+     {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}),
+    ("guided_choice (before vLLM 0.12)", SENTIMENT, {"guided_choice": ["positive", "negative"]}),
+    ("ebnf (SGLang's)", SQL_ASK, {"ebnf": 'root ::= "SELECT name FROM users WHERE age > " [0-9]+ ";"'}),
+]
+
+
+def run_vllm(sync, ref: Reference, tok, model: str, max_new: int, report: dict) -> None:
+    """vLLM's (and SGLang's) constraints through the ``openai`` client's extra_body: each answer
+    the target's greedy decoding masked to the constraint's grammar, streamed = whole."""
+    import re
+
+    from specsplit.api import protocol
+    from specsplit.api.structured import constraint_of
+
+    for name, messages, extra in VLLM:
+        body = {"model": model, "messages": messages, "max_tokens": max_new, "temperature": 0, **extra}
+        _, grammar = constraint_of(protocol.parse(protocol.ChatCompletionRequest, body))
+        want = tok.decode(ref.masked_greedy(tok, tok.encode_chat(messages), max_new, grammar))
+        kwargs = {"model": model, "messages": messages, "max_tokens": max_new, "temperature": 0, "extra_body": extra}
+        whole = sync.chat.completions.create(**kwargs)
+        text = whole.choices[0].message.content
+        spec = whole.choices[0].model_extra.get("speculative") or {}
+        check(report, f"{name}: = the target's greedy answer masked to it", text == want, answer=text,
+              finish=whole.choices[0].finish_reason, tokens=whole.usage.completion_tokens,
+              mean_accepted_length=spec.get("mean_accepted_length"))
+        if grammar.kind == "regex":
+            check(report, f"{name}: the whole answer matches", re.fullmatch(grammar.text, text) is not None)
+        elif "choice" in json.dumps(extra):
+            check(report, f"{name}: one of the choices", text in ("positive", "negative"))
+        stream = sync.chat.completions.create(**kwargs, stream=True)
+        check(report, f"{name}: streamed = whole",
+              "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--parts", default="tools,json,vllm", help="of tools, json, vllm: which checks to run")
     args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
     from specsplit.api.tokenizer import ServedTokenizer
     from specsplit.models import ModelSettings, resolve_model_paths
 
@@ -208,6 +257,12 @@ def main(argv=None) -> int:
     with served_fleet("specsplit-api-structured-", report) as (_, sync, tmp):
         model = report["model"]
         ref = Reference()
+        if "vllm" in parts:
+            run_vllm(sync, ref, tok, model, args.max_new_tokens, report)
+        if "json" in parts:
+            run_json(sync, ref, tok, model, max(args.max_new_tokens, 160), report)
+        if "tools" not in parts:
+            return report_checks(report, tmp, args.json)
         results: dict[str, dict] = {}
         for name, messages, extra in CASES:
             if messages is None:  # the first case's call, answered
@@ -230,7 +285,6 @@ def main(argv=None) -> int:
               calls["auto, strict: a question a tool answers"][:1] == ["get_weather"])
         check(report, "parallel_tool_calls false makes one call", len(calls["parallel_tool_calls false"]) == 1
               and results["parallel_tool_calls false"]["finish"] == "tool_calls")
-        run_json(sync, ref, tok, model, max(args.max_new_tokens, 160), report)
     return report_checks(report, tmp, args.json)
 
 
