@@ -369,9 +369,12 @@ def test_stop_token_ids_end_the_answer_at_them(fleet, tiny):
 
 def test_a_predicted_output_never_changes_the_answer(fleet, tiny):
     """OpenAI's ``prediction`` with the official client: the answer is the target's greedy one
-    whatever is predicted (right, a word changed, wrong). (The rounds it saves: tests/
+    whatever is predicted (right, a word changed, wrong), and ``usage.completion_tokens_details``
+    counts the prediction's tokens it took up (``followed``) and the rest. (The rounds it saves: tests/
     test_prediction.py on token ids; the tiny model's answers hold ids its tokenizer cannot
     spell, so their text does not tokenize back into them.)"""
+    from specsplit.proposers.prediction import followed
+
     model, tok, _ = tiny
     client = openai_client(fleet)
     for content, predicted in (("Predict this.", lambda w: w),
@@ -382,6 +385,12 @@ def test_a_predicted_output_never_changes_the_answer(fleet, tiny):
         res = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=48, temperature=0,
                                              prediction={"type": "content", "content": predicted(want)})
         assert res.choices[0].message.content == want, content
+        # OpenAI's usage details: the prediction's tokens the answer took up, and the others
+        pred = tok.encode_text(predicted(want))
+        took = followed(pred, expected(model, tok, tok.encode_chat(messages), 48))
+        details = res.usage.completion_tokens_details
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (took, len(pred) - took)
+        assert took > 0 or content == "Predict something.", (content, took)
     body = {"model": "tiny-v1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     api_error(post_json(fleet, "/v1/chat/completions", {**body, "prediction": {"type": "text", "content": "x"}}), 400,
               param="prediction")

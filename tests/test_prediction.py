@@ -75,3 +75,21 @@ def test_a_prediction_saves_rounds_and_never_changes_the_answer(models):
         assert done.token_ids == want
         if prediction in (want, edited):
             assert done.rounds < plain.rounds * 0.6, (done.rounds, plain.rounds)
+
+
+def test_followed_counts_the_predictions_tokens_the_answer_took_up():
+    """OpenAI's ``accepted_prediction_tokens``: the prediction's tokens the answer walked along,
+    in order, each at most once; an edit costs the edited tokens and the few the answer needs to
+    be found again; an answer that leaves the prediction counts nothing more."""
+    from specsplit.proposers.prediction import RESYNC_MIN, followed
+
+    p = list(range(100, 200))
+    assert followed(p, p) == 100 and followed(p, p + p) == 100 and followed(p, p[:50]) == 50
+    assert followed(p, []) == 0 and followed(p, list(range(300, 400))) == 0 and followed([], p) == 0
+    edited = p[:40] + [1, 2] + p[42:]  # two tokens replaced: found again after RESYNC_MIN more
+    assert 100 - 2 - RESYNC_MIN <= followed(p, edited) <= 98
+    inserted = p[:40] + [1, 2, 3, 4] + p[40:]  # a line added: the prediction goes on where it was
+    assert 100 - RESYNC_MIN <= followed(p, inserted) <= 100
+    moved = p[50:] + p[:50]  # the second half first: found there; the first half is then behind it
+    assert 49 <= followed(p, moved) <= 50
+    assert followed(p, edited, budget=0) == 40  # no budget to find it again: the first stretch only

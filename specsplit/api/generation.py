@@ -22,6 +22,7 @@ from specsplit.api.textstream import ChoiceText
 from specsplit.api.tools import CallParser, ParsedCall, ToolPlan
 from specsplit.client import GenerationError, GenerationResult, OrchestratorRefused
 from specsplit.pool import NoOrchestrator
+from specsplit.proposers.prediction import followed
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Done:
     cached_tokens: int = 0  # of the prompt, from the target's prefix cache
     calls: tuple[ParsedCall, ...] = ()  # found in the last of the text
     logprobs: tuple[TokenLogprob, ...] = ()  # of the last of the tokens
+    # a predicted output's tokens the answer took up and those it did not (OpenAI's usage details)
+    prediction: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,8 +253,12 @@ class Generation:
             reason = "tool_calls"
         spec = speculative_figures(res, c.first_at - self.arrived if c.first_at is not None else None)
         self.metrics.prompt_tokens.inc(len(c.job.prompt_ids))
+        prediction = None
+        if c.job.prediction:
+            took = followed(c.job.prediction, c.streamed)
+            prediction = (took, len(c.job.prediction) - took)
         self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec,
-                                    res.cached_tokens if res is not None else 0, calls, released))
+                                    res.cached_tokens if res is not None else 0, calls, released, prediction))
         return reason
 
 

@@ -182,14 +182,20 @@ class Responder:
 def usage(done: dict[int, Done]) -> dict:
     """OpenAI's usage: each prompt's tokens once (whatever n), every choice's tokens; of the
     prompts' tokens, those the target copied from its prefix cache (``cached_tokens``: per
-    prompt, the most any of its choices had)."""
+    prompt, the most any of its choices had); with a predicted output, its tokens the answers
+    took up and those they did not (``proposers.prediction.followed``)."""
     prompt = sum({d.prompt_index: d.prompt_tokens for d in done.values()}.values())
     cached: dict[int, int] = {}
     for d in done.values():
         cached[d.prompt_index] = max(cached.get(d.prompt_index, 0), d.cached_tokens)
     completion = sum(d.completion_tokens for d in done.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    predicted = [d.prediction for d in done.values() if d.prediction is not None]
+    if predicted:  # a predicted output's tokens, taken up or not, over every choice
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted),
+                                            "rejected_prediction_tokens": sum(r for _, r in predicted)}
+    return out
 
 
 class EventStream(StreamingResponse):

@@ -7,6 +7,7 @@ changes how many tokens a round commits. Proposes nothing in sessions without on
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from specsplit.proposers.base import Budget, Proposal, Proposer, register
@@ -38,6 +39,39 @@ def resync(pred: list[int], out: Sequence[int], after: int) -> int | None:
             best = cand
         j += 1
     return -best[2] if best is not None and best[0] >= need else None
+
+
+def followed(pred: Sequence[int], out: Sequence[int], budget: int = 1_000_000) -> int:
+    """How many of the prediction's tokens the answer took up, in order (OpenAI's
+    ``accepted_prediction_tokens``): the answer walked along the prediction, each token that is
+    the prediction's next counted; where the answer departs, its place is found again by
+    ``resync``'s rule (its last RESYNC_MIN or more tokens recur there), only forward of where it
+    last followed, so no prediction token counts twice. ``budget``: token comparisons spent
+    finding places again (bounds the work for a long prediction the answer leaves)."""
+    where: dict[int, list[int]] = {}
+    for j, t in enumerate(pred):
+        where.setdefault(t, []).append(j)
+    at: int | None = 0
+    last = n = 0
+    for i, t in enumerate(out):
+        if at is None and i and budget > 0:
+            best: tuple[int, int] | None = None  # (length, -position)
+            seen = where.get(out[i - 1], ())
+            for j in seen[bisect.bisect_left(seen, max(0, last - 1)):]:
+                k = 1
+                while k < RESYNC_MAX and k <= j and k < i and pred[j - k] == out[i - 1 - k]:
+                    k += 1
+                budget -= k
+                if best is None or (k, -(j + 1)) > best:
+                    best = (k, -(j + 1))
+            if best is not None and best[0] >= min(RESYNC_MIN, i):
+                at = -best[1]
+        if at is not None and at < len(pred) and pred[at] == t:
+            at += 1
+            last, n = at, n + 1
+        else:
+            at = None
+    return n
 
 
 @register
