@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from schemas import CacheSync, ErrorReply, FlatTree, GrammarSpec, SamplingSpec, TreeSpec, VerifyRequest
+from schemas import CacheSync, ErrorReply, FlatTree, GrammarSpec, SamplingSpec, TreeSpec, VerifyReply, VerifyRequest
 from specsplit.engine.base import EngineLimits
 from specsplit.engine.grammar import GrammarBook
 from specsplit.engine.target import TargetEngine
@@ -237,3 +237,47 @@ def test_bad_grammars_are_refused_and_change_nothing(pair):
     assert isinstance(reply, ErrorReply) and reply.code.value == "BAD_REQUEST"
     with pytest.raises(ValueError):  # a grammar is verified against the full cache
         VerifyRequest(session_id="b", round=0, sync=sync, tree=tree, grammar=spec(SCHEMAS[2]), confirmed_len=1)
+
+
+class _Exhausted:
+    """An llguidance matcher that hit one of its resource limits after ``after`` masks (as
+    ``(a{1000}){1000}`` does over Qwen's 151K tokens: "too many expressions constructed"): in
+    its error state for good, its masks allow nothing, as llguidance's do then."""
+
+    def __init__(self, real, after: int) -> None:
+        self.real, self.left = real, after
+
+    def is_error(self) -> bool:
+        return self.left < 0 or self.real.is_error()
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed"
+
+    def compute_bitmask(self) -> bytes:
+        self.left -= 1
+        mask = self.real.compute_bitmask()
+        return bytes(len(mask)) if self.left < 0 else mask
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_grammar_past_its_engines_limits_is_refused_before_a_token_goes_unmasked(pair, monkeypatch, after):
+    """A matcher in llguidance's error state computes masks that allow nothing, which the target
+    leaves unmasked (a row past an end token): the request is refused instead, naming the
+    engine's error, the session's grammar state goes, and the next request is served as before."""
+    target, _, _, book, prompt = pair
+    eng = engine(target, book)
+    sync = CacheSync(base_len=0, append_token_ids=prompt[:-1], prompt_len=len(prompt))
+    want = masked_greedy(target, book, prompt, 3, [], SCHEMAS[0])
+    tree = FlatTree(token_ids=[prompt[-1], *want], parents=[-1, 0, 1, 2])
+    real = book._matcher
+    monkeypatch.setattr(book, "_matcher", lambda key: _Exhausted(real(key), after))
+    reply = eng.handle(VerifyRequest(session_id="x", round=0, sync=sync, tree=tree, grammar=spec(SCHEMAS[0])))
+    assert isinstance(reply, ErrorReply) and reply.code.value == "BAD_REQUEST", reply
+    assert "too many expressions" in reply.message
+    assert eng.store.get("x") is None or eng.store.get("x").grammar is None
+    monkeypatch.setattr(book, "_matcher", real)
+    reply = eng.handle(VerifyRequest(session_id="y", round=0, sync=sync, tree=tree, grammar=spec(SCHEMAS[0])))
+    assert isinstance(reply, VerifyReply) and reply.accepted_token_ids == want, reply

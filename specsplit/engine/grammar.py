@@ -188,12 +188,16 @@ class GrammarBook:
         def visit(node: int) -> None:
             row = bits[node]
             fill_row(row, m.compute_bitmask())
+            if m.is_error():  # (its mask allows nothing: the row would go unmasked)
+                raise failed(session, m)
             for c in children[node]:
                 t = tokens[c]
                 # an end token ends the output: its row and subtree are never read, and the
                 # matcher is never stepped past one (llguidance's rollback of an end leaves a
                 # state that refuses the next end: tests/test_grammar.py)
-                if t not in ends and row[t >> 3] >> (t & 7) & 1 and m.consume_token(t):
+                if t not in ends and row[t >> 3] >> (t & 7) & 1:
+                    if not m.consume_token(t):  # allowed by the mask: only a resource limit refuses it
+                        raise failed(session, m)
                     visit(c)
                     rollback(session, m, 1)
 
@@ -261,10 +265,21 @@ class DraftGrammar:
                 self.session.grammar = None
                 break
             fill_row(bits[i], m.compute_bitmask())
+            if m.is_error():  # a resource limit: unmasked from here (the target refuses the request)
+                self.session.grammar = None
+                break
             if path and not m.rollback(len(path)):
                 self.session.grammar = None
                 break
         return apply_bits(bits, logits)
+
+
+def failed(session, matcher) -> SpecError:
+    """The session's grammar failed in llguidance (a resource limit: a regex or schema too large to
+    apply, e.g. ``(a{1000}){1000}``): its state goes, and the request is refused, naming why, before
+    any token is chosen without its mask."""
+    session.grammar = None
+    return SpecError(ErrorCode.BAD_REQUEST, f"the grammar cannot be applied: {matcher.get_error()[:300]}")
 
 
 def rollback(session, matcher, n: int) -> None:
