@@ -4,7 +4,8 @@ through the ``openai`` client to each in turn (the first fleet alternating), gre
 ``json`` (four JSON-schema answers, ``response_format``), ``vllm`` (vLLM's structured outputs: a
 list, dates and a CSV held to regular expressions, a SQL query to a GBNF grammar) or ``all``.
 ``--versus``: ``grammar-proposer`` (the second fleet runs SPECSPLIT_PROPOSERS=draft,lookup,ngrams)
-or ``draft-grammar`` (SPECSPLIT_DRAFT_GRAMMAR=false: the draft proposes unconstrained); with
+or ``draft-grammar`` (the first runs SPECSPLIT_DRAFT_GRAMMAR=true, the second false: the draft
+proposes unconstrained); ``--setting K=V`` for both fleets; with
 ``--ref-source DIR``, the code of DIR (a worktree of another commit: ``git worktree add
 /tmp/before COMMIT``) with the same settings. Prints per request the tokens, seconds and tokens a
 round of each, and writes JSON; exit 1 unless every answer is the same from both (what either
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", choices=["json", "vllm", "all"], default="json")
     p.add_argument("--versus", choices=["grammar-proposer", "draft-grammar"], default="grammar-proposer",
                    help="what the second fleet goes without (ignored with --ref-source)")
+    p.add_argument("--setting", action="append", default=[], metavar="SPECSPLIT_X=V",
+                   help="a setting for both fleets (repeatable)")
     args = p.parse_args(argv)
     tasks = ([json_task(p_, s_) for p_, s_ in TASKS] if args.tasks in ("json", "all") else []) + \
         (VLLM_TASKS if args.tasks in ("vllm", "all") else [])
@@ -130,9 +133,11 @@ def main(argv=None) -> int:
     fleets = {}
     try:
         ref = Path(args.ref_source).resolve() if args.ref_source else None
-        without = {"repo": ref} if ref else {"SPECSPLIT_PROPOSERS": "draft,lookup,ngrams"} \
-            if args.versus == "grammar-proposer" else {"SPECSPLIT_DRAFT_GRAMMAR": "false"}
-        for name, settings in (("with", {}), ("without", without)):
+        both = dict(kv.split("=", 1) for kv in args.setting)
+        with_ = {**both, "SPECSPLIT_DRAFT_GRAMMAR": "true"} if args.versus == "draft-grammar" and not ref else both
+        without = {"repo": ref, **both} if ref else {**both, "SPECSPLIT_PROPOSERS": "draft,lookup,ngrams"} \
+            if args.versus == "grammar-proposer" else {**both, "SPECSPLIT_DRAFT_GRAMMAR": "false"}
+        for name, settings in (("with", with_), ("without", without)):
             (tmp / name).mkdir()
             fleets[name] = start_fleet(tmp / name, **settings)
         clients = {}
