@@ -279,7 +279,8 @@ def failed(session, matcher) -> SpecError:
     apply, e.g. ``(a{1000}){1000}``): its state goes, and the request is refused, naming why, before
     any token is chosen without its mask."""
     session.grammar = None
-    return SpecError(ErrorCode.BAD_REQUEST, f"the grammar cannot be applied: {matcher.get_error()[:300]}")
+    why = (matcher.get_error().strip().splitlines() or ["its engine failed"])[0]  # (then its state, at length)
+    return SpecError(ErrorCode.BAD_REQUEST, f"the grammar cannot be applied: {why[:300]}")
 
 
 def rollback(session, matcher, n: int) -> None:
