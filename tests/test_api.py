@@ -207,6 +207,15 @@ def test_stop_string_cuts_exactly_where_it_begins(fleet, tiny):
     pieces = [c.choices[0].text for c in client.completions.create(
         model="tiny-v1", prompt=prompt, max_tokens=48, temperature=0, stop=stop, stream=True)]
     assert "".join(pieces) == want  # no first characters of the stop string, even in a stream
+    # vLLM's include_stop_str_in_output: through the stop string's end, whole and streamed
+    kept = full[:full.index(stop) + len(stop)]
+    keep = {"include_stop_str_in_output": True}
+    res = client.completions.create(model="tiny-v1", prompt=prompt, max_tokens=48, temperature=0, stop=[stop],
+                                    extra_body=keep)
+    assert res.choices[0].text == kept and res.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny-v1", prompt=prompt, max_tokens=48, temperature=0, stop=stop, stream=True, extra_body=keep)]
+    assert "".join(pieces) == kept
 
 
 def test_same_seed_same_sample_and_n_choices(fleet):

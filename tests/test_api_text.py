@@ -129,3 +129,22 @@ def test_a_streamed_event_is_one_line_whatever_its_text(text):
     lines = event.splitlines()
     assert event.endswith("\n\n") and len(lines) == 2 and lines[1] == "" and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: "):]) == {"choices": [{"text": text}]}
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=12),
+       stops=st.lists(st.text(alphabet=st.sampled_from([*"ab \n", "é", "😀"]), min_size=1, max_size=4), max_size=3))
+def test_with_include_stop_the_text_ends_after_the_stop_string(text, cuts, stops):
+    """vLLM's ``include_stop_str_in_output``: the text through the end of the stop string that
+    is complete first, whatever pieces the text streams in."""
+    found = [text.find(s) + len(s) for s in stops if s in text]
+    want = text[:min(found)] if found else text
+    choice = ChoiceText(byte_decode, [], stops, include_stop=True)
+    out = ""
+    for chunk in chunked(list(text.encode()), cuts):
+        out += choice.push(chunk)
+        assert want.startswith(out)
+        if choice.stopped:
+            break
+    out += choice.finish()
+    assert out == want and choice.stopped == bool(found)

@@ -44,6 +44,7 @@ class Job:
     ends_listed: bool = False  # end tokens are listed with the logprobs (a completion's, as vLLM's)
     min_tokens: int = 0  # no end token, and no stop string ending in their text, before this many tokens
     prediction: tuple[int, ...] = ()  # the answer's expected tokens (a chat's ``prediction``)
+    include_stop: bool = False  # the text ends after the stop string (vLLM's include_stop_str_in_output)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Generation:
         self.decode = decode
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens),
+        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens, job.include_stop),
                                 parser=job.tools.parser() if job.tools else None,
                                 trail=LogprobTrail(() if job.ends_listed else
                                                    self.stop_token_ids if unlisted is None else unlisted)

@@ -169,6 +169,8 @@ class _Request(BaseModel):
     # (and no stop string ending in their text)
     ignore_eos: bool = Field(default=False, strict=True)
     min_tokens: int = Field(default=0, ge=0, le=MAX_CONTEXT_TOKENS)
+    # vLLM's: the answer's text ends after the stop string that ended it, not before
+    include_stop_str_in_output: bool = Field(default=False, strict=True)
     # vLLM's: more token ids that end the answer (included in it; their text too unless special)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS // 2)
     # accepted at their "off" value only (UNSUPPORTED)

@@ -114,7 +114,7 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
             jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
                             req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
                             ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens,
-                            prediction=prediction))
+                            prediction=prediction, include_stop=req.include_stop_str_in_output))
     return jobs
 
 

@@ -65,8 +65,9 @@ class IncrementalDecoder:
 class StopMatcher:
     """Cuts a stream of text deltas at the first stop string (see the module docstring)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include  # the text ends after the stop string, not before it (vLLM's option)
         self.text = ""  # everything fed so far, cut at the stop once one is found
         self.emitted = 0  # characters of text already returned
         self.stopped = False
@@ -80,9 +81,9 @@ class StopMatcher:
         self.text += delta
         cut = self._first_stop(self.emitted)
         held = len(self.text) - self._held_tail()  # where a stop still being completed may begin
-        if cut is not None and cut <= held:
+        if cut is not None and (cut[0] <= held or self.include):  # (with include: none can end earlier)
             return self._stop(cut)
-        return self._emit(held if cut is None else min(cut, held))
+        return self._emit(held if cut is None else min(cut[0], held))
 
     def flush(self) -> str:
         """At the end of the generation: a stop found while a longer one might still have begun
@@ -92,25 +93,35 @@ class StopMatcher:
         cut = self._first_stop(self.emitted)
         return self._emit(len(self.text)) if cut is None else self._stop(cut)
 
-    def _stop(self, cut: int) -> str:
+    def _stop(self, cut: tuple[int, int]) -> str:
+        """Stop at the stop string found at ``cut`` (start, end): the text ends at its start, or
+        at its end with ``include``."""
         self.stopped = True
-        self.text = self.text[:cut]
-        return self._emit(cut)
+        end = cut[1] if self.include else cut[0]
+        self.text = self.text[:end]
+        return self._emit(end)
 
     def _emit(self, upto: int) -> str:
         out = self.text[self.emitted:upto]
         self.emitted = max(self.emitted, upto)
         return out
 
-    def _first_stop(self, start: int) -> int | None:
+    def _first_stop(self, start: int) -> tuple[int, int] | None:
+        """(start, end) of the stop string that ends the text, counting only those that end past
+        the floor; None: none yet. Cut before it: the one that begins first. Kept (``include``):
+        the one that is complete first, as the text streams (of those ending together, the
+        longest), whatever pieces the text comes in."""
         if self.floor is None:
             return None
         found = []
         for s in self.stops:
             i = self.text.find(s, max(start, self.floor - len(s) + 1))  # the first that ends past the floor
             if i >= 0:
-                found.append(i)
-        return min(found) if found else None
+                found.append((i + len(s), i) if self.include else (i, i + len(s)))
+        if not found:
+            return None
+        a, b = min(found)
+        return (b, a) if self.include else (a, b)
 
     def _held_tail(self) -> int:
         """Length of the longest tail of text (not yet emitted) that begins some stop string."""
@@ -129,9 +140,9 @@ class ChoiceText:
     the text of the first ``min_tokens`` ids does not count)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int], stops: Sequence[str],
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self.decoder = IncrementalDecoder(decode, context)
-        self.matcher = StopMatcher(stops)
+        self.matcher = StopMatcher(stops, include_stop)
         self.min_tokens, self.tokens = min_tokens, 0
         if min_tokens > 0:
             self.matcher.floor = None
