@@ -42,13 +42,14 @@ async def read_json(request: Request, state: ApiState):
         raise ApiError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
 
 
-def encode_text(tok, text: str) -> list[int]:
-    """A prompt string's ids; 400 for text that is not valid Unicode (a lone surrogate escaped in JSON)."""
+def encode_text(tok, text: str, special: bool = True) -> list[int]:
+    """A prompt string's ids (``special``: with the tokenizer's special tokens added around it);
+    400 for text that is not valid Unicode (a lone surrogate escaped in JSON)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise ApiError(400, "the prompt is not valid Unicode (a lone surrogate)", param="prompt") from None
-    return tok.encode(text)
+    return tok.encode(text) if special else tok.encode_text(text)
 
 
 def check_key(request: Request, state: ApiState) -> None:

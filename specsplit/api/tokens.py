@@ -55,13 +55,18 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_CONTEXT_TOKENS)
 
 
-async def tokenize(request: Request) -> Response:
+async def _request(request: Request, cls):
+    """(the app's state, the body as ``cls``, the served tokenizer), after the endpoints' checks."""
     state = request_state(request)
     check_key(request, state)
-    req = parse(TokenizeRequest, await read_json(request, state))
+    req = parse(cls, await read_json(request, state))
     if req.model is not None:
         state.check_model(req.model)
-    tok = state.require_ready()
+    return state, req, state.require_ready()
+
+
+async def tokenize(request: Request) -> Response:
+    state, req, tok = await _request(request, TokenizeRequest)
     if req.messages is not None:
         from specsplit.api import tools
 
@@ -76,27 +81,13 @@ async def tokenize(request: Request) -> Response:
         text = req.prompt if req.prompt is not None else req.content
         special = req.add_special_tokens if req.add_special_tokens is not None else \
             bool(req.add_special) if req.add_special is not None else req.prompt is not None
-    ids = encode_text(tok, text) if special else _plain(tok, text)
+    ids = encode_text(tok, text, special)
     tokens = [{"id": t, "piece": tok.token_piece(t)[0]} for t in ids] if req.with_pieces else ids
     return JSONResponse({"tokens": tokens, "count": len(ids), "max_model_len": state.max_model_len()})
 
 
-def _plain(tok, text: str) -> list[int]:
-    """``text``'s ids with no special tokens added (those it spells are still read as theirs)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "the text is not valid Unicode (a lone surrogate)", param="prompt") from None
-    return tok.encode_text(text)
-
-
 async def detokenize(request: Request) -> Response:
-    state = request_state(request)
-    check_key(request, state)
-    req = parse(DetokenizeRequest, await read_json(request, state))
-    if req.model is not None:
-        state.check_model(req.model)
-    tok = state.require_ready()
+    state, req, tok = await _request(request, DetokenizeRequest)
     ids = state.check_ids(req.tokens, param="tokens")
     text = tok.tok.decode(ids, skip_special_tokens=False)
     return JSONResponse({"prompt": text, "content": text})
