@@ -64,8 +64,9 @@ def orchestrator_address(base: str, index: int) -> str:
 
 class SessionLimitSettings(HeartbeatSettings):
     """Read by workers and orchestrators with one meaning: the per-session KV limit (workers hold
-    it, orchestrators refuse before it starts a request that could never fit) and the speculator
-    (orchestrators draft with it; workers size their threads by it)."""
+    it, orchestrators refuse before it starts a request that could never fit), the speculator
+    (orchestrators draft with it; workers size their threads by it) and the draft's grammar masks
+    (orchestrators send the grammar, draft workers apply it)."""
 
     speculator: Literal["draft", "lookup"] = Field(default="draft", description=(
         "Where a round's candidates come from: `draft` (the draft worker's tree plus prompt lookup) or "
@@ -74,6 +75,13 @@ class SessionLimitSettings(HeartbeatSettings):
         "costs about one token's (GPUs), or when no draft model fits. Workers read it too: with `lookup` a CPU target takes every core "
         "by default (no draft worker shares them)."))
 
+    draft_grammar: bool = Field(default=False, description=(
+        "A session held to a grammar (JSON output, structured outputs, required tool calls): true makes the "
+        "orchestrators send the draft the session's grammar and the draft mask its proposals to what it allows, "
+        "as the target masks its verification, with a matcher of its own per session. Rounds then accept more (2-12% fewer rounds on the real pair), but the draft, "
+        "surer of itself, drafts deeper trees: on a 2-core CPU 0.96-0.995x the tok/s of false, so false is the "
+        "default; turn it on where draft forwards are cheap beside verification. Never changes the output "
+        "(docs/results.md)."))
     max_session_tokens: int = Field(default=4096, ge=16, description=(
         "Tokens one session may hold (prompt + answer + a tree): a worker's per-session KV limit; the "
         "orchestrator refuses with BAD_REQUEST, before it starts, a request that could never fit."))
@@ -197,13 +205,6 @@ class WorkerSettings(SessionLimitSettings):
         "the target rejects every verified child of a node, its token is often the next one down: a forwarded "
         "sibling lets the next round start from the grown tree instead of drafting from scratch "
         "(docs/results.md). 0: children past the branch are never drafted."))
-    draft_grammar: bool = Field(default=False, description=(
-        "A session held to a grammar (JSON output, structured outputs, required tool calls): true makes the draft "
-        "mask its proposals to what the grammar allows, as the target masks its verification, with a matcher of "
-        "its own per session. Rounds then accept more (2-12% fewer rounds on the real pair), but the draft, "
-        "surer of itself, drafts deeper trees: on a 2-core CPU 0.96-0.995x the tok/s of false, so false is the "
-        "default; turn it on where draft forwards are cheap beside verification. Never changes the output "
-        "(docs/results.md)."))
     draft_window_tokens: int = Field(default=2048, ge=0, le=1_048_576, description=(
         "Long contexts: past sink + window cached tokens, draft forwards attend only to the first "
         "SPECSPLIT_DRAFT_SINK_TOKENS and the last this many (0: the whole context). Never changes the output: "

@@ -94,9 +94,10 @@ def generate(
         if confirm:  # the provisional tokens would end the generation: confirm them, draft nothing
             plan = Candidates(root_only(cur.committed[-1]))
         else:
+            d_grammar = grammar if draft_grammar else None
             d_reply = d_eng.handle(DraftRequest(session_id=session_id, round=rnd,
-                                                sync=cur.draft_sync(sampling.penalized or grammar is not None),
-                                                root=cur.committed[-1], tree=spec, sampling=sampling, grammar=grammar))
+                                                sync=cur.draft_sync(sampling.penalized or d_grammar is not None),
+                                                root=cur.committed[-1], tree=spec, sampling=sampling, grammar=d_grammar))
             _raise_if_error(d_reply)
             cur.after_draft()
             stats.reused_rounds += d_reply.reused_nodes > 0

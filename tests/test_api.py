@@ -60,6 +60,9 @@ def test_models_and_health(fleet):
     assert api_health(fleet["url"]) == 200
     models = openai_client(fleet).models.list()
     assert [m.id for m in models.data] == ["tiny-v1"]
+    assert openai_client(fleet).models.retrieve("tiny-v1").id == "tiny-v1"  # GET /v1/models/{model}
+    for other in ("gpt-4", "org/tiny-v1", ""):
+        api_error(httpx.get(f"{fleet['url']}/v1/models/{other}", timeout=10), 404, param="model")
 
 
 def test_completion_greedy_equals_target_and_stream_equals_whole(fleet, tiny):

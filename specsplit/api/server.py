@@ -387,13 +387,17 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """``GET /v1/models``, and ``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``):
+    the served model, or a 404 naming the model asked for."""
     state = request_state(request)
     check_key(request, state)
     state.require_ready()
-    return JSONResponse({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.started, "owned_by": "specsplit",
-        "max_model_len": state.max_model_len(),
-    }]})
+    card = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "specsplit",
+            "max_model_len": state.max_model_len()}
+    if "model" in request.path_params:
+        state.check_model(request.path_params["model"])
+        return JSONResponse(card)
+    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def health(request: Request) -> Response:
@@ -428,6 +432,7 @@ def build_app(state: ApiState) -> Starlette:
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -439,7 +444,7 @@ def build_app(state: ApiState) -> Starlette:
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                         ClientDisconnect: on_disconnect, Exception: on_error})
     app.state.api = state
-    app.router.redirect_slashes = False  # /v1/models/ is a 404 like any unknown path, not a redirect
+    app.router.redirect_slashes = False  # /v1/completions/ is a 404 like any unknown path, not a redirect
     return CountResponses(app, state.metrics)
 
 

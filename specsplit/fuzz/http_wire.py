@@ -12,8 +12,8 @@ from specsplit.fuzz.http_cases import (
 GET_ROUTES = ("/v1/models", "/health", "/metrics")
 POST_ROUTES = (COMPLETIONS, CHAT)
 WRONG_PATHS = ("/", "/v1", "/v1/", "/v1/completion", "/v1/chat", "/v1/chat/completion", "/v2/completions",
-               "/V1/models", "/v1/models/tiny", "/v1/embeddings", "/v1/completions/", "/v1/chat/completions/",
-               "/health/", "/metrics/x", "/v1/models/", "/favicon.ico", "/v1/completions/x")
+               "/V1/models", "/v1/modelsx", "/v1/embeddings", "/v1/completions/", "/v1/chat/completions/",
+               "/health/", "/metrics/x", "/v1/model", "/favicon.ico", "/v1/completions/x")
 ODD_TARGETS = ("//v1/models", "/v1/%6Dodels", "/%00", "/%ff", "/v1/models%2f", "*", "http://127.0.0.1/v1/models",
                "/v1/models#frag", "/v1/../v1/models", "/v1/models?" + "q=1&" * 1000, "/%2e%2e/health")
 AUTHORIZATIONS = ("Bearer", "Bearer ", "Basic Zm9vOmJhcg==", "Bearer " + "k" * 8000, "bearer sk-x", "Bearer a b c",

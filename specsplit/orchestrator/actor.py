@@ -65,6 +65,7 @@ class ActorPolicy:
     lookup_only: bool = False
     # the proposers by name, in order (specsplit.proposers); None: from the fields above
     proposers: tuple[str, ...] | None = None
+    draft_grammar: bool = False  # grammar sessions: the draft is sent the grammar, to mask its proposals
 
     def proposer_names(self, ngrams: bool = False) -> tuple[str, ...]:
         """The proposers the fleet runs: the draft model unless ``lookup_only``, then the tokens a

@@ -45,7 +45,7 @@ class Orchestrator:
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,
             grow_chains=settings.grow_chains, grow_reroot=settings.grow_reroot,
             specpv=settings.specpv_spec(), lookup_only=settings.speculator == "lookup",
-            proposers=settings.proposer_names(),
+            proposers=settings.proposer_names(), draft_grammar=settings.draft_grammar,
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.owners: dict[str, bytes] = {}  # running session -> the producer connection that started it (bounded with sessions)

@@ -53,17 +53,21 @@ class DraftModel(Proposer):
 
         def build():
             return DraftRequest(session_id=s.sid, round=rnd, sync=self._sync(sampling), root=s.cur.committed[-1],
-                                tree=budget.spec, sampling=sampling, grammar=s.req.grammar)
+                                tree=budget.spec, sampling=sampling, grammar=self._grammar())
 
         reply: DraftReply = await s.call(s.draft_rpc, build, self._reset)
         s.cur.after_draft()
         return Proposal(tree=reply.tree, draft_ms=reply.draft_ms, reused=reply.reused_nodes)
 
+    def _grammar(self):
+        """The session's grammar for the draft to mask its proposals with (SPECSPLIT_DRAFT_GRAMMAR),
+        or None."""
+        return self.session.req.grammar if self.shared.policy.draft_grammar else None
+
     def _sync(self, sampling: SamplingSpec):
         """The draft's sync, naming the prompt where the draft counts the output (penalties, a
-        grammar)."""
-        s = self.session
-        return s.cur.draft_sync(sampling.penalized or s.req.grammar is not None)
+        grammar it masks with)."""
+        return self.session.cur.draft_sync(sampling.penalized or self._grammar() is not None)
 
     def _reroot(self, grown: asyncio.Future | None, committed: Sequence[int], budget: Budget,
                 sampling: SamplingSpec, rnd: int) -> Proposal | None:
@@ -87,7 +91,7 @@ class DraftModel(Proposer):
         if local is None:
             return None
         req = DraftRequest(session_id=s.sid, round=rnd, sync=self._sync(sampling), root=committed[-1],
-                           tree=budget.spec, sampling=sampling, grammar=s.req.grammar)
+                           tree=budget.spec, sampling=sampling, grammar=self._grammar())
         s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
         self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
                                                               timeout_s=self.shared.policy.rpc_timeout_s))
