@@ -148,7 +148,8 @@ def target_sessions(fleet, slot: int) -> float:
 def stream_killing(fleet, body: dict, role: str) -> list[dict]:
     """Once no session is left from earlier tests, stream ``body`` from /v1/completions, and once
     40 characters have come kill -9 the process serving it: its target worker (``role``
-    "target", found by its session count) or the orchestrator. Returns every chunk's choice,
+    "target", found by its session count), the draft worker ("draft": the fleet has one) or the
+    orchestrator. Returns every chunk's choice,
     once the API serves again (a restarted orchestrator may not have heard from a target worker
     yet: the next request would be a 503); fails when the answer ended before the kill."""
     from tests.honcho_fleet import worker_pid
@@ -168,7 +169,7 @@ def stream_killing(fleet, body: dict, role: str) -> list[dict]:
                                       "a target worker holds the session")
                     killed = worker_pid(fleet["proc"].pid, f"target.{home}")
                 else:
-                    killed = worker_pid(fleet["proc"].pid, "orchestrator.1")
+                    killed = worker_pid(fleet["proc"].pid, "draft.1" if role == "draft" else "orchestrator.1")
                 os.kill(killed, signal.SIGKILL)
     assert killed is not None, "the answer ended before the kill"
     wait_until(lambda: api_health(fleet["url"]) == 200, 120, "the API serves again after the kill")

@@ -213,13 +213,15 @@ COLOURS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minIte
            "x-guidance": {"whitespace_flexible": False}}
 
 
-@pytest.mark.parametrize("role", ["target", "orchestrator"])
+@pytest.mark.parametrize("role", ["target", "draft", "orchestrator"])
 def test_json_output_survives_a_kill(fleet, tiny, served, book, role):
     """A long constrained answer (120 items, compact JSON) streams while a process serving it is
     killed -9. The target's: the other target takes the session (a resend from an empty cache,
     the grammar's state rebuilt from it). The orchestrator's: the API resumes the generation on
     its successor, the output so far sent as prompt with ``output_from`` where the output began,
-    so the grammar holds from there. Either way the answer is the oracle's."""
+    so the grammar holds from there. The draft's (the fleet's only one, masking its proposals to the
+    grammar): its successor rebuilds its matcher from the resend. Each way the answer is the
+    oracle's."""
     from tests.test_grammar import masked_greedy
 
     model, _, _ = tiny
