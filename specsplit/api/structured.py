@@ -36,18 +36,18 @@ def constraint_of(req) -> tuple[str, GrammarSpec] | None:
         found.append(("response_format", fmt))
     so = req.structured_outputs
     if so is not None:
-        found += [("structured_outputs", g) for g in _of(so, "structured_outputs")]
+        found.append(("structured_outputs", _of(so, "structured_outputs")))
     legacy = StructuredOutputs(json=req.guided_json, regex=req.guided_regex, choice=req.guided_choice,
                                grammar=req.guided_grammar, whitespace_pattern=req.guided_whitespace_pattern)
     asked = [name for name in LEGACY if getattr(req, name) is not None]
     if asked:
-        found += [(asked[0], g) for g in _of(legacy, asked[0])]
+        found.append((asked[0], _of(legacy, asked[0])))
     elif req.guided_whitespace_pattern is not None:
         raise ApiError(400, "guided_whitespace_pattern needs guided_json", param="guided_whitespace_pattern")
     for name, key in SGLANG.items():
         if getattr(req, name) is not None:
             asked.append(name)
-            found += [(name, g) for g in _of(StructuredOutputs(**{key: getattr(req, name)}), name)]
+            found.append((name, _of(StructuredOutputs(**{key: getattr(req, name)}), name)))
     if len(found) > 1 or len(asked) > 1:
         names = sorted({name for name, _ in found} | set(asked))  # as vLLM: one kind of constraint
         raise ApiError(400, f"one constraint on the output at a time: {', '.join(names)} were sent",
@@ -58,32 +58,29 @@ def constraint_of(req) -> tuple[str, GrammarSpec] | None:
 KINDS = {"json_": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
 
 
-def _of(so: StructuredOutputs, param: str) -> list[GrammarSpec]:
-    """The grammar ``so`` asks for, as a list of one."""
+def _of(so: StructuredOutputs, param: str) -> GrammarSpec:
+    """The grammar ``so`` asks for (a 400 naming ``param`` for none, or more than one)."""
     kinds = [name for field, name in KINDS.items() if getattr(so, field) not in (None, False)]
     if len(kinds) > 1:
         raise ApiError(400, f"{param}: one of json, regex, choice, grammar, json_object at a time "
                             f"({', '.join(kinds)} were sent)", param=param)
-    out = []
     if so.json_ is not None:
-        out.append(_json_schema(so, param))
-    elif (so.whitespace_pattern is not None or so.disable_any_whitespace or so.disable_additional_properties) \
+        return _json_schema(so, param)
+    if (so.whitespace_pattern is not None or so.disable_any_whitespace or so.disable_additional_properties) \
             and not so.json_object:
         raise ApiError(400, "whitespace_pattern, disable_any_whitespace and disable_additional_properties "
                             "shape a JSON answer: send them with json or json_object", param=param)
     if so.json_object:
-        out.append(_json_schema(so.model_copy(update={"json_": {"type": "object"}}), param))
+        return _json_schema(so.model_copy(update={"json_": {"type": "object"}}), param)
     if so.regex is not None:
-        out.append(_checked(GrammarSpec(kind="regex", text=so.regex) if so.regex else None, param, "regex"))
+        return _checked(GrammarSpec(kind="regex", text=so.regex) if so.regex else None, param, "regex")
     if so.choice is not None:
-        lark = "start: " + " | ".join(json.dumps(c) for c in so.choice)
-        out.append(_checked(_spec("lark", lark, param), param, "choice"))
+        return _checked(_spec("lark", "start: " + " | ".join(json.dumps(c) for c in so.choice), param), param,
+                        "choice")
     if so.grammar is not None:
-        out.append(_checked(_spec("lark", _lark(so.grammar, param), param), param, "grammar"))
-    if not out:
-        raise ApiError(400, f"{param} asks for nothing: send one of json, regex, choice, grammar, json_object",
-                       param=param)
-    return out
+        return _checked(_spec("lark", _lark(so.grammar, param), param), param, "grammar")
+    raise ApiError(400, f"{param} asks for nothing: send one of json, regex, choice, grammar, json_object",
+                   param=param)
 
 
 def _json_schema(so: StructuredOutputs, param: str) -> GrammarSpec:
