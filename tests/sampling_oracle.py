@@ -67,15 +67,19 @@ def marginal(counts: Counter, n: int) -> Counter:
 
 
 def hf_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
-    """The reference distribution: transformers' warpers (temperature, top-k, top-p, min-p) + softmax.
-    logits [N, V] -> [N, V] float64."""
-    x = TemperatureLogitsWarper(sampling.temperature)(None, logits.to(torch.float64))
+    """The reference distribution: transformers' warpers (temperature, top-k, top-p, min-p) + softmax,
+    the temperature's last with ``temperature_last`` (llama.cpp's chain). logits [N, V] -> [N, V] float64."""
+    x = logits.to(torch.float64)
+    if not sampling.temperature_last:
+        x = TemperatureLogitsWarper(sampling.temperature)(None, x)
     if sampling.top_k > 0:
         x = TopKLogitsWarper(sampling.top_k)(None, x)
     if sampling.top_p < 1.0:
         x = TopPLogitsWarper(sampling.top_p)(None, x)
     if sampling.min_p > 0.0:
         x = MinPLogitsWarper(sampling.min_p)(None, x)
+    if sampling.temperature_last:
+        x = TemperatureLogitsWarper(sampling.temperature)(None, x)
     return torch.softmax(x, dim=-1)
 
 

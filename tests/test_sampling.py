@@ -60,10 +60,12 @@ def vec(entries: dict[int, float]) -> torch.Tensor:
 @pytest.mark.parametrize("top_k", [0, 1, 3, 8, 16, 40])
 @pytest.mark.parametrize("top_p", [1.0, 0.95, 0.8, 0.5, 0.1])
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3])
-def test_probs_from_logits_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+@pytest.mark.parametrize("temperature_last", [False, True])
+def test_probs_from_logits_matches_transformers_warpers(temperature, top_k, top_p, min_p, temperature_last):
     g = torch.Generator().manual_seed(int(temperature * 10) * 1000 + top_k * 10 + int(top_p * 100) + int(min_p * 7))
     logits = torch.randn(64, V, generator=g) * 3.0  # [64, V] float32, no ties
-    sampling = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    sampling = SamplingSpec(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            temperature_last=temperature_last)
     ours = S.probs_from_logits(logits, sampling)
     ref = hf_probs(logits, sampling)
     assert ours.dtype == torch.float64 and ours.shape == (64, V)
@@ -93,6 +95,20 @@ def test_probs_from_logits_top_p_boundaries_and_ties_match_transformers(probs, t
     logits = torch.tensor([probs + [0.0] * (V - len(probs))], dtype=torch.float64).log()
     sp = SamplingSpec(temperature=1.0, top_p=top_p)
     torch.testing.assert_close(S.probs_from_logits(logits, sp), hf_probs(logits, sp), atol=0, rtol=0)
+
+
+def test_temperature_last_keeps_the_tokens_temperature_one_keeps():
+    """llama.cpp's order: top-p and min-p choose at temperature 1, then the survivors are scaled.
+    Here the two orders keep different tokens, so the switch is not a no-op."""
+    logits = torch.tensor([[2.0, 1.0, 0.0] + [-30.0] * (V - 3)], dtype=torch.float64)
+    first = SamplingSpec(temperature=0.5, top_p=0.8)
+    last = first.model_copy(update={"temperature_last": True})
+    p1 = torch.softmax(logits, -1)[0]
+    assert p1[0] < 0.8 < p1[0] + p1[1]  # at temperature 1, top-p 0.8 keeps two tokens
+    assert (S.probs_from_logits(logits, first) > 0).sum() == 1  # sharpened first: one
+    kept = S.probs_from_logits(logits, last)
+    assert (kept > 0).sum() == 2
+    torch.testing.assert_close(kept[0, :2], torch.softmax(torch.tensor([4.0, 2.0], dtype=torch.float64), -1))
 
 
 def test_probs_from_logits_rejects_greedy():

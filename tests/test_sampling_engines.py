@@ -143,8 +143,16 @@ ENGINE_BATCH = 50  # sessions whose VerifyRequests share one target forward
 REPLAY_CHECK = 200  # engine draws replayed with verify_sampling to check the recording
 
 
+# transformers' order, and llama.cpp's (the temperature after the truncations, as the API's
+# llama-server endpoints ask for: SamplingSpec.temperature_last)
+ENGINE_SAMPLINGS = {"temperature-first": SamplingSpec(temperature=0.8, top_k=8, top_p=0.9),
+                    "temperature-last": SamplingSpec(temperature=0.5, top_k=8, top_p=0.9, min_p=0.3,
+                                                     temperature_last=True)}
+
+
 @pytest.mark.slow
-def test_engines_first_token_matches_target(llama_pair, device):
+@pytest.mark.parametrize("order", list(ENGINE_SAMPLINGS))
+def test_engines_first_token_matches_target(llama_pair, device, order):
     """ENGINE_DRAWS one-round draws through DraftEngine/TargetEngine as a worker serves requests
     queued together (``draft_batch``, ``verify_batch``): ENGINE_BATCH fresh sessions per batch,
     each with its own seed; their trees are verified in ONE target forward (the fused path,
@@ -153,7 +161,7 @@ def test_engines_first_token_matches_target(llama_pair, device):
     token must follow the target's distribution, and the wrong rules replayed on the very
     logits and trees the engine verified must be rejected by the same fit."""
     target, draft = (on_device(m, device) for m in llama_pair)
-    sampling = SamplingSpec(temperature=0.8, top_k=8, top_p=0.9)
+    sampling = ENGINE_SAMPLINGS[order]
     tree = TreeSpec(max_nodes=5, max_depth=1, branch=4)
     limits = EngineLimits(max_sessions=ENGINE_BATCH, max_session_tokens=64, max_tree_nodes=8, max_tree_depth=2)
     d_eng, t_eng = DraftEngine(draft, limits), TargetEngine(target, limits)
@@ -175,13 +183,17 @@ def test_engines_first_token_matches_target(llama_pair, device):
             accepted += len(v.accepted_token_ids)
             repeats += len(set(d.tree.token_ids[1:])) < d.tree.num_nodes - 1
     counts, probs = Counter((t,) for t in firsts), model_exact(target, PROMPT, sampling, 1)
-    assert 0.1 < accepted / ENGINE_DRAWS < 0.95, "the draft should be accepted sometimes, rejected sometimes"
+    # (the sharper llama.cpp-order distribution accepts the noisy draft less often, ~5%, too
+    # seldom for the wrong rules to show: their power is checked in the first order)
+    first = order == "temperature-first"
+    assert (0.1 if first else 0.03) < accepted / ENGINE_DRAWS < 0.95, "the draft should be accepted sometimes"
     assert repeats > ENGINE_DRAWS // 4, "most trees should carry a repeated sibling"
     # the replay is faithful: verify_sampling replayed on the recorded rounds gives the engine's draws
     replayed, n = rec.first_tokens(verify_sampling, limit=REPLAY_CHECK), min(REPLAY_CHECK, ENGINE_DRAWS)
     assert replayed == Counter((t,) for t in firsts[:n]), "the replay must reproduce the engine's own draws"
     assert_fits(chi2_fit(counts, probs), counts, probs, "engines: first token")
-    assert_wrong_rules_rejected(rec, probs, ENGINE_DRAWS, "engines")
+    if first:
+        assert_wrong_rules_rejected(rec, probs, ENGINE_DRAWS, "engines")
 
 
 GENERATE_DRAWS = 1_200

@@ -49,10 +49,14 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     order and computed the same way: top-p drops the tokens whose ascending cumulative
     probability is <= 1 - top_p (the largest always survives), min-p those less probable than
     min_p x the most probable, so results agree with transformers even at exact mass boundaries.
+    With ``sampling.temperature_last`` the temperature comes after the other three (llama.cpp's
+    default sampler chain).
     """
     if sampling.temperature <= 0:
         raise ValueError("probs_from_logits needs temperature > 0")
-    x = logits.to(prob_dtype(logits.device)) / sampling.temperature  # [N, V]
+    x = logits.to(prob_dtype(logits.device))  # [N, V]
+    if not sampling.temperature_last:
+        x = x / sampling.temperature
     k = sampling.top_k
     if max_support and (k == 0 or k > max_support):
         k = max_support
@@ -67,6 +71,8 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if sampling.min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if sampling.temperature_last:  # llama.cpp's order: the survivors' logits scaled last
+        x = x / sampling.temperature
     return torch.softmax(x, dim=-1)
 
 
