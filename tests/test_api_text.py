@@ -11,7 +11,9 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specsplit.api.textstream import REPLACEMENT, ChoiceText, IncrementalDecoder, StopMatcher
+from specsplit.api.textstream import (
+    REPLACEMENT, ChoiceText, IncrementalDecoder, LineLimits, LineRules, StopMatcher,
+)
 
 
 def byte_decode(ids) -> str:
@@ -123,7 +125,7 @@ def test_a_streamed_event_is_one_line_whatever_its_text(text):
     """A server-sent event's JSON keeps every line break of its text escaped, including the ones
     JSON leaves raw (U+0085, U+2028, U+2029) that str.splitlines() (httpx's iter_lines) ends a line
     at: a reader that splits lines gets the event whole, and the same text back."""
-    from specsplit.api.server import sse
+    from specsplit.api.streaming import sse
 
     event = sse({"choices": [{"text": text}]}).decode()
     lines = event.splitlines()
@@ -148,3 +150,62 @@ def test_with_include_stop_the_text_ends_after_the_stop_string(text, cuts, stops
             break
     out += choice.finish()
     assert out == want and choice.stopped == bool(found)
+
+
+# ---- llama-server's line limits (n_indent, t_max_predict_ms) -----------------------------------------
+def indent_reference(text: str, n: int) -> str:
+    """Where ``n_indent`` ends ``text``: at the first character (a newline too) after the
+    leading spaces and tabs of a line after the first, when there are fewer than n of them."""
+    lines = text.split("\n")
+    at = len(lines[0]) + 1
+    for k, line in enumerate(lines[1:], 1):
+        ws = len(line) - len(line.lstrip(" \t"))
+        ends = k < len(lines) - 1  # a newline follows: a blank or short-indented line is complete
+        if ws < n and (ws < len(line) or ends):
+            return text[:at + ws]
+        at += len(line) + 1
+    return text
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from([*"ab \n\t", "é", "😀"]), max_size=40),
+       cuts=st.lists(st.integers(0, 200), max_size=12), n=st.integers(1, 3),
+       stops=st.lists(st.text(alphabet=st.sampled_from([*"ab \n"]), min_size=1, max_size=3), max_size=2),
+       include=st.booleans())
+def test_n_indent_ends_the_text_where_a_line_is_indented_less(text, cuts, n, stops, include):
+    """The text is cut where a line after the first is indented by fewer than ``n`` spaces or
+    tabs (a stop string complete before that still cuts first), whatever pieces it streams in."""
+    kept = indent_reference(text, n)
+    found = [(kept.find(s), kept.find(s) + len(s)) for s in stops if s in kept]  # (start, end)
+    want = kept[:min(e if include else b for b, e in found)] if found else kept
+    choice = ChoiceText(byte_decode, [], stops, include_stop=include, lines=LineLimits(n_indent=n))
+    out = ""
+    for chunk in chunked(list(text.encode()), cuts):
+        out += choice.push(chunk)
+        assert want.startswith(out)
+        if choice.stopped:
+            break
+    out += choice.finish()
+    assert out == want
+    assert choice.matcher.limited == (kept != text and not found)
+
+
+def test_n_indent_keeps_the_first_line_and_the_indentation_of_the_line_it_cuts():
+    for text, n, want in [("x = 1\n    y = 2\n    z = 3\nw = 4\n", 4, "x = 1\n    y = 2\n    z = 3\n"),
+                          ("if a:\n        b\n    c\n", 8, "if a:\n        b\n    "),
+                          ("a\n\n    b", 4, "a\n"),  # a blank line ends it (llama-server's)
+                          ("a\n\t\tb\n", 2, "a\n\t\tb\n")]:
+        matcher = StopMatcher([], rules=LineRules(LineLimits(n_indent=n)))
+        assert matcher.feed(text) + matcher.flush() == want and matcher.limited == (want != text)
+
+
+def test_past_max_predict_the_text_ends_after_the_next_newline():
+    now = [0.0]
+    matcher = StopMatcher([], rules=LineRules(LineLimits(max_predict_s=1.0), clock=lambda: now[0]))
+    assert matcher.feed("a\nb") == "a\nb"  # within the time: a newline goes by
+    now[0] = 0.5
+    assert matcher.feed("c\nd") == "c\nd"
+    now[0] = 1.5
+    assert matcher.feed("ef") == "ef" and not matcher.stopped  # late, but no newline yet
+    assert matcher.feed("g\nh\ni") == "g\n" and matcher.stopped and matcher.limited
+    assert matcher.text == "a\nbc\ndefg\n"

@@ -18,7 +18,7 @@ from schemas import ErrorCode, GrammarSpec, Logprobs, SamplingSpec
 from specsplit.api.logprobs import LogprobTrail, TokenLogprob, prompt_entries
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
-from specsplit.api.textstream import ChoiceText
+from specsplit.api.textstream import ChoiceText, LineLimits
 from specsplit.api.tools import CallParser, ParsedCall, ToolPlan
 from specsplit.client import GenerationError, GenerationResult, OrchestratorRefused
 from specsplit.pool import NoOrchestrator
@@ -45,6 +45,7 @@ class Job:
     min_tokens: int = 0  # no end token, and no stop string ending in their text, before this many tokens
     prediction: tuple[int, ...] = ()  # the answer's expected tokens (a chat's ``prediction``)
     include_stop: bool = False  # the text ends after the stop string (vLLM's include_stop_str_in_output)
+    lines: LineLimits | None = None  # llama-server's n_indent and t_max_predict_ms
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class Done:
     logprobs: tuple[TokenLogprob, ...] = ()  # of the last of the tokens
     # a predicted output's tokens the answer took up and those it did not (OpenAI's usage details)
     prediction: tuple[int, int] | None = None
+    stop_word: str | None = None  # the stop string that ended the answer
+    limited: bool = False  # the job's line limits ended it
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ class Generation:
         self.decode = decode
         self.arrived = arrived if arrived is not None else time.perf_counter()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens, job.include_stop),
+        self.choices = [_Choice(job, ChoiceText(decode, job.prompt_ids, job.stops, job.min_tokens, job.include_stop,
+                                                job.lines),
                                 parser=job.tools.parser() if job.tools else None,
                                 trail=LogprobTrail(() if job.ends_listed else
                                                    self.stop_token_ids if unlisted is None else unlisted)
@@ -258,8 +262,10 @@ class Generation:
         if c.job.prediction:
             took = followed(c.job.prediction, c.streamed)
             prediction = (took, len(c.job.prediction) - took)
+        matcher = c.text.matcher
         self.events.put_nowait(Done(c.job.index, tail, reason, c.job.prompt_index, len(c.job.prompt_ids), c.tokens, spec,
-                                    res.cached_tokens if res is not None else 0, calls, released, prediction))
+                                    res.cached_tokens if res is not None else 0, calls, released, prediction,
+                                    matcher.word, matcher.limited))
         return reason
 
 

@@ -14,108 +14,25 @@ within ``api_header_timeout_s`` of connecting (the connection is closed otherwis
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import json
-import secrets
 import time
 import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from schemas import SamplingSpec
-from schemas.base import MAX_PREDICTION_TOKENS, MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
 from specsplit.api import tools
-from specsplit.api.generation import Done, Failed, Generation, Job
+from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
+from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, encode_text, read_json, request_state
-from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, logit_bias_for, parse
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from specsplit.api.state import ApiState
-from specsplit.api.structured import constraint_of
+from specsplit.api.streaming import EventStream, all_events, first_event, launch, sse
 from specsplit.api.tokens import detokenize, tokenize
-
-SEED_MOD = 2**63
-
-
-# ---------------------------------------------------------------------------- request plumbing
-# (reading, the key, the state: specsplit.api.plumbing)
-def sampling_for(req, seed: int | None) -> SamplingSpec:
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
-    return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                        min_p=req.min_p or 0.0, seed=0 if seed is None else seed,
-                        presence_penalty=req.presence_penalty or None, frequency_penalty=req.frequency_penalty or None,
-                        repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
-
-
-def seeds(req, count: int) -> list[int]:
-    """One seed per choice: the request's seed + the choice's index (the same seed and request give
-    the same output), or fresh random ones."""
-    if req.seed is None:
-        return [secrets.randbits(63) for _ in range(count)]
-    return [(req.seed + i) % SEED_MOD for i in range(count)]
-
-
-def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int | None, param: str,
-              tool_plan: tools.ToolPlan | None = None, echoes: list[str] | None = None) -> list[Job]:
-    """The choices to generate; ``echoes``: each prompt's text, returned before its choices'
-    (a completion's ``echo``)."""
-    limit = state.max_model_len()
-    if not limit:  # no orchestrator has said what it admits yet
-        raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
-    jobs: list[Job] = []
-    all_seeds = seeds(req, len(prompts) * req.n)
-    constraint = constraint_of(req)  # response_format, or vLLM's structured outputs
-    if constraint is not None and tool_plan is not None:
-        raise ApiError(400, f"{constraint[0]} with tools is not supported: the calls' tags are no JSON",
-                       param=constraint[0])
-    grammar = constraint[1] if constraint else (tool_plan.grammar if tool_plan else None)  # "required" / named
-    bias = logit_bias_for(req, state.tokenizer.vocab_size)
-    prediction: tuple[int, ...] = ()
-    if getattr(req, "prediction", None) is not None:
-        prediction = tuple(state.tokenizer.encode_text(req.prediction.text))
-        if len(prediction) > MAX_PREDICTION_TOKENS:
-            raise ApiError(400, f"the prediction is {len(prediction)} tokens, over {MAX_PREDICTION_TOKENS}",
-                           param="prediction")
-    if any(t >= state.tokenizer.vocab_size for t in req.stop_token_ids or ()):
-        raise ApiError(400, f"stop_token_ids: a token id outside 0 to {state.tokenizer.vocab_size - 1}",
-                       param="stop_token_ids")
-    group = None
-    if req.prompt_cache_key is not None:  # a fixed-size token of the client's key: its sessions' routing group
-        group = hashlib.blake2b(req.prompt_cache_key.encode(), digest_size=8).hexdigest()
-    for p, ids in enumerate(prompts):
-        max_tokens = req.budget if isinstance(req, ChatCompletionRequest) else req.max_tokens
-        if max_tokens is None:
-            max_tokens = default_max if default_max is not None else limit - len(ids)
-        if req.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
-                           param="min_tokens")
-        if req.min_tokens and grammar is not None:  # where the grammar allows only an end token
-            raise ApiError(400, "min_tokens with a constraint on the output (response_format, structured "
-                                "outputs, required tool calls) is not supported",
-                           param="min_tokens")
-        if len(ids) + max(1, max_tokens) > limit or (max_tokens < 1 and echoes is None):
-            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
-                                f"{len(ids)} prompt tokens and asks for {max_tokens} more",
-                           param=param, code="context_length_exceeded")
-        scored = req.prompt_logprobs_asked if echoes is not None else None
-        if scored is not None and prompt_logprob_entries(len(ids), scored) > MAX_PROMPT_LOGPROB_ENTRIES:
-            raise ApiError(400, f"echo with logprobs={scored} over {len(ids)} prompt tokens is more than the "
-                                f"{MAX_PROMPT_LOGPROB_ENTRIES} entries (tokens x (1 + logprobs)) one answer holds",
-                           param="logprobs")
-        for j in range(req.n):
-            k = p * req.n + j
-            sampling = sampling_for(req, all_seeds[k]).model_copy(update={"logit_bias": bias})
-            jobs.append(Job(k, ids, max_tokens, sampling, tuple(req.stop_strings), p, group, tool_plan, grammar,
-                            req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
-                            ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens,
-                            prediction=prediction, include_stop=req.include_stop_str_in_output))
-    return jobs
 
 
 # ---------------------------------------------------------------------------- responses
@@ -198,120 +115,39 @@ def usage(done: dict[int, Done]) -> dict:
     return out
 
 
-class EventStream(StreamingResponse):
-    """An SSE response that releases its generation however it ends: a client gone before the
-    first chunk never starts the body's generator, whose own ``finally`` would then never run."""
-
-    def __init__(self, body, release) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-
-
-# characters JSON leaves raw that str.splitlines() ends a line at (httpx's iter_lines, many SSE
-# readers): in an event's data they are written as JSON escapes, so an event stays one line
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse(obj) -> bytes:
-    """One server-sent event: ``data: <JSON>`` on one line whatever the text holds."""
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
-    return b"data: " + data.encode() + b"\n\n"
-
-
-async def watch_disconnect(request: Request) -> None:
-    """Returns when the client disconnects (after the body was read)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
 async def run_generation(request: Request, state: ApiState, req, prompts: list[list[int]], chat: bool,
                          default_max: int | None, param: str, tool_plan: tools.ToolPlan | None = None,
                          echoes: list[str] | None = None) -> Response:
     jobs = plan_jobs(req, prompts, state, default_max, param, tool_plan, echoes)
-    if state.inflight + len(jobs) > state.settings.api_max_concurrent_requests:
-        raise ApiError(429, f"more than {state.settings.api_max_concurrent_requests} requests in flight",
-                       type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-    if not state.pool.live:
-        raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
     responder = Responder(chat, state.model_name, req.logprobs_asked, state.tokenizer.token_piece)
     ends = state.tokenizer.stop_token_ids  # (a chat's logprobs do not list them)
     stops = sorted({*([] if req.ignore_eos else ends), *(req.stop_token_ids or ())})
-    gen = Generation(state.pool, state.tokenizer.decode, jobs, stops, state.metrics, unlisted=ends)
-    state.inflight += len(jobs)
-    gen.start()
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            gen.cancel()
-            state.inflight -= len(jobs)
-
+    gen, release = launch(state, jobs, stops, unlisted=ends)
     if req.stream:
         try:
-            first = await _first_event(request, gen)
+            first = await first_event(request, gen)
         except BaseException:
             release()
             raise
         return EventStream(stream_events(gen, first, responder, req, release), release)
     try:
-        return JSONResponse(await _collect(request, gen, responder))
+        return JSONResponse(collected(await all_events(request, gen), gen, responder))
     finally:
         release()
 
 
-async def _first_event(request: Request, gen: Generation):
-    """Wait for the first event before the stream's headers, so a refusal (429, 503) is a status."""
-    watcher = asyncio.ensure_future(watch_disconnect(request))
-    nxt = asyncio.ensure_future(gen.next())
-    try:
-        done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt not in done:
-            raise ClientDisconnect()
-        ev = nxt.result()
-        if isinstance(ev, Failed):
-            raise ev.error
-        return ev
-    finally:
-        watcher.cancel()
-        nxt.cancel()
-
-
-async def _collect(request: Request, gen: Generation, responder: Responder) -> dict:
-    watcher = asyncio.ensure_future(watch_disconnect(request))
+def collected(events: list, gen: Generation, responder: Responder) -> dict:
+    """The whole answer of every choice from its events."""
     texts: dict[int, str] = {j.index: "" for j in (c.job for c in gen.choices)}
     calls: dict[int, list] = {i: [] for i in texts}
     logprobs: dict[int, list] = {i: [] for i in texts}
     done: dict[int, Done] = {}
-    try:
-        while True:
-            nxt = asyncio.ensure_future(gen.next())
-            finished, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in finished:
-                nxt.cancel()
-                raise ClientDisconnect()
-            ev = nxt.result()
-            if ev is None:
-                break
-            if isinstance(ev, Failed):
-                raise ev.error
-            texts[ev.index] += ev.text
-            calls[ev.index].extend(ev.calls)
-            logprobs[ev.index].extend(ev.logprobs)
-            if isinstance(ev, Done):
-                done[ev.index] = ev
-    finally:
-        watcher.cancel()
+    for ev in events:
+        texts[ev.index] += ev.text
+        calls[ev.index].extend(ev.calls)
+        logprobs[ev.index].extend(ev.logprobs)
+        if isinstance(ev, Done):
+            done[ev.index] = ev
     return responder.full(done, texts, calls, logprobs)
 
 

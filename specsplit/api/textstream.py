@@ -13,7 +13,8 @@ string until the next delta settles it. Worked example, stop ``"\\n\\n"``:
 feeding ``"a\\n"`` emits ``"a"`` (the ``"\\n"`` might start a stop), then ``"b"`` emits ``"\\nb"``,
 then ``"\\n\\nc"`` emits nothing more and reports the stop. With ``min_tokens`` (vLLM's), a
 stop string counts only where it ends in the text of the tokens after the first ``min_tokens``
-(``StopMatcher.floor``).
+(``StopMatcher.floor``). ``LineRules`` end the text by its lines (llama-server's ``n_indent`` and
+``t_max_predict_ms``, for code completion).
 
 Both are plain objects over a tokenizer's ``decode``; the non-streamed answer goes through the
 same path, so streamed and non-streamed text are equal by construction.
@@ -21,7 +22,9 @@ same path, so streamed and non-streamed text are equal by construction.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
 PREFIX_TOKENS = 6  # ids of context decoded before the new ones (BPE merges, leading spaces)
@@ -62,15 +65,74 @@ class IncrementalDecoder:
         return text[len(prefix_text):] if len(text) > len(prefix_text) else ""
 
 
-class StopMatcher:
-    """Cuts a stream of text deltas at the first stop string (see the module docstring)."""
+@dataclass(frozen=True)
+class LineLimits:
+    """llama-server's limits for code completion, on the answer's lines after its first:
+    ``n_indent``: a line indented by fewer spaces or tabs ends the answer where its text (or its
+    end, a blank line) begins; ``max_predict_s``: past this many seconds since the first text,
+    the answer ends after the next newline. 0: off."""
 
-    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
+    n_indent: int = 0
+    max_predict_s: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.n_indent > 0 or self.max_predict_s > 0
+
+
+class LineRules:
+    """``LineLimits`` over a growing text: ``cut`` says where the text ends, if it must."""
+
+    def __init__(self, limits: LineLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits, self.clock = limits, clock
+        self.started: float | None = None
+        self._scan = 0  # text before this has been judged
+        self._line: int | None = None  # where the line being judged begins; None: not in one
+
+    def cut(self, text: str, new_from: int) -> int | None:
+        """Where ``text`` (of which ``text[new_from:]`` is new) must end; None: it goes on."""
+        now = self.clock()
+        if self.started is None:
+            self.started = now
+        out = self._indent(text) if self.limits.n_indent else None
+        if self.limits.max_predict_s and now - self.started > self.limits.max_predict_s:
+            nl = text.find("\n", new_from)
+            if nl >= 0 and (out is None or nl + 1 < out):
+                out = nl + 1
+        return out
+
+    def _indent(self, text: str) -> int | None:
+        i = self._scan
+        while i < len(text):
+            if self._line is None:  # find the next line's start
+                nl = text.find("\n", i)
+                if nl < 0:
+                    i = len(text)
+                    break
+                self._line = i = nl + 1
+            elif text[i] in " \t":
+                i += 1
+            elif i - self._line < self.limits.n_indent:
+                self._scan = i
+                return i
+            else:  # indented enough: the line passes (a newline here begins the next one)
+                self._line = None
+        self._scan = i
+        return None
+
+
+class StopMatcher:
+    """Cuts a stream of text deltas at the first stop string (see the module docstring), or
+    where ``rules`` end it (``limited``)."""
+
+    def __init__(self, stops: Sequence[str], include: bool = False, rules: LineRules | None = None) -> None:
         self.stops = [s for s in stops if s]
         self.include = include  # the text ends after the stop string, not before it (vLLM's option)
+        self.rules = rules
         self.text = ""  # everything fed so far, cut at the stop once one is found
         self.emitted = 0  # characters of text already returned
         self.stopped = False
+        self.word: str | None = None  # the stop string that ended the text
+        self.limited = False  # the rules ended it
         # a stop string counts where it ends past this many characters; None: none counts yet
         self.floor: int | None = 0
 
@@ -78,7 +140,16 @@ class StopMatcher:
         """The part of the text that is now safe to emit."""
         if self.stopped:
             return ""
+        start = len(self.text)
         self.text += delta
+        end = self.rules.cut(self.text, start) if self.rules is not None and delta else None
+        if end is not None:  # the text ends there (>= start), unless a stop string ends within it
+            self.text = self.text[:end]
+            cut = self._first_stop(self.emitted)
+            if cut is not None:
+                return self._stop(cut)
+            self.stopped = self.limited = True
+            return self._emit(end)
         cut = self._first_stop(self.emitted)
         held = len(self.text) - self._held_tail()  # where a stop still being completed may begin
         if cut is not None and (cut[0] <= held or self.include):  # (with include: none can end earlier)
@@ -97,6 +168,7 @@ class StopMatcher:
         """Stop at the stop string found at ``cut`` (start, end): the text ends at its start, or
         at its end with ``include``."""
         self.stopped = True
+        self.word = self.text[cut[0]:cut[1]]
         end = cut[1] if self.include else cut[0]
         self.text = self.text[:end]
         return self._emit(end)
@@ -140,9 +212,9 @@ class ChoiceText:
     the text of the first ``min_tokens`` ids does not count)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int], stops: Sequence[str],
-                 min_tokens: int = 0, include_stop: bool = False) -> None:
+                 min_tokens: int = 0, include_stop: bool = False, lines: LineLimits | None = None) -> None:
         self.decoder = IncrementalDecoder(decode, context)
-        self.matcher = StopMatcher(stops, include_stop)
+        self.matcher = StopMatcher(stops, include_stop, LineRules(lines) if lines else None)
         self.min_tokens, self.tokens = min_tokens, 0
         if min_tokens > 0:
             self.matcher.floor = None

@@ -30,6 +30,7 @@ MAX_PIECES = 65536  # tokens whose text and bytes token_piece keeps
 # Qwen2.5-Coder's, StarCoder's and SantaCoder's, DeepSeek-Coder's
 FIM_STYLES = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
               ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"))
+REPO_STYLES = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -116,6 +117,11 @@ class ServedTokenizer:
         self.stop_token_ids = sorted(self._stop_ids())
         self.added_tokens = frozenset(self.tok.get_added_vocab())  # e.g. "<tool_call>": one token each
         self.fim = next((style for style in FIM_STYLES if set(style) <= self.added_tokens), None)
+        # a repository's files before the FIM prompt (Qwen2.5-Coder's, StarCoder2's): the repository's
+        # name and each file's separator
+        self.fim_repo = next((style for style in REPO_STYLES if set(style) <= self.added_tokens), None)
+        self.bos = [int(self.tok.bos_token_id)] if getattr(self.tok, "add_bos_token", False) and \
+            self.tok.bos_token_id is not None else []  # what a prompt begins with
         self.vocab_size = len(self.tok)
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, bounded (MAX_PIECES)
 
@@ -136,6 +142,15 @@ class ServedTokenizer:
     def encode_text(self, text: str) -> list[int]:
         """``text`` as an answer spells it: no special tokens added (a predicted output)."""
         return [int(t) for t in self.tok.encode(text, add_special_tokens=False)]
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` as plain text: no special tokens added, and none read from their names in it
+        (code that spells ``<|fim_prefix|>`` is those characters)."""
+        return [int(t) for t in self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+
+    def ids_of(self, names: Sequence[str]) -> list[int]:
+        """The ids of added tokens, by name."""
+        return [int(t) for t in self.tok.convert_tokens_to_ids(list(names))]
 
     def infill(self, before: str | list[int], after: str) -> str | list[int]:
         """The fill-in-the-middle prompt for the gap between ``before`` and ``after`` (the model's

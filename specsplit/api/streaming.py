@@ -1,0 +1,118 @@
+"""Running one HTTP request's generation, whatever shape its answer takes (OpenAI's, in
+``specsplit.api.server``; llama-server's, in ``specsplit.api.llama_server``): admission (429,
+503), the event stream with its release however the response ends, the first event awaited
+before a stream's headers (so a refusal is a status), and the events of a whole answer with
+the client's disconnect watched. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+
+from specsplit.api.generation import Event, Failed, Generation, Job
+from specsplit.api.protocol import ApiError
+from specsplit.api.state import ApiState
+
+
+def launch(state: ApiState, jobs: list[Job], stop_token_ids: list[int],
+           unlisted: list[int] | None = None) -> tuple[Generation, Callable[[], None]]:
+    """The jobs started on the pool, and the call that cancels what is left of them and frees
+    their places (idempotent); a 429 beyond ``api_max_concurrent_requests``, a 503 without a
+    live orchestrator, before anything starts."""
+    if state.inflight + len(jobs) > state.settings.api_max_concurrent_requests:
+        raise ApiError(429, f"more than {state.settings.api_max_concurrent_requests} requests in flight",
+                       type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if not state.pool.live:
+        raise ApiError(503, "no orchestrator answers", type="server_error", code="service_unavailable")
+    gen = Generation(state.pool, state.tokenizer.decode, jobs, stop_token_ids, state.metrics, unlisted=unlisted)
+    state.inflight += len(jobs)
+    gen.start()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            gen.cancel()
+            state.inflight -= len(jobs)
+
+    return gen, release
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that releases its generation however it ends: a client gone before the
+    first chunk never starts the body's generator, whose own ``finally`` would then never run."""
+
+    def __init__(self, body, release) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+# characters JSON leaves raw that str.splitlines() ends a line at (httpx's iter_lines, many SSE
+# readers): in an event's data they are written as JSON escapes, so an event stays one line
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(obj) -> bytes:
+    """One server-sent event: ``data: <JSON>`` on one line whatever the text holds."""
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + data.encode() + b"\n\n"
+
+
+async def watch_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (after the body was read)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def first_event(request: Request, gen: Generation) -> Event | None:
+    """Wait for the first event before the stream's headers, so a refusal (429, 503) is a status."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    nxt = asyncio.ensure_future(gen.next())
+    try:
+        done, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt not in done:
+            raise ClientDisconnect()
+        ev = nxt.result()
+        if isinstance(ev, Failed):
+            raise ev.error
+        return ev
+    finally:
+        watcher.cancel()
+        nxt.cancel()
+
+
+async def all_events(request: Request, gen: Generation) -> list[Event]:
+    """Every event of the generation, in order: ClientDisconnect when the client goes first,
+    the first choice's failure as its ApiError."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    out: list[Event] = []
+    try:
+        while True:
+            nxt = asyncio.ensure_future(gen.next())
+            finished, _ = await asyncio.wait({watcher, nxt}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in finished:
+                nxt.cancel()
+                raise ClientDisconnect()
+            ev = nxt.result()
+            if ev is None:
+                return out
+            if isinstance(ev, Failed):
+                raise ev.error
+            out.append(ev)
+    finally:
+        watcher.cancel()
