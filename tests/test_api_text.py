@@ -9,10 +9,16 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specsplit.api.textstream import (
-    REPLACEMENT, ChoiceText, IncrementalDecoder, LineLimits, LineRules, StopMatcher,
+    REPLACEMENT,
+    ChoiceText,
+    IncrementalDecoder,
+    LineLimits,
+    LineRules,
+    StopMatcher,
 )
 
 
