@@ -4,24 +4,30 @@ it: ``honcho start`` of the Procfile and .env with the tiny pair given Qwen2.5-C
 official ``openai`` client. Each answer, whole and streamed, for a text and a token-id prompt, is
 greedy decoding of the target on the model's FIM prompt (prefix, suffix, middle tokens around
 the two texts); ``suffix: ""`` is a plain completion; ``echo`` with a suffix, and a suffix to a
-model without FIM tokens (tests/test_api.py), are a 400 naming ``suffix``."""
+model without FIM tokens (tests/test_api.py), are a 400 naming ``suffix``.
+
+The same fleet serves llama-server's ``/infill`` (the tokenizer also has Qwen2.5-Coder's
+repository tokens) and ``/completion``, as llama.vim sends them (curl) and llama.vscode."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import httpx
 import pytest
 
 from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+REPO = ["<|repo_name|>", "<|file_sep|>"]  # a repository's files before the FIM prompt (llama-server's /infill)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """The tiny pair's directories with the three FIM tokens added to their tokenizer (ids past
-    its 419 words, inside the models' 448 embedding rows)."""
+    """The tiny pair's directories with the three FIM tokens and the two repository tokens added
+    to their tokenizer (ids past its 419 words, inside the models' 448 embedding rows)."""
     from transformers import AutoTokenizer
 
     from specsplit.models import ModelSettings, resolve_model_paths
@@ -32,7 +38,7 @@ def dirs(tmp_path_factory):
         src, dst = getattr(paths, role), tmp_path_factory.mktemp(role)
         shutil.copytree(src, dst, dirs_exist_ok=True)
         tok = AutoTokenizer.from_pretrained(src)
-        assert tok.add_special_tokens({"additional_special_tokens": FIM}) == 3
+        assert tok.add_special_tokens({"additional_special_tokens": FIM + REPO}) == 5
         tok.save_pretrained(dst)
         out[role] = dst
     return out
@@ -76,3 +82,117 @@ def test_the_answer_fills_the_gap_as_the_targets_greedy_decoding(fleet, served):
     assert plain.choices[0].text == tok.decode(expected(model, tok, ids, 12))
     api_error(post_json(fleet, "/v1/completions", {"model": model_id, "prompt": before, "suffix": after,
                                                    "echo": True}), 400, param="suffix")
+
+
+# ---- llama-server's /infill and /completion (specsplit.api.llama_server), as editors' plugins call them
+def infill_prompt(tok, prefix: str, suffix: str, prompt: str, extra: list[tuple[str, str]]) -> list[int]:
+    """llama-server's layout, written out: the repository's files, then the FIM prompt."""
+    pre, suf, mid, repo, sep = (tok.tok.convert_tokens_to_ids(t) for t in FIM + REPO)
+    plain = tok.encode_plain
+    ids = [repo, *plain("myproject\n")]
+    for name, text in extra:
+        ids += [sep, *plain(name + "\n"), *plain(text)]
+    ids += [sep, *plain("filename\n")]
+    return ids + [pre, *plain(prefix), *tok.encode_text(prompt), suf, *plain(suffix), mid]
+
+
+def curl_json(fleet, path: str, body: dict) -> dict | list:
+    """A POST as llama.vim sends it (curl)."""
+    import subprocess
+
+    out = subprocess.run(["curl", "-sS", "--max-time", "60", "-X", "POST", f"{fleet['url']}{path}", "-H",
+                          "Content-Type: application/json", "--data-binary", "@-"], input=json.dumps(body),
+                         capture_output=True, text=True, timeout=90, check=True)
+    return json.loads(out.stdout)
+
+
+VIM_FIELDS = ["content", "timings/prompt_n", "timings/predicted_n", "timings/predicted_ms", "truncated",
+              "tokens_cached"]
+
+
+def test_infill_lays_out_the_repository_and_answers_as_the_targets_greedy_decoding(fleet, served):
+    """llama.vim's request (its chain: top-k, top-p, infill; here top-k 1, so the oracle is
+    greedy) through curl: the answer is the target's greedy decoding of llama-server's prompt,
+    ``response_fields`` pick the fields; streamed, the chunks make the same text, the last one
+    has the fields picked, and no ``[DONE]`` follows."""
+    tok, model = served
+    prefix, suffix, middle = "class A:\n    def f(self):\n        ", "\n    return total\n", "x"
+    extra = [("util.py", "def helper():\n    return 1\n"), ("b.py", "import os\n")]
+    ids = infill_prompt(tok, prefix, suffix, middle, extra)
+    want = expected(model, tok, ids, 24)
+    body = {"id_slot": 0, "input_prefix": prefix, "input_suffix": suffix, "prompt": middle,
+            "input_extra": [{"filename": f, "text": t} for f, t in extra], "n_predict": 24, "top_k": 1,
+            "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 60_000, "response_fields": VIM_FIELDS}
+    res = curl_json(fleet, "/infill", body)
+    assert set(res) == set(VIM_FIELDS) and res["content"] == tok.decode(want), res
+    assert res["timings/predicted_n"] == len(want) and res["tokens_cached"] == len(ids) + len(want)
+    whole = post_json(fleet, "/infill", {**body, "response_fields": None, "return_tokens": True}).json()
+    assert whole["tokens"] == want and whole["tokens_evaluated"] == len(ids) and whole["stop"] is True
+    assert whole["prompt"] == tok.tok.decode(ids, skip_special_tokens=False)
+    assert whole["stop_type"] == ("eos" if want[-1] in tok.stop_token_ids else "limit")
+    assert whole["generation_settings"]["samplers"] == ["top_k", "top_p"]  # (infill is not applied)
+    with httpx.stream("POST", f"{fleet['url']}/infill", json={**body, "stream": True}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines]
+    assert all(ln.startswith("data: {") for ln in lines)  # (no [DONE])
+    assert "".join(e["content"] for e in events) == tok.decode(want)
+    assert all(e["stop"] is False for e in events[:-1]) and set(events[-1]) == set(VIM_FIELDS)  # (filtered)
+    assert events[-1]["content"] == ""  # (the text went in the chunks before)
+
+
+def test_infill_n_indent_and_cache_warming(fleet, served):
+    """``n_indent`` ends the answer where a later line is indented less (the text kept is the
+    greedy answer cut there, ``stop_type`` limit); ``n_predict: 0`` answers nothing (llama.vim's
+    cache warming); a model's FIM tokens spelled in the code are text."""
+    from tests.test_api_text import indent_reference
+
+    tok, model = served
+    prefix, suffix = "class A:\n    def f(self):\n        ", "\n    return total\n"
+    ids = infill_prompt(tok, prefix, suffix, "x", [])
+    full = tok.decode(expected(model, tok, ids, 40))
+    kept = indent_reference(full, 4)
+    assert kept != full, f"the tiny target's answer has no line indented less than 4: {full!r}"
+    body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": "x", "n_predict": 40, "temperature": 0,
+            "n_indent": 4}
+    res = post_json(fleet, "/infill", body).json()
+    assert res["content"] == kept and res["stop_type"] == "limit" and res["has_new_line"] == ("\n" in kept)
+    warm = post_json(fleet, "/infill", {**body, "n_predict": 0, "input_extra": [{"text": "x = 1\n"}]}).json()
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["stop_type"] == "limit"
+    spelled = post_json(fleet, "/infill", {**body, "input_prefix": "s = '<|fim_middle|>'\n", "n_predict": 4}).json()
+    assert FIM[2] in spelled["prompt"] and spelled["tokens_evaluated"] == len(
+        infill_prompt(tok, "s = '<|fim_middle|>'\n", suffix, "x", []))
+
+
+def test_completion_mixed_prompts_stop_words_and_refusals(fleet, served):
+    """``/completion``: a prompt of text and token ids mixed is their concatenation; a list of
+    texts is several answers; a stop word ends one (``stop_type`` word, ``stopping_word``).
+    What this server cannot honour is a 400 naming the field."""
+    tok, model = served
+    text, more = "def add(a, b):\n", tok.encode_text("    return")
+    ids = tok.encode(text) + more
+    want = expected(model, tok, ids, 16)
+    res = post_json(fleet, "/completion", {"prompt": [text, *more], "n_predict": 16, "temperature": 0}).json()
+    assert res["content"] == tok.decode(want) and res["tokens_evaluated"] == len(ids)
+    both = post_json(fleet, "/completions", {"prompt": [text, "x = "], "n_predict": 8, "temperature": 0}).json()
+    assert isinstance(both, list) and [r["index"] for r in both] == [0, 1]
+    assert both[1]["content"] == tok.decode(expected(model, tok, tok.encode("x = "), 8))
+    answer = tok.decode(want)
+    word = next((answer[i:i + 2] for i in range(2, len(answer) - 2) if answer[i:i + 2].isprintable()), None)
+    assert word, answer
+    cut = post_json(fleet, "/completion", {"prompt": [text, *more], "n_predict": 16, "temperature": 0,
+                                           "stop": [word]}).json()
+    assert cut["content"] == answer[:answer.index(word)] and cut["stop_type"] == "word"
+    assert cut["stopping_word"] == word
+    for body, param in [({"prompt": "x", "repeat_penalty": 1.1}, "repeat_penalty"),
+                        ({"prompt": "x", "mirostat": 2}, "mirostat"),
+                        ({"prompt": "x", "samplers": ["min_p", "top_p"]}, "samplers"),
+                        ({"prompt": "x", "samplers": ["top_q"]}, "samplers"),
+                        ({"prompt": "x", "no_such_field": 1}, "no_such_field"),
+                        ({"prompt": "x", "input_prefix": "a"}, "input_prefix"),
+                        ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}, "grammar"),
+                        ({"prompt": [10**9]}, "prompt")]:
+        api_error(post_json(fleet, "/completion", body), 400, param=param)
+    api_error(post_json(fleet, "/infill", {"input_prefix": "a"}), 400, param="input_suffix")
+    api_error(post_json(fleet, "/infill", {"input_prefix": "a", "input_suffix": "", "prompt": [1]}), 400,
+              param="prompt")

@@ -2,8 +2,9 @@
 
 A producer of the orchestrators (``specsplit.pool.OrchestratorPool``: spread over the live ones,
 resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions``, ``POST /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``), ``GET
-/health``, ``GET /metrics``. It loads the target's tokenizer only
+/v1/chat/completions``, llama-server's ``POST /completion`` and ``/infill``
+(``specsplit.api.llama_server``), ``POST /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``),
+``GET /health``, ``GET /metrics``. It loads the target's tokenizer only
 (no torch, no weights) and checks it against the tokenizer the orchestrators report
 (``Heartbeat.tokenizer_hash``): another one ends the process with code 2, naming both.
 
@@ -23,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specsplit.api import tools
+from specsplit.api import llama_server, tools
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
@@ -271,6 +272,9 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/completion", llama_server.completion, methods=["POST"]),
+        Route("/completions", llama_server.completion, methods=["POST"]),
+        Route("/infill", llama_server.infill, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

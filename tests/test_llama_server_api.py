@@ -1,0 +1,127 @@
+"""llama-server's request fields as the fleet takes them (``specsplit.api.llama_server``), without
+a fleet: the sampler chain and its order (llama.cpp's default chain is temperature last), the
+fields taken at any value or only when off, ``logit_bias``'s forms, ``prompt``'s forms, and the
+``/infill`` layout's cuts to the window and the context. The endpoints themselves run on a
+fleet in tests/test_api_fim.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from specsplit.api import llama_server as L
+from specsplit.api.protocol import ApiError
+
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def req(**body) -> L.LlamaRequest:
+    return L.parse_llama(body)
+
+
+@pytest.mark.parametrize("body, fields, last, used", [
+    ({}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, True,
+     ["top_k", "top_p", "min_p", "temperature"]),  # llama-server's defaults: the temperature last
+    ({"samplers": ["top_k", "top_p", "infill"], "top_p": 0.9},  # llama.vim's chain: no temperature
+     {"temperature": 1.0, "top_k": 40, "top_p": 0.9, "min_p": 0.0}, False, ["top_k", "top_p"]),
+    ({"samplers": "tkpm", "temperature": 0.5}, {"temperature": 0.5, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+     False, ["temperature", "top_k", "top_p", "min_p"]),  # one-letter codes, the temperature first
+    ({"samplers": ["Top-K", "temp", "nucleus"], "min_p": 0.2},  # aliases; min-p not in the chain
+     {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0}, False, ["top_k", "temperature", "top_p"]),
+    ({"temperature": 0, "top_p": 1.0, "min_p": 0}, {"temperature": 0, "top_k": 40, "top_p": 1.0, "min_p": 0.0},
+     False, ["top_k", "temperature"]),  # greedy
+    ({"samplers": ["min_p", "temperature", "top_k"], "top_k": 0}, {"temperature": 0.8, "top_k": 0, "top_p": 1.0,
+                                                                  "min_p": 0.05}, True, ["min_p", "temperature"]),
+])
+def test_the_sampler_chain_as_the_fleet_applies_it(body, fields, last, used):
+    assert L.sampling_of(req(**body)) == (fields, last, used)
+
+
+@pytest.mark.parametrize("body", [{"samplers": ["top_p", "top_k"]}, {"samplers": ["min_p", "top_p"]},
+                                  {"samplers": ["top_p", "temperature", "min_p"]}, {"samplers": ["top_k", "top_k"]},
+                                  {"samplers": ["adaptive_p"]}, {"samplers": ["mystery"]}, {"samplers": "kz"}])
+def test_a_chain_the_fleet_cannot_keep_is_a_400(body):
+    with pytest.raises(ApiError) as err:
+        L.sampling_of(req(**body))
+    assert err.value.status == 400 and err.value.param == "samplers"
+
+
+def test_fields_taken_at_any_value_or_only_off():
+    req(id_slot=3, cache_prompt=False, t_max_prompt_ms=500, repeat_last_n=256, dry_base=1.75, model="any")
+    req(repeat_penalty=1.0, typical_p=1, top_n_sigma=-1, mirostat=0, n_probs=0, lora=[])
+    for name, value in [("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 1), ("n_probs", 3),
+                        ("dry_multiplier", 0.8), ("xtc_probability", "x"), ("what", 1)]:
+        with pytest.raises(ApiError) as err:
+            req(**{name: value})
+        assert err.value.status == 400 and err.value.param == name, name
+    with pytest.raises(ApiError) as err:
+        req(top_p=1.5)
+    assert err.value.param == "top_p"
+    assert req(max_tokens=7).budget == 7 and req().budget == -1 and req(n_predict=0, max_tokens=9).budget == 0
+
+
+def test_prompt_forms():
+    assert L.prompt_pieces("a") == [["a"]]
+    assert L.prompt_pieces(["a", 5, "b"]) == [["a", 5, "b"]]  # ids among texts: one prompt
+    assert L.prompt_pieces([1, 2]) == [[1, 2]]
+    assert L.prompt_pieces(["a", "b"]) == [["a"], ["b"]]  # texts only: several
+    assert L.prompt_pieces(["a", ["b", 3]]) == [["a"], ["b", 3]]
+    for bad in ([], {"a": 1}, [True], [["a", 1.5]], None):
+        with pytest.raises(ApiError):
+            L.prompt_pieces(bad)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from specsplit.api.tokenizer import ServedTokenizer
+    from specsplit.models import ModelSettings, resolve_model_paths
+
+    src, dst = resolve_model_paths(ModelSettings(preset="tiny")).target, tmp_path_factory.mktemp("tok")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    t = AutoTokenizer.from_pretrained(src)
+    t.add_special_tokens({"additional_special_tokens": FIM})
+    t.save_pretrained(dst)
+    return ServedTokenizer(dst)
+
+
+def test_logit_bias_forms(tok):
+    words = tok.encode_plain("Hello")
+    assert L.logit_bias_of(req(logit_bias=[[15, 1.5], ["Hello", -2]]), tok) == {"15": 1.5, **{str(t): -2.0 for t in
+                                                                                             words}}
+    assert L.logit_bias_of(req(logit_bias={"15": False}), tok) == {"15": -100.0}
+    assert L.logit_bias_of(req(logit_bias=[]), tok) is None
+    for bad in ([[1, "x"]], [1, 2], "x", [[1.5, 1]]):
+        with pytest.raises(ApiError):
+            L.logit_bias_of(req(logit_bias=bad), tok)
+
+
+class FakeState:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def max_model_len(self) -> int:
+        return self.limit
+
+    def check_ids(self, ids, param="prompt"):
+        return list(ids)
+
+
+def test_infill_keeps_the_prefix_end_the_suffix_start_and_the_last_of_the_files(tok, monkeypatch):
+    """With a window of 16 tokens: the prefix's last 12, the suffix's first 4 - 2 - the prompt's;
+    the files' last tokens that leave the answer its n_predict in the context."""
+    monkeypatch.setattr(L, "FIM_WINDOW", 16)
+    pre, suf, mid, repo, sep = tok.ids_of(FIM)
+    prefix, suffix = " ".join(["a"] * 40), " ".join(["b"] * 40)
+    p, s = tok.encode_plain(prefix), tok.encode_plain(suffix)
+    chunk = " ".join(["c"] * 30)
+    extra = [repo, *tok.encode_plain("myproject\n"), sep, *tok.encode_plain("x.py\n"), *tok.encode_plain(chunk), sep,
+             *tok.encode_plain("filename\n")]
+    body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": "z", "n_predict": 10,
+            "input_extra": [{"filename": "x.py", "text": chunk}]}
+    fim = [pre, *p[-12:], *tok.encode_text("z"), suf, *s[:4 - 2 - 1], mid]
+    assert L.infill_ids(tok, req(**body), FakeState(10_000)) == extra + fim
+    assert L.infill_ids(tok, req(**body), FakeState(len(fim) + 10 + 7)) == extra[-7:] + fim
+    assert L.infill_ids(tok, req(**body), FakeState(len(fim))) == fim
