@@ -53,9 +53,10 @@ class SamplingSpec(Message):
     top_k: int = Field(default=0, ge=0, le=MAX_DIST_SUPPORT * 1024)
     # tokens less probable than min_p x the most probable one are dropped (after top-k and top-p)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    # the temperature divides the logits after top-k, top-p and min-p chose the tokens (llama.cpp's
-    # default order), not before them (transformers' and vLLM's)
-    temperature_last: bool = False
+    # true: the temperature divides the logits after top-k, top-p and min-p chose the tokens
+    # (llama.cpp's default order), not before them (transformers' and vLLM's); None is false and
+    # is left off the wire, so peers without the field still read every other request
+    temperature_last: bool | None = None
     seed: int = Field(default=0, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -304,7 +304,7 @@ def plan(req: LlamaRequest, state: ApiState, tok: ServedTokenizer, infill: bool)
     creq = parse(CompletionRequest, body)
     lines = LineLimits(req.n_indent, max(0, req.t_max_predict_ms) / 1000)
     jobs = [dataclasses.replace(j, max_tokens=0 if n == 0 else j.max_tokens, lines=lines or None,
-                                sampling=j.sampling.model_copy(update={"temperature_last": last}))
+                                sampling=j.sampling.model_copy(update={"temperature_last": last or None}))
             for j in plan_jobs(creq, prompts, state, None, "n_predict")]
     return creq, prompts, jobs, used
 
