@@ -111,6 +111,31 @@ def test_temperature_last_keeps_the_tokens_temperature_one_keeps():
     torch.testing.assert_close(kept[0, :2], torch.softmax(torch.tensor([4.0, 2.0], dtype=torch.float64), -1))
 
 
+@pytest.mark.parametrize("sampling", [
+    SamplingSpec(temperature=0.7, top_k=40, top_p=0.9), SamplingSpec(temperature=1.3, top_k=5, min_p=0.1),
+    SamplingSpec(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, temperature_last=True),
+    SamplingSpec(temperature=1.0, top_k=1), SamplingSpec(temperature=0.5, top_p=0.8)])
+def test_top_k_first_equals_the_whole_vocabulary(sampling, monkeypatch):
+    """The k largest logits alone (``_within_top_k``) give the whole-vocabulary path's distribution:
+    float32 and bfloat16 logits, -inf among them, a row tied at its k-th logit (whole path),
+    and the draft's support cap."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 5000, generator=g) * 3
+    logits[1, :4000] = float("-inf")  # a grammar's mask
+    logits[2, 100:140] = logits[2].max() - 0.5  # 40 tied just below the top: tied past k for k < 41
+    for lg in (logits, logits.to(torch.bfloat16), logits[[0, 1, 3, 4, 5]]):
+        k = sampling.top_k or 16
+        assert (S._within_top_k(lg, k, sampling) is None) == (lg.shape[0] == 6 and 1 < k < 41)  # (row 2 ties)
+        fast = [S.probs_from_logits(lg, sampling, cap) for cap in (0, 16)]
+        with monkeypatch.context() as m:
+            m.setattr(S, "_within_top_k", lambda *a: None)
+            whole = [S.probs_from_logits(lg, sampling, cap) for cap in (0, 16)]
+        for a, b in zip(fast, whole):
+            assert torch.equal(a > 0, b > 0)
+            torch.testing.assert_close(a, b, atol=1e-15, rtol=1e-12)
+    assert S._within_top_k(logits[2:3], 5, sampling) is None  # the tie: the whole path keeps all 40
+
+
 def test_probs_from_logits_rejects_greedy():
     with pytest.raises(ValueError):
         S.probs_from_logits(torch.zeros(1, V), SamplingSpec(temperature=0.0))

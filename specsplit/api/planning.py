@@ -20,8 +20,12 @@ SEED_MOD = 2**63
 
 
 def sampling_for(req, seed: int | None) -> SamplingSpec:
+    """The request's sampling; ``top_k: 1`` is greedy decoding (its one token is the greedy one,
+    bar exact ties, where greedy takes the first), which verifies trees on the cheaper path."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    if top_k == 1:
+        temperature, top_k = 0.0, 0
     return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                         min_p=req.min_p or 0.0, seed=0 if seed is None else seed,
                         presence_penalty=req.presence_penalty or None, frequency_penalty=req.frequency_penalty or None,

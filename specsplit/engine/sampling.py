@@ -54,12 +54,16 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     """
     if sampling.temperature <= 0:
         raise ValueError("probs_from_logits needs temperature > 0")
-    x = logits.to(prob_dtype(logits.device))  # [N, V]
-    if not sampling.temperature_last:
-        x = x / sampling.temperature
     k = sampling.top_k
     if max_support and (k == 0 or k > max_support):
         k = max_support
+    if 0 < k < logits.shape[-1]:
+        within = _within_top_k(logits, k, sampling)
+        if within is not None:
+            return within
+    x = logits.to(prob_dtype(logits.device))  # [N, V]
+    if not sampling.temperature_last:
+        x = x / sampling.temperature
     if 0 < k < x.shape[-1]:
         kth = torch.topk(x, k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -74,6 +78,31 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if sampling.temperature_last:  # llama.cpp's order: the survivors' logits scaled last
         x = x / sampling.temperature
     return torch.softmax(x, dim=-1)
+
+
+def _within_top_k(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> torch.Tensor | None:
+    """``probs_from_logits`` computed over each row's k largest logits only: top-p sorts k values,
+    not the vocabulary (a 152K vocabulary's sort is most of a sampled round's cost on a CPU).
+    The same survivors and values as the full path: the logits' order and ties are the same in
+    their own dtype as after the exact conversion and the division by the temperature. None when
+    a row's k-th logit is tied past k (the full path keeps every tie)."""
+    vals, idx = torch.topk(logits, k, dim=-1)  # [N, k] descending
+    if bool(((logits >= vals[..., -1:]).sum(dim=-1) > k).any()):  # (one host sync a call)
+        return None
+    x, idx = vals.flip(-1).to(prob_dtype(logits.device)), idx.flip(-1)  # ascending
+    if not sampling.temperature_last:
+        x = x / sampling.temperature
+    if sampling.top_p < 1.0:
+        drop = torch.softmax(x, dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
+        drop[..., -1] = False
+        x = x.masked_fill(drop, float("-inf"))
+    if sampling.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if sampling.temperature_last:
+        x = x / sampling.temperature
+    out = torch.zeros(logits.shape, dtype=x.dtype, device=logits.device)
+    return out.scatter_(-1, idx, torch.softmax(x, dim=-1))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
