@@ -228,11 +228,41 @@ MALFORMED = {"truncated": _truncated, "garbage": _garbage, "flipped": _flipped, 
              "surrogate": _surrogate, "encoding": _encoding, "deep": _deep, "number": _number, "nan": _nan,
              "non_object": _non_object, "empty": _empty, "trailing": _trailing, "duplicate": _duplicate}
 
+LLAMA_FIELDS = {  # llama-server's fields (specsplit.api.llama_server), with values it may take or refuse
+    "n_predict": [-1, 0, 1, 3], "temperature": [0, 0.8, 1.5], "top_k": [0, 1, 40], "top_p": [0.5, 0.95, 1.0],
+    "min_p": [0, 0.05], "seed": [-1, 7], "stop": [["\n"], ["x", "y"]], "n_indent": [0, 2, 4],
+    "t_max_predict_ms": [0, 1, 500], "samplers": [["top_k", "top_p", "infill"], "kpmt", ["min_p", "top_p"], ["?"]],
+    "response_fields": [["content"], ["timings/prompt_n", "nothing/here"]], "return_tokens": [True],
+    "id_slot": [0, -1], "cache_prompt": [True, False], "repeat_penalty": [1.0, 1.1], "n_probs": [0, 2],
+    "logit_bias": [[[5, 1.0]], {"7": False}, [["é", -1]]], "input_extra": [[{"text": "x = 1\n"}], [{"fn": 1}]],
+    "n_cmpl": [1, 2], "mirostat": [0, 2],
+}
+
+
+def llama_native(g: Builder, i: int) -> HttpCase:
+    """llama-server's /completion and /infill: a few of its fields at values it takes or refuses,
+    now and then one of them wrong (a 200 or a 400, never anything else)."""
+    r = g.rng
+    infill = r.random() < 0.5
+    body: dict = {"input_prefix": g.text(), "input_suffix": g.text(), "prompt": g.text()} if infill else \
+        {"prompt": r.choice([g.text(), g.ids(1, 8), [g.text(), *g.ids(1, 3)], [g.text(), g.text()]])}
+    body["n_predict"] = r.randint(1, 4)
+    for name in r.sample(sorted(LLAMA_FIELDS), r.randint(0, 4)):
+        body[name] = copy.deepcopy(r.choice(LLAMA_FIELDS[name]))
+    if r.random() < 0.25:
+        body[r.choice(sorted(body))] = copy.deepcopy(r.choice(BAD_VALUES))
+    if isinstance(body.get("n_predict"), int) and not 0 <= body["n_predict"] <= 4:
+        body["n_predict"] = 4  # (a bounded answer: the case's time bound is the short one)
+    body["stream"] = r.random() < 0.3
+    d = Draft("/infill" if infill else "/completion", body, expect={200, 400}, shape="", choices=0)
+    return g.httpx_case(i, f"llama/{'infill' if infill else 'completion'}", d)
+
+
 FAMILIES = {
     "valid": (14, valid), "wrong_type": (20, wrong_type), "unknown_field": (5, unknown_field),
     "huge_field": (12, huge_field), "malformed_json": (16, malformed_json), "method_path": (8, method_path),
     "bad_headers": (12, bad_headers), "slow": (4, slow), "truncated": (3, truncated), "disconnect": (3, disconnect),
-    "stream_cut": (3, stream_cut),
+    "stream_cut": (3, stream_cut), "llama": (6, llama_native),
 }
 
 
