@@ -116,7 +116,7 @@ def test_temperature_last_keeps_the_tokens_temperature_one_keeps():
     SamplingSpec(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, temperature_last=True),
     SamplingSpec(temperature=1.0, top_k=1), SamplingSpec(temperature=0.5, top_p=0.8)])
 def test_top_k_first_equals_the_whole_vocabulary(sampling, monkeypatch):
-    """The k largest logits alone (``_within_top_k``) give the whole-vocabulary path's distribution:
+    """The k largest logits alone (``top_k_rows``) give the whole-vocabulary path's distribution:
     float32 and bfloat16 logits, -inf among them, a row tied at its k-th logit (whole path),
     and the draft's support cap."""
     g = torch.Generator().manual_seed(11)
@@ -125,15 +125,15 @@ def test_top_k_first_equals_the_whole_vocabulary(sampling, monkeypatch):
     logits[2, 100:140] = logits[2].max() - 0.5  # 40 tied just below the top: tied past k for k < 41
     for lg in (logits, logits.to(torch.bfloat16), logits[[0, 1, 3, 4, 5]]):
         k = sampling.top_k or 16
-        assert (S._within_top_k(lg, k, sampling) is None) == (lg.shape[0] == 6 and 1 < k < 41)  # (row 2 ties)
+        assert (S.top_k_rows(lg, k, sampling) is None) == (lg.shape[0] == 6 and 1 < k < 41)  # (row 2 ties)
         fast = [S.probs_from_logits(lg, sampling, cap) for cap in (0, 16)]
         with monkeypatch.context() as m:
-            m.setattr(S, "_within_top_k", lambda *a: None)
+            m.setattr(S, "top_k_rows", lambda *a: None)
             whole = [S.probs_from_logits(lg, sampling, cap) for cap in (0, 16)]
         for a, b in zip(fast, whole):
             assert torch.equal(a > 0, b > 0)
             torch.testing.assert_close(a, b, atol=1e-15, rtol=1e-12)
-    assert S._within_top_k(logits[2:3], 5, sampling) is None  # the tie: the whole path keeps all 40
+    assert S.top_k_rows(logits[2:3], 5, sampling) is None  # the tie: the whole path keeps all 40
 
 
 def test_probs_from_logits_rejects_greedy():
@@ -262,6 +262,54 @@ def test_verify_is_seeded():
     a, b = run_verify(tree, layout, logits, seeds=range(50)), run_verify(tree, layout, logits, seeds=range(50))
     assert a == b
     assert len({(tuple(v.path), v.bonus) for v in a}) > 3
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+@pytest.mark.parametrize("sampling", [SamplingSpec(temperature=1.0, top_k=3), SamplingSpec(temperature=0.7, top_k=8,
+                                                                                         top_p=0.9),
+                                      SamplingSpec(temperature=1.2, top_k=40, min_p=0.05, temperature_last=True)])
+def test_verify_over_the_supports_draws_what_the_whole_rows_draw(sampled, sampling, monkeypatch):
+    """With top-k, verification works on each node's columns (p's support, the draft's
+    distribution, the children) instead of the vocabulary: the same verdict for every seed as
+    over the whole rows, for sampled trees (i.i.d. siblings, repeats) and point-mass proposals."""
+    import random
+
+    from specsplit.engine import verify as Ver
+
+    vocab, rng = 300, random.Random(f"{sampled}{sampling.top_k}")
+    g, outcomes = torch.Generator().manual_seed(sampling.top_k), set()
+    for case in range(12):
+        logits = torch.randn(9, vocab, generator=g) * 2.5
+        top = torch.topk(logits, 6, dim=-1).indices.tolist()  # children are likely tokens, repeats included
+        parents = [-1] + [rng.randrange(i) for i in range(1, 9)]
+        tokens = [0] + [rng.choice(top[parents[i]]) for i in range(1, 9)]
+        dists = {}
+        if sampled:
+            for v in set(parents[1:]):
+                q = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 2, 0)
+                for c in (i for i in range(1, 9) if parents[i] == v):
+                    q[tokens[c]] += 0.05
+                keep = torch.topk(q, 20).indices
+                q = torch.zeros(vocab, dtype=torch.float64).index_put_((keep,), q[keep])
+                dists[v] = q / q.sum()
+        if not sampled:  # point masses: distinct siblings
+            seen = set()
+            for i in range(1, 9):
+                while (parents[i], tokens[i]) in seen:
+                    tokens[i] = rng.randrange(vocab)
+                seen.add((parents[i], tokens[i]))
+        tree = FlatTree(token_ids=tokens, parents=parents,
+                        **({"child_dist_ids": [sparse(dists[i])[0] if i in dists else [] for i in range(9)],
+                            "child_dist_probs": [sparse(dists[i])[1] if i in dists else [] for i in range(9)]}
+                           if sampled else {}))
+        layout = validate_tree(tree, vocab_size=vocab, max_nodes=64, max_depth=16)
+        fast = run_verify(tree, layout, logits, sampling, seeds=range(60))
+        with monkeypatch.context() as m:
+            m.setattr(Ver.S, "top_k_rows", lambda *a: None)
+            whole = run_verify(tree, layout, logits, sampling, seeds=range(60))
+        assert fast == whole, case
+        outcomes.update((case, tuple(v.path), v.bonus) for v in fast)
+    assert len(outcomes) > 12 * 2  # (draws that differ from seed to seed: the comparison is not vacuous)
 
 
 # ---- reproducibility through generate ------------------------------------------------------

@@ -58,9 +58,11 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if max_support and (k == 0 or k > max_support):
         k = max_support
     if 0 < k < logits.shape[-1]:
-        within = _within_top_k(logits, k, sampling)
+        within = top_k_rows(logits, k, sampling)
         if within is not None:
-            return within
+            probs, ids = within
+            out = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)
+            return out.scatter_(-1, ids, probs)
     x = logits.to(prob_dtype(logits.device))  # [N, V]
     if not sampling.temperature_last:
         x = x / sampling.temperature
@@ -80,12 +82,13 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     return torch.softmax(x, dim=-1)
 
 
-def _within_top_k(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> torch.Tensor | None:
-    """``probs_from_logits`` computed over each row's k largest logits only: top-p sorts k values,
-    not the vocabulary (a 152K vocabulary's sort is most of a sampled round's cost on a CPU).
-    The same survivors and values as the full path: the logits' order and ties are the same in
-    their own dtype as after the exact conversion and the division by the temperature. None when
-    a row's k-th logit is tied past k (the full path keeps every tie)."""
+def top_k_rows(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``probs_from_logits`` computed over each row's k largest logits only, as (probabilities
+    [N, k], their token ids [N, k]), least probable first: top-p sorts k values, not the
+    vocabulary (a 152K vocabulary's sort is most of a sampled round's cost on a CPU). The same
+    survivors and values as the full path: the logits' order and ties are the same in their own
+    dtype as after the exact conversion and the division by the temperature. None when a row's
+    k-th logit is tied past k (the full path keeps every tie)."""
     vals, idx = torch.topk(logits, k, dim=-1)  # [N, k] descending
     if bool(((logits >= vals[..., -1:]).sum(dim=-1) > k).any()):  # (one host sync a call)
         return None
@@ -101,8 +104,7 @@ def _within_top_k(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> torch
         x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if sampling.temperature_last:
         x = x / sampling.temperature
-    out = torch.zeros(logits.shape, dtype=x.dtype, device=logits.device)
-    return out.scatter_(-1, idx, torch.softmax(x, dim=-1))
+    return torch.softmax(x, dim=-1), idx
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,9 @@ from specsplit.engine import sampling as S
 from specsplit.tree import TreeLayout, path_to
 
 
+SUPPORT_MAX_K = 1024  # a top-k up to this: sampled verification over the nodes' supports, not the vocabulary
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     path: list[int]  # accepted node indices, root (0) first
@@ -126,9 +129,14 @@ def verify_sampling(
 
     Computed for every node at once: the j-th child test of every node (as reached, i.e. after
     its j-1 elder siblings were rejected) and every node's bonus draw; the walk from the root
-    then reads them on the host."""
+    then reads them on the host. With top-k (at most ``SUPPORT_MAX_K``), over each node's
+    columns only (``_on_supports``)."""
     n, vocab = logits.shape
     dev = logits.device
+    rows = S.top_k_rows(logits, sampling.top_k, sampling) if 0 < sampling.top_k <= min(SUPPORT_MAX_K, vocab - 1) \
+        else None
+    if rows is not None:
+        return _walk(layout, *_on_supports(tree, layout, rows, g))
     r = S.probs_from_logits(logits, sampling)  # [N, V] residuals, p to start with
     dt = r.dtype
     u_test = torch.rand(n, generator=g, dtype=dt, device=dev)  # [N]: child c's test uses u_test[c]
@@ -148,7 +156,13 @@ def verify_sampling(
         resid = torch.clamp(r - q, min=0.0)
         total = resid.sum(dim=-1, keepdim=True)  # 0 means r == q, where rejection has probability 0
         r = torch.where(has[:, None] & (total > 0), resid / torch.where(total > 0, total, 1.0), r)
-    bonus = S.inverse_cdf(r, u_bonus)[:, 0]  # [N]
+    return _walk(layout, accepted, S.inverse_cdf(r, u_bonus)[:, 0])
+
+
+def _walk(layout: TreeLayout, accepted: torch.Tensor, bonus: torch.Tensor) -> Verdict:
+    """The walk from the root over every node's tests (``accepted`` [N], by child) and bonus
+    draws (``bonus`` [N] token ids), after the one host copy."""
+    n = accepted.shape[0]
     host = torch.cat([accepted.long(), bonus]).tolist()  # the one host copy
     acc, bonus_of = host[:n], host[n:]
     path, v = [0], 0
@@ -158,3 +172,45 @@ def verify_sampling(
             return Verdict(path, bonus_of[v])
         path.append(nxt)
         v = nxt
+
+
+def _on_supports(tree: FlatTree, layout: TreeLayout, rows: tuple[torch.Tensor, torch.Tensor],
+                 g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_sampling``'s tests and bonus draws over each node's columns: the tokens of p's
+    support (``rows``: top-k probabilities and ids, [N, k]), of the draft's distribution and of
+    the node's children, in token order (repeats hold no mass: a token's column is its first),
+    not the vocabulary. The same draws as the whole rows (the same uniforms; a cumulative sum in
+    token order skips only zeros), on the device: no host copy before the walk's."""
+    probs, ids = rows[0], rows[1].contiguous()
+    n, dev, dt = probs.shape[0], probs.device, probs.dtype
+    u_test = torch.rand(n, generator=g, dtype=dt, device=dev)  # (drawn as the whole rows' are)
+    u_bonus = torch.rand(n, 1, generator=g, dtype=dt, device=dev)
+    width = max(len(c) for c in layout.children)
+    kid_tokens = torch.tensor([[tree.token_ids[c] for c in ch] + [tree.token_ids[0]] * (width - len(ch))
+                               for ch in layout.children], dtype=torch.long, device=dev)  # [N, b]
+    parts = [ids, kid_tokens]
+    if tree.sampled:
+        s = max(1, *(len(d) for d in tree.child_dist_ids))
+        q_ids = torch.tensor([d + [0] * (s - len(d)) for d in tree.child_dist_ids], dtype=torch.long, device=dev)
+        q_vals = torch.tensor([d + [0.0] * (s - len(d)) for d in tree.child_dist_probs], dtype=dt, device=dev)
+        parts.append(q_ids)
+    cols = torch.cat(parts, dim=1).sort(dim=1).values  # [N, m] token ids, ascending, repeats side by side
+    r = torch.zeros(cols.shape, dtype=dt, device=dev).scatter_add_(1, torch.searchsorted(cols, ids), probs)
+    q_shared = None
+    if tree.sampled:
+        q_shared = torch.zeros(cols.shape, dtype=dt, device=dev).scatter_add_(1, torch.searchsorted(cols, q_ids),
+                                                                              q_vals)
+        total = q_shared.sum(dim=-1, keepdim=True)  # renormalized, as dense_rows does
+        q_shared = torch.where(total > 0, q_shared / torch.where(total > 0, total, 1.0), q_shared)
+    accepted = torch.zeros(n, dtype=torch.bool, device=dev)
+    for j in range(width):
+        kid = torch.tensor([c[j] if j < len(c) else 0 for c in layout.children], dtype=torch.long, device=dev)
+        has = kid > 0
+        at = torch.searchsorted(cols, kid_tokens[:, j:j + 1].contiguous())  # [N, 1]: the j-th child's column
+        q = q_shared if q_shared is not None else torch.nn.functional.one_hot(at[:, 0], cols.shape[1]).to(dt)
+        qx, rx = q.gather(1, at)[:, 0], r.gather(1, at)[:, 0]
+        accepted.scatter_(0, kid, (u_test[kid] * qx < rx) & has)
+        resid = torch.clamp(r - q, min=0.0)
+        total = resid.sum(dim=-1, keepdim=True)
+        r = torch.where(has[:, None] & (total > 0), resid / torch.where(total > 0, total, 1.0), r)
+    return accepted, cols.gather(1, S.inverse_cdf(r, u_bonus))[:, 0]
