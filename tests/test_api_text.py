@@ -34,6 +34,18 @@ def chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
 TEXT = st.text(alphabet=st.sampled_from(list("ab \n") + ["é", "€", "😀", "中"]), max_size=40)
 
 
+def streamed(choice: ChoiceText, text: str, cuts: list[int], want: str) -> str:
+    """``text``'s bytes pushed through ``choice`` in the pieces ``cuts`` makes, until it stops:
+    what it emits, each prefix of it checked to be a prefix of ``want``."""
+    out = ""
+    for chunk in chunked(list(text.encode()), cuts):
+        out += choice.push(chunk)
+        assert want.startswith(out)
+        if choice.stopped:
+            break
+    return out + choice.finish()
+
+
 def reference(text: str, stops: list[str]) -> str:
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[:min(found)] if found else text
@@ -148,14 +160,7 @@ def test_with_include_stop_the_text_ends_after_the_stop_string(text, cuts, stops
     found = [text.find(s) + len(s) for s in stops if s in text]
     want = text[:min(found)] if found else text
     choice = ChoiceText(byte_decode, [], stops, include_stop=True)
-    out = ""
-    for chunk in chunked(list(text.encode()), cuts):
-        out += choice.push(chunk)
-        assert want.startswith(out)
-        if choice.stopped:
-            break
-    out += choice.finish()
-    assert out == want and choice.stopped == bool(found)
+    assert streamed(choice, text, cuts, want) == want and choice.stopped == bool(found)
 
 
 # ---- llama-server's line limits (n_indent, t_max_predict_ms) -----------------------------------------
@@ -185,14 +190,7 @@ def test_n_indent_ends_the_text_where_a_line_is_indented_less(text, cuts, n, sto
     found = [(kept.find(s), kept.find(s) + len(s)) for s in stops if s in kept]  # (start, end)
     want = kept[:min(e if include else b for b, e in found)] if found else kept
     choice = ChoiceText(byte_decode, [], stops, include_stop=include, lines=LineLimits(n_indent=n))
-    out = ""
-    for chunk in chunked(list(text.encode()), cuts):
-        out += choice.push(chunk)
-        assert want.startswith(out)
-        if choice.stopped:
-            break
-    out += choice.finish()
-    assert out == want
+    assert streamed(choice, text, cuts, want) == want
     assert choice.matcher.limited == (kept != text and not found)
 
 

@@ -30,14 +30,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, read_json, request_state
 from specsplit.api.protocol import MAX_N, MAX_TOP_K, ApiError, CompletionRequest, parse
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import EventStream, all_events, first_event, launch, sse
+from specsplit.api.streaming import answer, launch, sse
 from specsplit.api.textstream import LineLimits
 from specsplit.api.tokenizer import ServedTokenizer
 
@@ -359,6 +359,17 @@ class Shaper:
                "timings": timings}
         return nested(self.req.response_fields, out) if self.req.response_fields else out
 
+    def whole(self, events: list) -> dict | list:
+        """The answers of a request not streamed: one object, or a list for several."""
+        texts: dict[int, str] = {c.job.index: "" for c in self.gen.choices}
+        results = []
+        for ev in events:
+            texts[ev.index] += ev.text
+            if isinstance(ev, Done):
+                results.append(self.final(ev, texts[ev.index], time.perf_counter()))
+        results.sort(key=lambda r: r.get("index", 0))
+        return results[0] if len(results) == 1 else results
+
 
 def nested(paths: list[str], obj: dict) -> dict:
     """llama-server's ``response_fields``: each path's value (``a/b``: ``obj[a][b]``) under the
@@ -387,25 +398,8 @@ async def native(request: Request, infill: bool) -> Response:
     ends = tok.stop_token_ids
     gen, release = launch(state, jobs, [] if req.ignore_eos else ends, unlisted=ends)
     shaper = Shaper(req, state, gen, prompts, used)
-    if req.stream:
-        try:
-            first = await first_event(request, gen)
-        except BaseException:
-            release()
-            raise
-        return EventStream(stream_native(gen, first, shaper, release), release)
-    try:
-        events = await all_events(request, gen)
-    finally:
-        release()
-    texts: dict[int, str] = {c.job.index: "" for c in gen.choices}
-    results = []
-    for ev in events:
-        texts[ev.index] += ev.text
-        if isinstance(ev, Done):
-            results.append(shaper.final(ev, texts[ev.index], time.perf_counter()))
-    results.sort(key=lambda r: r.get("index", 0))
-    return JSONResponse(results[0] if len(results) == 1 else results)
+    return await answer(request, gen, release, req.stream, lambda first: stream_native(gen, first, shaper, release),
+                        shaper.whole)
 
 
 async def stream_native(gen: Generation, first, shaper: Shaper, release):

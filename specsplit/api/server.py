@@ -32,7 +32,7 @@ from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, encode_text, read_json, request_state
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import EventStream, all_events, first_event, launch, sse
+from specsplit.api.streaming import answer, launch, sse
 from specsplit.api.tokens import detokenize, tokenize
 
 
@@ -124,17 +124,9 @@ async def run_generation(request: Request, state: ApiState, req, prompts: list[l
     ends = state.tokenizer.stop_token_ids  # (a chat's logprobs do not list them)
     stops = sorted({*([] if req.ignore_eos else ends), *(req.stop_token_ids or ())})
     gen, release = launch(state, jobs, stops, unlisted=ends)
-    if req.stream:
-        try:
-            first = await first_event(request, gen)
-        except BaseException:
-            release()
-            raise
-        return EventStream(stream_events(gen, first, responder, req, release), release)
-    try:
-        return JSONResponse(collected(await all_events(request, gen), gen, responder))
-    finally:
-        release()
+    return await answer(request, gen, release, req.stream,
+                        lambda first: stream_events(gen, first, responder, req, release),
+                        lambda events: collected(events, gen, responder))
 
 
 def collected(events: list, gen: Generation, responder: Responder) -> dict:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specsplit.api.generation import Event, Failed, Generation, Job
 from specsplit.api.protocol import ApiError
@@ -116,3 +116,23 @@ async def all_events(request: Request, gen: Generation) -> list[Event]:
             out.append(ev)
     finally:
         watcher.cancel()
+
+
+async def answer(request: Request, gen: Generation, release: Callable[[], None], stream: bool,
+                 streamed: Callable[[Event | None], AsyncIterator[bytes]], whole: Callable[[list[Event]], object]
+                 ) -> Response:
+    """The response to a launched generation: with ``stream``, the events ``streamed(first)``
+    makes once the first has come (a refusal before it is a status); else ``whole(events)`` as
+    JSON. The generation is released however the response ends."""
+    if stream:
+        try:
+            first = await first_event(request, gen)
+        except BaseException:
+            release()
+            raise
+        return EventStream(streamed(first), release)
+    try:
+        events = await all_events(request, gen)
+    finally:
+        release()
+    return JSONResponse(whole(events))
