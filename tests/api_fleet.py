@@ -145,24 +145,26 @@ def target_sessions(fleet, slot: int) -> float:
     return worker_sessions(fleet, (400 + slot - 1,))
 
 
-def stream_killing(fleet, body: dict, role: str) -> list[dict]:
-    """Once no session is left from earlier tests, stream ``body`` from /v1/completions, and once
-    40 characters have come kill -9 the process serving it: its target worker (``role``
-    "target", found by its session count), the draft worker ("draft": the fleet has one) or the
-    orchestrator. Returns every chunk's choice,
+def stream_killing(fleet, body: dict, role: str, path: str = "/v1/completions") -> list[dict]:
+    """Once no session is left from earlier tests, stream ``body`` from ``path`` (/v1/completions,
+    or llama-server's /infill and /completion), and once 40 characters have come kill -9 the
+    process serving it: its target worker (``role`` "target", found by its session count), the
+    draft worker ("draft": the fleet has one) or the orchestrator. Returns every chunk's choice
+    (llama-server's: the chunk, its text in ``content``),
     once the API serves again (a restarted orchestrator may not have heard from a target worker
     yet: the next request would be a 503); fails when the answer ended before the kill."""
     from tests.honcho_fleet import worker_pid
 
     wait_until(lambda: target_sessions(fleet, 1) + target_sessions(fleet, 2) == 0, 60, "no session from earlier tests")
     choices, text, killed = [], "", None
-    with httpx.stream("POST", f"{fleet['url']}/v1/completions", json=body, timeout=300) as resp:
+    with httpx.stream("POST", f"{fleet['url']}{path}", json=body, timeout=300) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            choices.append(json.loads(line[6:])["choices"][0])
-            text += choices[-1]["text"]
+            chunk = json.loads(line[6:])
+            choices.append(chunk["choices"][0] if "choices" in chunk else chunk)
+            text += choices[-1].get("text", choices[-1].get("content", ""))
             if killed is None and len(text) > 40:
                 if role == "target":
                     home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,

@@ -196,3 +196,18 @@ def test_completion_mixed_prompts_stop_words_and_refusals(fleet, served):
     api_error(post_json(fleet, "/infill", {"input_prefix": "a"}), 400, param="input_suffix")
     api_error(post_json(fleet, "/infill", {"input_prefix": "a", "input_suffix": "", "prompt": [1]}), 400,
               param="prompt")
+
+
+def test_infill_streams_its_answer_through_a_kill_of_its_target_worker(fleet, served):
+    """kill -9 of the target worker serving a streamed /infill: the fleet resumes the session
+    on the other worker, and the answer is still the target's greedy decoding of the layout."""
+    from tests.api_fleet import stream_killing
+
+    tok, model = served
+    prefix, suffix, line = "def add(a, b):\n", "\n", "    "
+    want = tok.decode(expected(model, tok, infill_prompt(tok, prefix, suffix, line, []), 120))
+    assert len(want) > 60, want
+    body = {"input_prefix": prefix, "input_suffix": suffix, "prompt": line, "n_predict": 120, "temperature": 0,
+            "stream": True}
+    chunks = stream_killing(fleet, body, "target", path="/infill")
+    assert "".join(c["content"] for c in chunks) == want and chunks[-1]["stop"] is True
