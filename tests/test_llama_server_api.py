@@ -20,6 +20,10 @@ def req(**body) -> L.LlamaRequest:
     return L.parse_llama(body)
 
 
+def chain(r: L.LlamaRequest):
+    return L.sampling_of(r.samplers, r.temperature, r.top_k, r.top_p, r.min_p)
+
+
 @pytest.mark.parametrize("body, fields, last, used", [
     ({}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, True,
      ["top_k", "top_p", "min_p", "temperature"]),  # llama-server's defaults: the temperature last
@@ -35,7 +39,7 @@ def req(**body) -> L.LlamaRequest:
                                                                   "min_p": 0.05}, True, ["min_p", "temperature"]),
 ])
 def test_the_sampler_chain_as_the_fleet_applies_it(body, fields, last, used):
-    assert L.sampling_of(req(**body)) == (fields, last, used)
+    assert chain(req(**body)) == (fields, last, used)
 
 
 @pytest.mark.parametrize("body", [{"samplers": ["top_p", "top_k"]}, {"samplers": ["min_p", "top_p"]},
@@ -43,7 +47,7 @@ def test_the_sampler_chain_as_the_fleet_applies_it(body, fields, last, used):
                                   {"samplers": ["adaptive_p"]}, {"samplers": ["mystery"]}, {"samplers": "kz"}])
 def test_a_chain_the_fleet_cannot_keep_is_a_400(body):
     with pytest.raises(ApiError) as err:
-        L.sampling_of(req(**body))
+        chain(req(**body))
     assert err.value.status == 400 and err.value.param == "samplers"
 
 
@@ -125,3 +129,37 @@ def test_infill_keeps_the_prefix_end_the_suffix_start_and_the_last_of_the_files(
     assert L.infill_ids(tok, req(**body), FakeState(10_000)) == extra + fim
     assert L.infill_ids(tok, req(**body), FakeState(len(fim) + 10 + 7)) == extra[-7:] + fim
     assert L.infill_ids(tok, req(**body), FakeState(len(fim))) == fim
+
+
+# llama.vscode's chat edit, sent to /v1/chat/completions with llama.cpp's fields (its own defaults)
+VSCODE_EDIT = {"messages": [{"role": "system", "content": "You are an expert coder."},
+                            {"role": "user", "content": "rename x to count"}],
+               "stream": False, "cache_prompt": True, "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0,
+               "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1,
+               "xtc_probability": 0, "xtc_threshold": 0.1, "repeat_last_n": 64, "repeat_penalty": 1,
+               "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+               "dry_allowed_length": 2, "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
+
+
+def test_openai_endpoints_take_llama_cpps_fields():
+    """What llama-server's clients send to its OpenAI endpoints: llama.cpp's chain (here the
+    temperature last), its fields at their off values, ``max_tokens: -1`` (no limit); a field
+    that is on is a 400 naming it, an unknown one too."""
+    from specsplit.api.planning import sampling_for
+    from specsplit.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+
+    chat = parse(ChatCompletionRequest, {"model": "m", **VSCODE_EDIT})
+    assert chat.max_tokens is None and chat.samplers == "edkypmxt"
+    sp = sampling_for(chat, 7)
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.temperature_last) == (0.8, 40, 0.95, 0.05, True)
+    plain = sampling_for(parse(ChatCompletionRequest, {"model": "m", "messages": VSCODE_EDIT["messages"],
+                                                      "temperature": 0.8, "top_p": 0.95}), 7)
+    assert plain.temperature_last is None and plain.top_k == 0  # OpenAI's order without a chain
+    vim = sampling_for(parse(CompletionRequest, {"model": "m", "prompt": "x", "samplers": ["top_k", "top_p"],
+                                                 "top_k": 40, "top_p": 0.9, "temperature": 0.5}), 7)
+    assert (vim.temperature, vim.top_k, vim.top_p, vim.temperature_last) == (1.0, 40, 0.9, None)  # (no temperature)
+    for name, value in [("typical_p", 0.9), ("repeat_penalty", 1.1), ("mirostat", 2), ("samplers", ["top_p", "top_k"]),
+                        ("n_probs", 3), ("frobnicate", 1)]:
+        with pytest.raises(ApiError) as err:
+            sampling_for(parse(ChatCompletionRequest, {"model": "m", **VSCODE_EDIT, name: value}), 7)
+        assert err.value.status == 400 and err.value.param == name, name

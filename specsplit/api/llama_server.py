@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from specsplit.api.generation import Done, Failed, Generation
+from specsplit.api.llama_fields import IGNORED, OFF_ONLY, check_fields, sampling_of
 from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, read_json, request_state
 from specsplit.api.protocol import MAX_N, MAX_TOP_K, ApiError, CompletionRequest, parse
@@ -46,43 +47,6 @@ SNIPPET = "\n\n--- snippet ---\n\n"  # llama-server's separator of chunks for a 
 REPO_NAME, FILE_NAME = "myproject\n", "filename\n"  # llama-server's names of the repository and the file
 MAX_EXTRA_CHUNKS = 1024
 MAX_RESPONSE_FIELDS = 64
-
-# llama-server's fields that change nothing about the answer here, at any value: slots and their
-# cache options (the fleet's prefix caches work by content), context shifting (a prompt over the
-# context is a 400), the parameters of samplers that are off, and options of its own output
-IGNORED = frozenset({
-    "model", "id_slot", "cache_prompt", "n_keep", "n_discard", "n_cache_reuse", "t_max_prompt_ms", "verbose",
-    "sse_ping_interval", "stream_options", "repeat_last_n", "penalize_nl", "dynatemp_exponent", "xtc_threshold",
-    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
-    "mirostat_eta", "adaptive_decay", "min_keep", "post_sampling_probs", "backend_sampling", "timings_per_token",
-})
-# llama-server's fields honoured only at the value that turns them off: name -> (is it off?, what is)
-OFF_ONLY: dict[str, tuple[Any, str]] = {
-    "repeat_penalty": (lambda v: v == 1, "1.0: llama.cpp's penalties count the last tokens only"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "typical_p": (lambda v: v == 1, "1.0"),
-    "top_n_sigma": (lambda v: v <= 0, "-1"),
-    "xtc_probability": (lambda v: v == 0, "0"),
-    "dynatemp_range": (lambda v: v == 0, "0"),
-    "dry_multiplier": (lambda v: v == 0, "0"),
-    "mirostat": (lambda v: v == 0, "0"),
-    "adaptive_target": (lambda v: v < 0, "a negative value"),
-    "n_probs": (lambda v: v == 0, "0"),
-    "lora": (lambda v: not v, "[]"),
-    "return_progress": (lambda v: v is False, "false"),
-    "grammar_lazy": (lambda v: v is False, "false"),
-}
-# llama.cpp's sampler names (and its aliases: kebab-case, no dash), and its one-letter codes
-SAMPLERS = {"dry": "dry", "top_k": "top_k", "top_p": "top_p", "nucleus": "top_p", "top_n_sigma": "top_n_sigma",
-            "typ_p": "typ_p", "typ": "typ_p", "typical_p": "typ_p", "min_p": "min_p", "temperature": "temperature",
-            "temp": "temperature", "xtc": "xtc", "infill": "infill", "penalties": "penalties",
-            "adaptive_p": "adaptive_p"}
-SAMPLERS.update({k.replace("_", sep): v for k, v in list(SAMPLERS.items()) if "_" in k for sep in ("-", "")})
-SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
-DEFAULT_CHAIN = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-
 
 class ExtraChunk(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -124,20 +88,11 @@ class LlamaRequest(BaseModel):
 
     def checked(self) -> LlamaRequest:
         """A 400 naming a field this server does not know, or one it honours only when off."""
-        for name, value in (self.model_extra or {}).items():
-            if name in IGNORED:
-                continue
-            if name not in OFF_ONLY:
+        for name in self.model_extra or {}:
+            if name not in IGNORED and name not in OFF_ONLY:
                 raise ApiError(400, f"unknown parameter {name!r}: not supported by this server", param=name,
                                code="unsupported_parameter")
-            off, what = OFF_ONLY[name]
-            try:
-                ok = off(value)
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ApiError(400, f"{name} is not supported by this server (only {what})", param=name,
-                               code="unsupported_parameter")
+        check_fields(self.model_extra or {})
         if self.grammar and self.json_schema is not None:
             raise ApiError(400, "grammar and json_schema both constrain the output: send one", param="grammar")
         return self
@@ -147,48 +102,6 @@ class LlamaRequest(BaseModel):
         """n_predict, or an alias of it: -1 until an end (or the context is full)."""
         given = [v for v in (self.n_predict, self.max_tokens, self.max_completion_tokens) if v is not None]
         return given[0] if given else -1
-
-
-def chain_of(req: LlamaRequest) -> list[str]:
-    """The sampler chain asked for, by llama.cpp's canonical names (a 400 for a name it lacks)."""
-    if req.samplers is None:
-        return list(DEFAULT_CHAIN)
-    names = [SAMPLER_CHARS.get(c) for c in req.samplers] if isinstance(req.samplers, str) else \
-        [SAMPLERS.get(s.lower()) for s in req.samplers]
-    if None in names:
-        bad = (list(req.samplers) if isinstance(req.samplers, str) else req.samplers)[names.index(None)]
-        raise ApiError(400, f"samplers: {bad!r} is no sampler of llama.cpp", param="samplers")
-    return names
-
-
-def sampling_of(req: LlamaRequest) -> tuple[dict, bool, list[str]]:
-    """The OpenAI-side sampling fields, ``temperature_last``, and the chain as applied: the
-    samplers of the chain that act (the others are off, or ``infill``), in the fleet's order
-    (top-k, top-p, min-p; the temperature first or last); a 400 for an order it cannot keep."""
-    chain = chain_of(req)
-    if "adaptive_p" in chain:
-        raise ApiError(400, "samplers: adaptive_p is not supported by this server", param="samplers")
-    if len(set(chain)) < len(chain):
-        raise ApiError(400, "samplers: a sampler named twice is not supported", param="samplers")
-    acting = {"top_k": req.top_k > 0, "top_p": req.top_p < 1.0, "min_p": req.min_p > 0.0,
-              "temperature": req.temperature != 1.0}
-    used = [s for s in chain if acting.get(s)]
-    cuts = [s for s in used if s != "temperature"]
-    if cuts != [s for s in ("top_k", "top_p", "min_p") if s in cuts]:
-        raise ApiError(400, f"samplers: the order {cuts} is not supported (top_k, top_p, min_p in this order)",
-                       param="samplers")
-    last = False
-    if "temperature" in used and req.temperature > 0:
-        at = used.index("temperature")
-        scaled = [s for s in used[at + 1:] if s in ("top_p", "min_p")]  # (top-k keeps the same tokens)
-        before = [s for s in used[:at] if s in ("top_p", "min_p")]
-        if scaled and before:
-            raise ApiError(400, "samplers: the temperature between top_p and min_p is not supported", param="samplers")
-        last = bool(before)
-    fields = {"temperature": req.temperature if "temperature" in used else 1.0,
-              "top_k": req.top_k if "top_k" in used else 0, "top_p": req.top_p if "top_p" in used else 1.0,
-              "min_p": req.min_p if "min_p" in used else 0.0}
-    return fields, last, used
 
 
 def logit_bias_of(req: LlamaRequest, tok: ServedTokenizer) -> dict[str, float] | None:
@@ -291,7 +204,7 @@ def plan(req: LlamaRequest, state: ApiState, tok: ServedTokenizer, infill: bool)
         prompts = [encode_mixed(tok, p, state, first_special=True) for p in prompt_pieces(req.prompt)]
     if any(not p for p in prompts):
         raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
-    fields, last, used = sampling_of(req)
+    fields, last, used = sampling_of(req.samplers, req.temperature, req.top_k, req.top_p, req.min_p)
     n = req.budget
     body = {"model": state.model_name, "prompt": prompts, "max_tokens": None if n < 0 else max(1, n),
             **fields, "n": req.n_cmpl or req.n or 1, "seed": None if req.seed < 0 else req.seed,
