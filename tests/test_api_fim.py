@@ -211,3 +211,19 @@ def test_infill_streams_its_answer_through_a_kill_of_its_target_worker(fleet, se
             "stream": True}
     chunks = stream_killing(fleet, body, "target", path="/infill")
     assert "".join(c["content"] for c in chunks) == want and chunks[-1]["stop"] is True
+
+
+def test_llama_vscodes_chat_edit_body_on_the_openai_endpoint(fleet, served):
+    """llama.vscode's chat edit as it posts it to /v1/chat/completions (llama.cpp's fields and
+    chain, ``max_tokens: -1``), here at temperature 0: the target's greedy decoding of the chat."""
+    from tests.test_llama_server_api import VSCODE_EDIT
+
+    tok, model = served
+    ids = tok.encode_chat(VSCODE_EDIT["messages"])
+    want = expected(model, tok, ids, 24)
+    body = {**VSCODE_EDIT, "temperature": 0, "max_tokens": 24, "model": openai_client(fleet).models.list().data[0].id}
+    res = post_json(fleet, "/v1/chat/completions", body)
+    assert res.status_code == 200, res.text
+    assert res.json()["choices"][0]["message"]["content"] == tok.decode(want)
+    unlimited = post_json(fleet, "/v1/chat/completions", {**body, "max_tokens": -1, "stop": [tok.decode(want[:3])]})
+    assert unlimited.status_code == 200 and unlimited.json()["choices"][0]["message"]["content"] == ""

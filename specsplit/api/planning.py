@@ -12,6 +12,7 @@ from schemas import SamplingSpec
 from schemas.base import MAX_PREDICTION_TOKENS, MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
 from specsplit.api import tools
 from specsplit.api.generation import Job
+from specsplit.api.llama_fields import sampling_of
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, logit_bias_for
 from specsplit.api.state import ApiState
 from specsplit.api.structured import constraint_of
@@ -24,10 +25,14 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
     bar exact ties, where greedy takes the first), which verifies trees on the cheaper path."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    top_p, min_p, last = 1.0 if req.top_p is None else req.top_p, req.min_p or 0.0, False
+    if getattr(req, "samplers", None) is not None:  # llama.cpp's chain: which act, the temperature's place
+        chain, last, _ = sampling_of(req.samplers, temperature, top_k, top_p, min_p)
+        temperature, top_k, top_p, min_p = chain["temperature"], chain["top_k"], chain["top_p"], chain["min_p"]
     if top_k == 1:
         temperature, top_k = 0.0, 0
-    return SamplingSpec(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                        min_p=req.min_p or 0.0, seed=0 if seed is None else seed,
+    return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, temperature_last=last or None,
+                        seed=0 if seed is None else seed,
                         presence_penalty=req.presence_penalty or None, frequency_penalty=req.frequency_penalty or None,
                         repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 

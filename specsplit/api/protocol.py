@@ -189,6 +189,28 @@ class _Request(BaseModel):
     json_schema: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     regex: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
     ebnf: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # llama.cpp's sampler chain, as clients of llama-server send it here too (llama.vscode's chat
+    # edits): which samplers act and whether the temperature comes last (api.llama_fields)
+    samplers: list[str] | str | None = Field(default=None, max_length=32)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_fields(cls, data):
+        """llama.cpp's other fields (api.llama_fields): those that change nothing here dropped,
+        those honoured only when off checked (a 400 naming one that is not); its ``max_tokens: -1``
+        is no limit."""
+        if not isinstance(data, dict):
+            return data
+        from specsplit.api.llama_fields import IGNORED, OFF_ONLY, check_fields
+
+        theirs = {k: v for k, v in data.items() if k not in cls.model_fields and (k in IGNORED or k in OFF_ONLY)}
+        if not theirs and data.get("max_tokens") != -1:
+            return data
+        check_fields(theirs)
+        data = {k: v for k, v in data.items() if k not in theirs}
+        if data.get("max_tokens") == -1 and type(data["max_tokens"]) is int:
+            data["max_tokens"] = None
+        return data
 
     @field_validator("stop")
     @classmethod
