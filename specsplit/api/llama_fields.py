@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specsplit.api.protocol import ApiError
+from specsplit.api.errors import ApiError
 
 # llama-server's fields that change nothing about the answer here, at any value: slots and their
 # cache options (the fleet's prefix caches work by content), context shifting (a prompt over the
@@ -18,7 +18,7 @@ IGNORED = frozenset({
     "model", "id_slot", "cache_prompt", "n_keep", "n_discard", "n_cache_reuse", "t_max_prompt_ms", "verbose",
     "sse_ping_interval", "stream_options", "repeat_last_n", "penalize_nl", "dynatemp_exponent", "xtc_threshold",
     "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
-    "mirostat_eta", "adaptive_decay", "min_keep", "post_sampling_probs", "backend_sampling", "timings_per_token",
+    "mirostat_eta", "adaptive_decay", "min_keep", "backend_sampling", "timings_per_token",
 })
 # llama-server's fields honoured only at the value that turns them off: name -> (is it off?, what is)
 OFF_ONLY: dict[str, tuple[Any, str]] = {
@@ -32,7 +32,8 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "dry_multiplier": (lambda v: v == 0, "0"),
     "mirostat": (lambda v: v == 0, "0"),
     "adaptive_target": (lambda v: v < 0, "a negative value"),
-    "n_probs": (lambda v: v == 0, "0"),
+    "n_probs": (lambda v: v == 0, "0 on the OpenAI endpoints: logprobs there"),
+    "post_sampling_probs": (lambda v: v is False, "false: the probabilities are the model's, before sampling"),
     "lora": (lambda v: not v, "[]"),
     "return_progress": (lambda v: v is False, "false"),
     "grammar_lazy": (lambda v: v is False, "false"),

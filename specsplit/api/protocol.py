@@ -23,6 +23,7 @@ from schemas import GrammarSpec, SamplingSpec
 from schemas.messages import (
     MAX_CONTEXT_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, TokenBias,
 )
+from specsplit.api.errors import ApiError  # (re-exported: the API's modules import it from here)
 from specsplit.grammar_text import grammar_error
 
 MAX_TOP_K = SamplingSpec.model_fields["top_k"].metadata[-1].le  # what the fleet's SamplingSpec takes
@@ -48,19 +49,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "best_of": (None, 1),
 }
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
