@@ -227,3 +227,32 @@ def test_llama_vscodes_chat_edit_body_on_the_openai_endpoint(fleet, served):
     assert res.json()["choices"][0]["message"]["content"] == tok.decode(want)
     unlimited = post_json(fleet, "/v1/chat/completions", {**body, "max_tokens": -1, "stop": [tok.decode(want[:3])]})
     assert unlimited.status_code == 200 and unlimited.json()["choices"][0]["message"]["content"] == ""
+
+
+def test_completion_probabilities_are_the_targets(fleet, served):
+    """``n_probs`` on /completion: each answer token with its log-probability under the target
+    (before sampling, llama-server's default) and the n most likely ones, whole and streamed."""
+    import torch
+
+    from tests.test_api_sampling import reference
+
+    tok, model = served
+    ids = tok.encode("def add(a, b):\n")
+    out = expected(model, tok, ids, 8)
+    rows = reference(model, ids, out)
+    body = {"prompt": ids, "n_predict": 8, "temperature": 0, "n_probs": 3}
+    res = post_json(fleet, "/completion", body).json()
+    probs = res["completion_probabilities"]
+    assert [p["id"] for p in probs] == out
+    for p, row in zip(probs, rows):
+        assert abs(p["logprob"] - float(row[p["id"]])) < 1e-4 and p["token"] == tok.token_piece(p["id"])[0]
+        values = row.topk(3).values
+        assert [t["logprob"] for t in p["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert p["top_logprobs"][0]["id"] == p["id"] and bytes(p["bytes"]) == tok.token_piece(p["id"])[1]
+    with httpx.stream("POST", f"{fleet['url']}/completion", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines() if ln]
+    streamed = [p for c in chunks for p in c.get("completion_probabilities", [])]
+    assert [p["id"] for p in streamed] == out and torch.allclose(
+        torch.tensor([p["logprob"] for p in streamed]), torch.tensor([p["logprob"] for p in probs]))
+    api_error(post_json(fleet, "/completion", {**body, "post_sampling_probs": True}), 400,
+              param="post_sampling_probs")

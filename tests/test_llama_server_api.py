@@ -54,7 +54,7 @@ def test_a_chain_the_fleet_cannot_keep_is_a_400(body):
 def test_fields_taken_at_any_value_or_only_off():
     req(id_slot=3, cache_prompt=False, t_max_prompt_ms=500, repeat_last_n=256, dry_base=1.75, model="any")
     req(repeat_penalty=1.0, typical_p=1, top_n_sigma=-1, mirostat=0, n_probs=0, lora=[])
-    for name, value in [("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 1), ("n_probs", 3),
+    for name, value in [("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 1), ("post_sampling_probs", True),
                         ("dry_multiplier", 0.8), ("xtc_probability", "x"), ("what", 1)]:
         with pytest.raises(ApiError) as err:
             req(**{name: value})

@@ -36,7 +36,7 @@ from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.llama_fields import IGNORED, OFF_ONLY, check_fields, sampling_of
 from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, read_json, request_state
-from specsplit.api.protocol import MAX_N, MAX_TOP_K, ApiError, CompletionRequest, parse
+from specsplit.api.protocol import MAX_N, MAX_TOP_K, MAX_TOP_LOGPROBS, ApiError, CompletionRequest, parse
 from specsplit.api.state import ApiState
 from specsplit.api.streaming import answer, launch, sse
 from specsplit.api.textstream import LineLimits
@@ -84,6 +84,9 @@ class LlamaRequest(BaseModel):
     n_cmpl: int | None = Field(default=None, ge=1, le=MAX_N)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     return_tokens: bool = False
+    # each answer token's log-probability and its n most likely alternatives (the model's, before
+    # the sampling chain: llama-server's default), as ``completion_probabilities``
+    n_probs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     response_fields: list[str] | None = Field(default=None, max_length=MAX_RESPONSE_FIELDS)
 
     def checked(self) -> LlamaRequest:
@@ -209,7 +212,7 @@ def plan(req: LlamaRequest, state: ApiState, tok: ServedTokenizer, infill: bool)
     body = {"model": state.model_name, "prompt": prompts, "max_tokens": None if n < 0 else max(1, n),
             **fields, "n": req.n_cmpl or req.n or 1, "seed": None if req.seed < 0 else req.seed,
             "stop": req.stop, "stream": req.stream, "ignore_eos": req.ignore_eos,
-            "logit_bias": logit_bias_of(req, tok)}
+            "logit_bias": logit_bias_of(req, tok), "logprobs": req.n_probs or None}
     if req.grammar:
         body["guided_grammar"] = req.grammar
     elif req.json_schema is not None:
@@ -234,12 +237,27 @@ class Shaper:
                          "ignore_eos": req.ignore_eos, "stream": req.stream, "samplers": used,
                          "grammar": req.grammar or "", "speculative": True}
 
-    def partial(self, index: int, text: str) -> dict:
+    def partial(self, index: int, text: str, logprobs=()) -> dict:
         choice = self.gen.choices[index]
-        return {"index": index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
-                "tokens_predicted": choice.tokens, "tokens_evaluated": len(choice.job.prompt_ids)}
+        out = {"index": index, "content": text, "tokens": [], "stop": False, "id_slot": -1,
+               "tokens_predicted": choice.tokens, "tokens_evaluated": len(choice.job.prompt_ids)}
+        if logprobs:
+            out["completion_probabilities"] = self.probabilities(logprobs)
+        return out
 
-    def final(self, done: Done, text: str, ended: float) -> dict:
+    def probabilities(self, entries) -> list[dict]:
+        """llama-server's ``completion_probabilities``: each token (its text, bytes, log-probability)
+        with its ``n_probs`` most likely alternatives."""
+        piece = self.state.tokenizer.token_piece
+
+        def one(t: int, lp: float | None) -> dict:
+            text, raw = piece(t)
+            return {"id": t, "token": text, "bytes": list(raw), "logprob": lp}
+
+        return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top or ()]}
+                for e in entries]
+
+    def final(self, done: Done, text: str, ended: float, logprobs=()) -> dict:
         choice = self.gen.choices[done.index]
         job = choice.job
         ttft = done.speculative.get("time_to_first_token_s")
@@ -270,16 +288,20 @@ class Shaper:
                "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
                "stopping_word": done.stop_word or "", "tokens_cached": len(job.prompt_ids) + done.completion_tokens,
                "timings": timings}
+        if logprobs:
+            out["completion_probabilities"] = self.probabilities(logprobs)
         return nested(self.req.response_fields, out) if self.req.response_fields else out
 
     def whole(self, events: list) -> dict | list:
         """The answers of a request not streamed: one object, or a list for several."""
         texts: dict[int, str] = {c.job.index: "" for c in self.gen.choices}
+        probs: dict[int, list] = {i: [] for i in texts}
         results = []
         for ev in events:
             texts[ev.index] += ev.text
+            probs[ev.index].extend(ev.logprobs)
             if isinstance(ev, Done):
-                results.append(self.final(ev, texts[ev.index], time.perf_counter()))
+                results.append(self.final(ev, texts[ev.index], time.perf_counter(), probs[ev.index]))
         results.sort(key=lambda r: r.get("index", 0))
         return results[0] if len(results) == 1 else results
 
@@ -324,8 +346,8 @@ async def stream_native(gen: Generation, first, shaper: Shaper, release):
             if isinstance(ev, Failed):
                 yield sse(ev.error.body())
                 break
-            if ev.text:
-                yield sse(shaper.partial(ev.index, ev.text))
+            if ev.text or ev.logprobs:
+                yield sse(shaper.partial(ev.index, ev.text, ev.logprobs))
             if isinstance(ev, Done):
                 yield sse(shaper.final(ev, "", time.perf_counter()))
             ev = await gen.next()
