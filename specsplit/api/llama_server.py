@@ -38,7 +38,7 @@ from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, read_json, request_state
 from specsplit.api.protocol import MAX_N, MAX_TOP_K, MAX_TOP_LOGPROBS, ApiError, CompletionRequest, parse
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import answer, launch, sse
+from specsplit.api.streaming import answer, each_event, launch, sse
 from specsplit.api.textstream import LineLimits
 from specsplit.api.tokenizer import ServedTokenizer
 
@@ -341,16 +341,14 @@ async def stream_native(gen: Generation, first, shaper: Shaper, release):
     """llama-server's stream: a chunk per text delta, then each answer's last chunk (``stop``:
     true, the final fields, its content already sent); no ``[DONE]``."""
     try:
-        ev = first
-        while ev is not None:
+        async for ev in each_event(gen, first):
             if isinstance(ev, Failed):
                 yield sse(ev.error.body())
-                break
+                continue
             if ev.text or ev.logprobs:
                 yield sse(shaper.partial(ev.index, ev.text, ev.logprobs))
             if isinstance(ev, Done):
                 yield sse(shaper.final(ev, "", time.perf_counter()))
-            ev = await gen.next()
     finally:
         release()
 

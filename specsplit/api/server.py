@@ -32,7 +32,7 @@ from specsplit.api.planning import plan_jobs
 from specsplit.api.plumbing import check_key, encode_text, read_json, request_state
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import answer, launch, sse
+from specsplit.api.streaming import answer, each_event, launch, sse
 from specsplit.api.tokens import detokenize, tokenize
 
 
@@ -153,11 +153,10 @@ async def stream_events(gen: Generation, first, responder: Responder, req, relea
         if responder.chat:
             for c in gen.choices:
                 yield sse(responder.chunk(c.job.index, None, first=True, include_usage=include))
-        ev = first
-        while ev is not None:
+        async for ev in each_event(gen, first):
             if isinstance(ev, Failed):
                 yield sse(ev.error.body())
-                break
+                continue
             if ev.text or ev.logprobs:
                 yield sse(responder.chunk(ev.index, ev.text, include_usage=include, logprobs=ev.logprobs))
             if ev.calls:
@@ -165,7 +164,6 @@ async def stream_events(gen: Generation, first, responder: Responder, req, relea
             if isinstance(ev, Done):
                 done[ev.index] = ev
                 yield sse(responder.chunk(ev.index, None, ev, include_usage=include))
-            ev = await gen.next()
         if include and len(done) == len(gen.choices):
             yield sse(responder.usage_chunk(done))
         yield b"data: [DONE]\n\n"

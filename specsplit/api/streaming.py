@@ -96,6 +96,16 @@ async def first_event(request: Request, gen: Generation) -> Event | None:
         nxt.cancel()
 
 
+async def each_event(gen: Generation, first: Event | None) -> AsyncIterator[Event]:
+    """The generation's events from ``first`` on, the first failure the last of them."""
+    ev = first
+    while ev is not None:
+        yield ev
+        if isinstance(ev, Failed):
+            return
+        ev = await gen.next()
+
+
 async def all_events(request: Request, gen: Generation) -> list[Event]:
     """Every event of the generation, in order: ClientDisconnect when the client goes first,
     the first choice's failure as its ApiError."""
