@@ -298,6 +298,14 @@ class OrchestratorSettings(SessionLimitSettings):
         "The draft answers growth with the grown tree and the orchestrator re-roots it at the bonus token itself: "
         "a re-rooted round's tree goes to the target at once, the draft's request beside it, so the round waits "
         "for no draft round trip (needs SPECSPLIT_DRAFT_STEPS_AFTER_REUSE=0, the default; docs/results.md)."))
+    overlap_prefill: bool = Field(default=True, description=(
+        "A session's first round verifies the prompt's last token alone while the draft forwards the prompt and "
+        "drafts beside it, instead of waiting for the draft first: the first token comes after the target's "
+        "prefill alone, and the second round re-roots the draft's tree (docs/results.md)."))
+    overlap_prefill_max_tokens: int = Field(default=0, ge=0, description=(
+        "SPECSPLIT_OVERLAP_PREFILL only for prompts with at most this many tokens for the target to forward "
+        "(0: any). Where the draft and the target share cores and both forward a long prompt on all of them, "
+        "the two prefills slow each other down (the repository's .env)."))
     rpc_timeout_s: float = Field(default=60.0, gt=0, description=(
         "Seconds one orchestrator -> worker request may take before it is retried."))
     max_attempts: int = Field(default=8, ge=1, description=(

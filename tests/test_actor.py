@@ -23,7 +23,7 @@ class EngineRpc:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.requests = []
+        self.requests, self.replies = [], []
 
     async def call(self, msg, *, session_id: str, timeout_s: float | None = None):
         self.requests.append(msg)
@@ -31,7 +31,9 @@ class EngineRpc:
         # interleave: what the actor sends once a verify has left (its growth request) goes out before the reply
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        return self.engine.handle(msg)
+        reply = self.engine.handle(msg)
+        self.replies.append(reply)
+        return reply
 
 
 def run_actor(draft, target, prompt, n, **policy):
@@ -61,6 +63,60 @@ def test_actor_equals_greedy_with_and_without_growth(models, which, grow):
         assert sorted(g.round for g in grows) == list(range(1, len(grows) + 1))
     else:
         assert not grows
+
+
+@pytest.mark.parametrize("which", ["often", "rarely"])
+def test_the_first_round_verifies_its_root_while_the_draft_forwards_the_prompt(models, which):
+    """SPECSPLIT_OVERLAP_PREFILL: round 0 sends the prompt to both workers at once, its verify
+    holding the root alone; round 1's DraftRequest finds the prompt in the draft's cache (nothing
+    appended but what round 0 committed) and, where the draft foresaw the first token, re-uses
+    the tree it drew. The output is the target's greedy decoding."""
+    from schemas import DraftReply, DraftRequest, VerifyRequest
+
+    target, often, rarely = models["qwen2"]
+    draft = often if which == "often" else rarely
+    d_rpc, t_rpc = EngineRpc(DraftEngine(draft, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompt, n, out = [3, 14, 15, 92, 65, 35], 40, []
+    req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
+    actor = SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, overlap_prefill=True, grow=True), out.append)
+    done = asyncio.run(actor.run())
+    assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    verifies = [m for m in t_rpc.requests if isinstance(m, VerifyRequest)]
+    drafts = [(m, r) for m, r in zip(d_rpc.requests, d_rpc.replies) if isinstance(m, DraftRequest)]
+    assert verifies[0].round == 0 and verifies[0].tree.token_ids == [prompt[-1]]
+    assert verifies[0].sync.append_token_ids == prompt[:-1]
+    (first, _), (second, reply) = drafts[:2]
+    assert first.round == 0 and first.sync.append_token_ids == prompt[:-1] and first.root == prompt[-1]
+    # round 1: the draft holds the prompt; the first token is its root, nothing else to forward
+    assert second.round == 1 and second.sync.base_len == len(prompt) and second.sync.append_token_ids == []
+    assert second.root == done.token_ids[0] and isinstance(reply, DraftReply)
+    if which == "often":  # the draft foresaw the first token: round 1 starts from its tree
+        assert reply.reused_nodes > 0
+    assert verifies[1].tree.num_nodes > 1  # round 1 verifies a drafted tree
+
+
+def test_a_failed_draft_beside_the_first_round_resends_the_whole_prompt(models):
+    """The DraftRequest sent beside round 0 fails (the draft worker answers an error): the next
+    round finds out before it drafts and sends the whole context; the output is unchanged."""
+    from schemas import DraftRequest, ErrorCode, ErrorReply
+
+    class FailFirstDraft(EngineRpc):
+        async def call(self, msg, *, session_id, timeout_s=None):
+            if isinstance(msg, DraftRequest) and msg.round == 0:
+                self.requests.append(msg)
+                self.replies.append(None)
+                return ErrorReply.of(ErrorCode.OVERLOADED, "busy", session_id=session_id, retryable=True)
+            return await super().call(msg, session_id=session_id, timeout_s=timeout_s)
+
+    target, often, _ = models["qwen2"]
+    d_rpc, t_rpc = FailFirstDraft(DraftEngine(often, LIMITS)), EngineRpc(TargetEngine(target, LIMITS))
+    prompt, n, out = [3, 14, 15, 92, 65, 35], 20, []
+    req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
+    done = asyncio.run(SessionActor(req, d_rpc, t_rpc, ActorPolicy(tree=SPEC, overlap_prefill=True), out.append).run())
+    assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    drafts = [m for m in d_rpc.requests if isinstance(m, DraftRequest)]
+    assert drafts[1].round == 1 and drafts[1].sync.base_len == 0
+    assert drafts[1].sync.append_token_ids == [*prompt, done.token_ids[0]][:-1]
 
 
 def test_round_stats_count_acceptance_by_depth():

@@ -73,6 +73,43 @@ def test_plan_asks_the_proposers_the_round_needs():
     assert plan(cur, everyone, max_new=3).spec.max_depth == 2
 
 
+class AheadTree(FixedTree):
+    def __init__(self):
+        super().__init__()
+        self.ahead_calls = []
+
+    def ahead(self, committed, budget, sampling, rnd):
+        self.ahead_calls.append((list(committed), budget.spec.max_depth, rnd))
+
+
+def test_the_first_round_overlaps_the_model_proposers_with_the_verify():
+    """``overlap``: round 0 is plain (its root and free chains), the model proposer started on
+    the prompt beside it; not later rounds, nor a round that would not have drafted anyway."""
+    tree_p, (lookup, cache) = AheadTree(), chain_proposers()
+    everyone, cur = [tree_p, lookup, cache], SessionCursor([7, 40, 41, 42])
+
+    def first(rnd=0, **kw):
+        kw = {"sampling": GREEDY, "max_new": 32, "cost": None, "exact": False, "most": 0, **kw}
+        return rounds.plan(rnd, cur, [], prompt_len=cur.prompt_len, max_new_tokens=kw["max_new"], stop=set(),
+                           tree=SPEC, sampling=kw["sampling"], exact=kw["exact"], proposers=everyone,
+                           cost=kw["cost"], overlap=True, overlap_max_tokens=kw["most"])
+
+    rp = first()
+    assert rp.plain and rp.ahead == (tree_p,) and rp.proposers == (lookup, cache)
+    c = asyncio.run(rounds.propose(rp, cur.committed, GREEDY, chain_tokens=8, cost=None))
+    assert tree_p.ahead_calls == [([7, 40, 41, 42], SPEC.max_depth, 0)] and not tree_p.calls
+    assert c.drafted is None and c.tree.token_ids[0] == 42
+    assert first(sampling=SAMPLED).ahead == (tree_p,) and first(sampling=SAMPLED).proposers == ()
+    assert first(rnd=1).ahead == () and first(rnd=1).proposers == (tree_p, lookup, cache)
+    assert first(max_new=1).ahead == ()  # one token wanted: nothing to draft, now or later
+    # a prompt longer than overlap_max_tokens (3 for the target to forward here): drafted first
+    assert first(most=3).ahead == (tree_p,) and first(most=2).ahead == () and first(most=2).proposers[0] is tree_p
+    cost = CostModel()
+    cost.active_sessions, cost.speculating = 3, 1  # plain decoding pays under this load: no draft at all
+    assert first(cost=cost).ahead == ()
+    assert plan(cur, everyone).ahead == ()  # off by default
+
+
 def test_plan_only_confirms_when_provisional_tokens_would_end_the_generation():
     cur = SessionCursor([1, 2, 3, 7, 8], confirmed=3, prompt_len=3)  # 7, 8 provisional (exact SpecPV)
     rp = plan(cur, [FixedTree(), *chain_proposers()], exact=True, max_new=2)

@@ -66,6 +66,8 @@ class ActorPolicy:
     # the proposers by name, in order (specsplit.proposers); None: from the fields above
     proposers: tuple[str, ...] | None = None
     draft_grammar: bool = False  # grammar sessions: the draft is sent the grammar, to mask its proposals
+    overlap_prefill: bool = False  # round 0 verifies its root while the draft forwards the prompt (rounds.plan)
+    overlap_prefill_max_tokens: int = 0  # ... when the target forwards at most this many tokens (0: any)
 
     def proposer_names(self, ngrams: bool = False) -> tuple[str, ...]:
         """The proposers the fleet runs: the draft model unless ``lookup_only``, then the tokens a
@@ -207,7 +209,8 @@ class SessionActor:
             horizon, sampling = self._round_sampling(prompt_len)
             rp = rounds.plan(rnd, self.cur, self.out, prompt_len=prompt_len, max_new_tokens=horizon,
                              stop=stop, tree=self.tree, sampling=sampling, exact=self.exact,
-                             proposers=self.proposers, cost=self.cost)
+                             proposers=self.proposers, cost=self.cost, overlap=self.policy.overlap_prefill,
+                             overlap_max_tokens=self.policy.overlap_prefill_max_tokens)
             self._set_drafting(any(p.model_cost for p in rp.proposers))
             t_propose = time.perf_counter()
             cands = await rounds.propose(rp, self.cur.committed, sampling,

@@ -33,11 +33,19 @@ class RoundPlan:
     plain: bool  # no model-cost proposer this round (priced as a plain round)
     proposers: tuple[Proposer, ...]  # asked this round, in order
     context_len: int = 0  # committed tokens when the round started (its root the last)
+    # model proposers that start on the context beside this round's verify instead of in it
+    # (the first round's overlap: ``overlap``)
+    ahead: tuple[Proposer, ...] = ()
 
 
 def plan(rnd: int, cur: SessionCursor, out: list[int], *, prompt_len: int, max_new_tokens: int, stop: set[int],
          tree: TreeSpec, sampling: SamplingSpec, exact: bool, proposers: Sequence[Proposer],
-         cost: CostModel | None) -> RoundPlan:
+         cost: CostModel | None, overlap: bool = False, overlap_max_tokens: int = 0) -> RoundPlan:
+    """``overlap``: round 0, which would wait for the draft to forward the prompt and then for the
+    target to, verifies its root (and free chains) at once instead, the model proposers sent the
+    prompt beside it (``RoundPlan.ahead``): the first token comes after the target's prefill
+    alone, and the next round re-roots the tree the draft drew meanwhile. Only when the target
+    has at most ``overlap_max_tokens`` to forward (0: any number)."""
     confirm = exact and cur.must_confirm(out, prompt_len, max_new_tokens, stop)
     spec = remaining_tree(tree, max_new_tokens - cur.produced(prompt_len))
     greedy = sampling.greedy
@@ -53,7 +61,11 @@ def plan(rnd: int, cur: SessionCursor, out: list[int], *, prompt_len: int, max_n
         asked = () if plain else tuple(p for p in proposers if p.kind == "tree")
     else:  # plain (from round 0 on, so a new session under load skips the draft's prefill): no model call
         asked = tuple(p for p in proposers if not (plain and p.model_cost))
-    return RoundPlan(rnd, confirm, spec, sync_tokens, plain, asked, len(cur.committed))
+    ahead: tuple[Proposer, ...] = ()
+    if overlap and rnd == 0 and not plain and not confirm and (overlap_max_tokens <= 0
+                                                              or sync_tokens <= overlap_max_tokens):
+        ahead, asked, plain = tuple(p for p in asked if p.model_cost), tuple(p for p in asked if not p.model_cost), True
+    return RoundPlan(rnd, confirm, spec, sync_tokens, plain, asked, len(cur.committed), ahead)
 
 
 async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpec, *, chain_tokens: int,
@@ -62,6 +74,8 @@ async def propose(rp: RoundPlan, committed: Sequence[int], sampling: SamplingSpe
     the drawn tree as it is (dropping drawn children by value would bias the output); a round
     without proposers (confirming) verifies its root alone. Its caller tells the proposers what
     goes to the target (``verifying``) once the verify request is sent."""
+    for p in rp.ahead:
+        p.ahead(committed, Budget(rp.spec, 0), sampling, rp.rnd)
     base, drafted = root_only(committed[-1]), None
     for p in rp.proposers:
         if p.kind == "tree":

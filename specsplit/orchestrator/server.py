@@ -46,6 +46,7 @@ class Orchestrator:
             grow_chains=settings.grow_chains, grow_reroot=settings.grow_reroot,
             specpv=settings.specpv_spec(), lookup_only=settings.speculator == "lookup",
             proposers=settings.proposer_names(), draft_grammar=settings.draft_grammar,
+            overlap_prefill=settings.overlap_prefill, overlap_prefill_max_tokens=settings.overlap_prefill_max_tokens,
         )
         self.sessions: dict[str, asyncio.Task] = {}  # running
         self.owners: dict[str, bytes] = {}  # running session -> the producer connection that started it (bounded with sessions)

@@ -104,6 +104,11 @@ class Proposer:
         Chain proposers compute it in place (``suggest``); a tree proposer calls its model."""
         return self.suggest(committed, budget)
 
+    def ahead(self, committed: Sequence[int], budget: Budget, sampling: SamplingSpec, rnd: int) -> None:
+        """Round ``rnd`` verifies without this (model) proposer while the target forwards the
+        prompt: start on ``committed`` now, so the next ``propose`` finds the work done (default:
+        nothing)."""
+
     def suggest(self, committed: Sequence[int], budget: Budget) -> Proposal | None:
         """A chain proposer's chain, computed without I/O (None: nothing to propose)."""
         raise NotImplementedError

@@ -90,13 +90,25 @@ class DraftModel(Proposer):
             return None
         if local is None:
             return None
+        self._send_beside(committed, budget, sampling, rnd)
+        return Proposal(tree=local[0], draft_ms=0.0, reused=local[1], rerooted_here=True)
+
+    def ahead(self, committed: Sequence[int], budget: Budget, sampling: SamplingSpec, rnd: int) -> None:
+        """The first round verifies the prompt's root alone (``SPECSPLIT_OVERLAP_PREFILL``): the
+        draft forwards the prompt and drafts its tree meanwhile, so the next round's request
+        re-roots that tree instead of waiting for the prompt."""
+        self._send_beside(committed, budget, sampling, rnd)
+
+    def _send_beside(self, committed: Sequence[int], budget: Budget, sampling: SamplingSpec, rnd: int) -> None:
+        """A DraftRequest off the round's critical path (beside a verify): the next ``propose``
+        settles it first (``_settle``: answered, or the next request resends the whole context)."""
+        s = self.session
         req = DraftRequest(session_id=s.sid, round=rnd, sync=self._sync(sampling), root=committed[-1],
                            tree=budget.spec, sampling=sampling, grammar=self._grammar())
         s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
         self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
                                                               timeout_s=self.shared.policy.rpc_timeout_s))
         self._behind.add_done_callback(_swallow)
-        return Proposal(tree=local[0], draft_ms=0.0, reused=local[1], rerooted_here=True)
 
     async def _settle(self) -> None:
         """The DraftRequest sent beside the last verify: answered (it normally is, long since),
