@@ -458,6 +458,10 @@ class ApiSettings(ProducerSettings):
         "Seconds a request waits for a live orchestrator (one restarting) before it gets 503."))
     api_tokenizer_wait_s: float = Field(default=1800.0, gt=0, description=(
         "Seconds the API waits at startup for the target's tokenizer files (the workers provision the models)."))
+    api_prompt_routes: int = Field(default=16384, ge=0, le=1 << 24, description=(
+        "Conversation affinity without prompt_cache_key: the API remembers this many recent prompts (~300 bytes "
+        "each), and a request whose prompt begins with a whole remembered one (a conversation's last turn) is "
+        "routed with it, to the workers whose prefix caches hold it. 0: off (each request routed on its own)."))
     api_max_concurrent_requests: int = Field(default=1024, ge=1, description=(
         "Requests served at once; beyond it a request gets 429 at once."))
     api_chat_template: Path | None = Field(default=None, description=(

@@ -137,6 +137,26 @@ def test_a_prompt_cache_key_keeps_a_conversation_on_the_worker_holding_it(fleet,
                                                         "prompt_cache_key": ""}), 400, param="prompt_cache_key")
 
 
+def test_a_conversations_turns_find_the_last_turns_worker_without_a_key(fleet, tiny):
+    """No ``prompt_cache_key``: the API routes a prompt that begins with a whole earlier one
+    (a conversation's next turn) as that one went (specsplit.api.routes), so each second turn
+    copies the first turn's context from the target's prefix cache. Four conversations on two
+    targets: without the affinity all four would hit one time in 16. Greedy answers unchanged."""
+    model, tok, _ = tiny
+    client = openai_client(fleet)
+    rng = random.Random(31)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "theta", "kappa"]
+    for c in range(4):
+        messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(90))}]
+        first = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": " ".join(rng.choice(words) for _ in range(20))}]
+        second = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=8, temperature=0)
+        assert second.choices[0].message.content == tok.decode(expected(model, tok, tok.encode_chat(messages), 8))
+        held = (first.usage.prompt_tokens - 1) // 64 * 64  # the first turn's whole blocks, at least
+        assert held >= 64 and second.usage.prompt_tokens_details.cached_tokens >= held, (c, first.usage, second.usage)
+
+
 def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
     from openai import AsyncOpenAI
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import replace
 
 from schemas import SamplingSpec
 from schemas.base import MAX_PREDICTION_TOKENS, MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprob_entries
@@ -99,4 +100,8 @@ def plan_jobs(req, prompts: list[list[int]], state: ApiState, default_max: int |
                             req.logprobs_asked, echoes[p] if echoes is not None else None, scored,
                             ends_listed=not isinstance(req, ChatCompletionRequest), min_tokens=req.min_tokens,
                             prediction=prediction, include_stop=req.include_stop_str_in_output))
+    if group is None and req.n == 1:  # the conversation a prompt continues (``specsplit.api.routes``);
+        # a request's several choices stay spread over the workers, as every session without a key
+        groups = [state.routes.group_for(ids) for ids in prompts]
+        jobs = [replace(job, group=groups[job.prompt_index]) for job in jobs]
     return jobs

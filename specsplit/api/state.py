@@ -9,6 +9,7 @@ import time
 
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
+from specsplit.api.routes import PromptRoutes
 from specsplit.api.tokenizer import ServedTokenizer, target_model_dir, wait_for_tokenizer_dir
 from specsplit.config import ApiSettings
 from specsplit.logs import get_logger
@@ -29,6 +30,7 @@ class ApiState:
         self.model_name = settings.api_model_name or ""
         self.started = int(time.time())
         self.inflight = 0  # choices generating now
+        self.routes = PromptRoutes(settings.api_prompt_routes)  # requests' routing groups without a key
         self.probed = False  # a generation went through end to end
         self.exit_code = 0  # 2: refused to serve (another tokenizer); the server then stops
         self.on_fatal = None  # set by the runner: stops the server

@@ -41,14 +41,15 @@ class HonchoFleet:
     """``honcho start`` of the repository's Procfile with its .env (the shell's settings win, as
     in ``specsplit.bench.fleetenv``), its addresses and API port on free ports."""
 
-    def __init__(self, tmp: Path, preset: str, defaults: dict[str, str], **settings: str) -> None:
+    def __init__(self, tmp: Path, preset: str, defaults: dict[str, str], concurrency: str | None = None,
+                 **settings: str) -> None:
         from specsplit.bench.fleetenv import fleet_env
         from specsplit.launch import free_ports
 
         names = ("draft_router", "draft_backend", "target_router", "target_backend", "orchestrator")
         *ports, api_port = free_ports(len(names) + 1)
         addrs = {f"SPECSPLIT_{n.upper()}": f"tcp://127.0.0.1:{p}" for n, p in zip(names, ports)}
-        self.tmp, self.proc = tmp, None
+        self.tmp, self.proc, self.concurrency = tmp, None, concurrency  # honcho's -c ("target=2"), or None
         self.orchestrator, self.api_url = addrs["SPECSPLIT_ORCHESTRATOR"], f"http://127.0.0.1:{api_port}"
         self.settings = {**fleet_env(defaults), **addrs, "SPECSPLIT_PRESET": preset, "SPECSPLIT_ORCHESTRATOR_COUNT": "1",
                          "SPECSPLIT_API_HOST": "127.0.0.1", "SPECSPLIT_API_PORT": str(api_port),
@@ -67,7 +68,7 @@ class HonchoFleet:
         with open(self.tmp / "honcho.log", "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"), "-e", str(self.tmp / "fleet.env"),
-                 "-d", str(REPO)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                 "-d", str(REPO), *(["-c", self.concurrency] if self.concurrency else [])], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent)
         return self
 
