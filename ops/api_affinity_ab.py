@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,12 +88,7 @@ def main(argv=None) -> int:
     fleet = HonchoFleet(tmp, ModelSettings().preset, fleet_defaults(None), concurrency=f"target={a.targets}",
                         SPECSPLIT_API_PROMPT_ROUTES="16384").start()
     (b_port,) = free_ports(1)
-    env_b = {**fleet.settings, "SPECSPLIT_API_PORT": str(b_port), "SPECSPLIT_API_PROMPT_ROUTES": "0"}
-    (tmp / "b.env").write_text("".join(f"{k}={v}\n" for k, v in env_b.items()))
-    with open(tmp / "b.log", "wb") as b_log:
-        b_proc = subprocess.Popen([sys.executable, "-m", "specsplit", "api"], cwd=REPO, stdout=b_log,
-                                  stderr=subprocess.STDOUT,
-                                  env={**os.environ, "SPECSPLIT_ENV_FILE": str(tmp / "b.env"), "PYTHONPATH": str(REPO)})
+    fleet.beside("api", "b", SPECSPLIT_API_PORT=str(b_port), SPECSPLIT_API_PROMPT_ROUTES="0")
     urls = {"A": fleet.api_url, "B": f"http://127.0.0.1:{b_port}"}
     rows: list[dict] = []
     try:
@@ -118,11 +110,6 @@ def main(argv=None) -> int:
                       f"{two['cached_tokens']} cached, first text after {two['first_token_s']:.3f} s "
                       f"(turn 1: {one['first_token_s']:.3f} s)", flush=True)
     finally:
-        b_proc.terminate()
-        try:
-            b_proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            b_proc.kill()
         fleet.stop()
 
     def door_rows(d: str) -> list[dict]:
@@ -141,11 +128,9 @@ def main(argv=None) -> int:
         print(f"| {d} | {on} | {s['last_cached_fraction']:.0%} | {s['last_hits']}/{n} | "
               f"{s['last_first_token_s']:.3f} | {s['turn1_first_token_s']:.3f} |")
     if a.json_path:
-        out = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, check=False).stdout.strip(),
-               "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-               "args": vars(a), "summary": summary, "rows": rows}
+        from specsplit.bench.api import machine_info
+
+        out = {"machine": machine_info(), "args": vars(a), "summary": summary, "rows": rows}
         Path(a.json_path).write_text(json.dumps(out, indent=1))
     return 0
 

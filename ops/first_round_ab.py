@@ -19,13 +19,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,12 +97,7 @@ def main(argv=None) -> int:
     fleet = HonchoFleet(tmp, ModelSettings().preset, defaults, **cold, **fleet_env, **a_env).start()
     (b_port,) = free_ports(1)
     b_addr = f"tcp://127.0.0.1:{b_port}"
-    env_b = {**fleet.settings, "SPECSPLIT_ORCHESTRATOR": b_addr, **b_env}
-    (tmp / "b.env").write_text("".join(f"{k}={v}\n" for k, v in env_b.items()))
-    with open(tmp / "b.log", "wb") as b_log:
-        b_proc = subprocess.Popen([sys.executable, "-m", "specsplit", "orchestrator"], cwd=REPO, stdout=b_log,
-                                  stderr=subprocess.STDOUT,
-                                  env={**os.environ, "SPECSPLIT_ENV_FILE": str(tmp / "b.env"), "PYTHONPATH": str(REPO)})
+    fleet.beside("orchestrator", "b", SPECSPLIT_ORCHESTRATOR=b_addr, **b_env)
     doors = {"A": fleet.orchestrator, "B": b_addr}
     rows: list[dict] = []
     bad = 0
@@ -136,11 +129,6 @@ def main(argv=None) -> int:
                       f"B {r['B_first_token_ms']:7.1f} ms | answer A {r['A_elapsed_ms']:7.1f} ms "
                       f"B {r['B_elapsed_ms']:7.1f} ms | {'same' if same else 'DIFFERENT'}", flush=True)
     finally:
-        b_proc.terminate()
-        try:
-            b_proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            b_proc.kill()
         fleet.stop()
 
     def med(key: str) -> float:
@@ -159,11 +147,9 @@ def main(argv=None) -> int:
     print(f"\nper prompt, median B/A: first token {summary['first_token_ratio_B_over_A']:.2f}x, "
           f"answer {summary['elapsed_ratio_B_over_A']:.2f}x; identical {summary['identical']}")
     if a.json_path:
-        out = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, check=False).stdout.strip(),
-               "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-               "args": vars(a), "fleet_settings": fleet_env, "summary": summary, "rows": rows}
+        from specsplit.bench.api import machine_info
+
+        out = {"machine": machine_info(), "args": vars(a), "fleet_settings": fleet_env, "summary": summary, "rows": rows}
         Path(a.json_path).write_text(json.dumps(out, indent=1))
     return 1 if bad else 0
 

@@ -38,6 +38,21 @@ def test_the_longest_remembered_prompt_wins():
     assert routes.group_for([1, 2, 9]) == short_after
 
 
+def test_each_routing_is_counted():
+    from specsplit.api.metrics import ApiMetrics
+
+    metrics = ApiMetrics()
+    routes = PromptRoutes(10, metrics.routed)
+    routes.group_for([1, 2, 3])
+    routes.group_for([1, 2, 3, 4])
+    routes.group_for([5, 6])
+
+    def count(route: str) -> float:
+        return metrics.registry.get_sample_value("specsplit:prompt_routes_total", {"route": route})
+
+    assert (count("continued"), count("new")) == (1.0, 2.0)
+
+
 def test_off_and_empty_prompts_route_on_their_own():
     assert PromptRoutes(0).group_for([1, 2, 3]) is None
     assert PromptRoutes(10).group_for([]) is None

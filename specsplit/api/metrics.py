@@ -39,8 +39,16 @@ class ApiMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.http = Counter("specsplit:http_responses", "HTTP responses by route and status",
                             ["route", "status"], registry=r)
+        self.prompt_routes = Counter(
+            "specsplit:prompt_routes", "Requests routed without a prompt_cache_key: continuing a remembered prompt "
+            "(its workers) or not (spread)", ["route"], registry=r)
         for reason in FINISHED_REASONS:
             self.success.labels(finished_reason=reason)
+        for route in ("continued", "new"):
+            self.prompt_routes.labels(route=route)
+
+    def routed(self, continued: bool) -> None:
+        self.prompt_routes.labels(route="continued" if continued else "new").inc()
 
     def response(self, path: str, status: int) -> None:
         self.http.labels(route=path if path in ROUTES else "other", status=str(status)).inc()

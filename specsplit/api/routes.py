@@ -22,7 +22,7 @@ import bisect
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import blake2b
 
 DIGEST_BYTES = 16
@@ -31,8 +31,9 @@ DIGEST_BYTES = 16
 class PromptRoutes:
     """Groups of recent prompts, bounded by ``max_entries`` (0: off, every request its own)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, on_route: Callable[[bool], None] | None = None) -> None:
         self.max_entries = max_entries
+        self.on_route = on_route  # told of each request routed: True when it continued a remembered prompt
         self._groups: OrderedDict[tuple[int, bytes], str] = OrderedDict()  # (length, digest) -> group
         self._lengths: list[int] = []  # the distinct lengths held, sorted
         self._count: dict[int, int] = {}  # entries held per length
@@ -63,6 +64,8 @@ class PromptRoutes:
             group = self._groups[found]
             self._groups.move_to_end(found)
         self._remember((held, mine), group)
+        if self.on_route is not None:
+            self.on_route(found is not None)
         return group
 
     def _remember(self, key: tuple[int, bytes], group: str) -> None:

@@ -30,7 +30,7 @@ class ApiState:
         self.model_name = settings.api_model_name or ""
         self.started = int(time.time())
         self.inflight = 0  # choices generating now
-        self.routes = PromptRoutes(settings.api_prompt_routes)  # requests' routing groups without a key
+        self.routes = PromptRoutes(settings.api_prompt_routes, self.metrics.routed)  # routing groups without a key
         self.probed = False  # a generation went through end to end
         self.exit_code = 0  # 2: refused to serve (another tokenizer); the server then stops
         self.on_fatal = None  # set by the runner: stops the server

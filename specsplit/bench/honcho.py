@@ -50,6 +50,7 @@ class HonchoFleet:
         *ports, api_port = free_ports(len(names) + 1)
         addrs = {f"SPECSPLIT_{n.upper()}": f"tcp://127.0.0.1:{p}" for n, p in zip(names, ports)}
         self.tmp, self.proc, self.concurrency = tmp, None, concurrency  # honcho's -c ("target=2"), or None
+        self.beside_procs: list[subprocess.Popen] = []  # ``beside``'s, stopped first
         self.orchestrator, self.api_url = addrs["SPECSPLIT_ORCHESTRATOR"], f"http://127.0.0.1:{api_port}"
         self.settings = {**fleet_env(defaults), **addrs, "SPECSPLIT_PRESET": preset, "SPECSPLIT_ORCHESTRATOR_COUNT": "1",
                          "SPECSPLIT_API_HOST": "127.0.0.1", "SPECSPLIT_API_PORT": str(api_port),
@@ -115,9 +116,31 @@ class HonchoFleet:
                 raise TimeoutError(f"{slot} did not come back within {timeout_s:.0f} s")
             await asyncio.sleep(0.1)
 
+    def beside(self, role: str, name: str, **overrides: str) -> subprocess.Popen:
+        """``specsplit ROLE`` outside honcho, on the fleet's settings with ``overrides`` (a second
+        orchestrator or API that differs in a setting, for an A/B on the same workers); its log
+        is ``NAME.log`` beside honcho's. Stopped by ``stop``."""
+        from specsplit.launch import _die_with_parent
+
+        env_file = self.tmp / f"{name}.env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in {**self.settings, **overrides}.items()))
+        with open(self.tmp / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "specsplit", role], cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                                    env={**os.environ, "SPECSPLIT_ENV_FILE": str(env_file), "PYTHONPATH": str(REPO)})
+        self.beside_procs.append(proc)
+        return proc
+
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM honcho (it stops every process), bounded; then SIGKILL, by pid, whatever of its
-        processes is still there (honcho starts each in its own session)."""
+        """SIGTERM what runs ``beside`` and honcho (it stops every process), bounded; then SIGKILL,
+        by pid, whatever of its processes is still there (honcho starts each in its own session)."""
+        for proc in self.beside_procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
         if self.proc is None:
             return None
         left = self.descendants()
