@@ -319,7 +319,7 @@ class LlamaCppBackend(Backend):
     @classmethod
     def for_role(cls, service: str, settings) -> "LlamaCppBackend":
         return cls(settings.threads_for(service) or default_threads(service, settings.speculator),
-                   settings.prefill_threads or default_prefill_threads())
+                   settings.prefill_threads_for(service) or default_prefill_threads())
 
     @property
     def inline_safe(self) -> bool:  # tree-sized decodes on one thread: no OpenMP team
@@ -344,7 +344,7 @@ def build_backend(service: str, device: str, settings) -> Backend:
         return MpsBackend(torch.device(device))
     return CpuBackend(
         threads=settings.threads_for(service) or default_threads(service, settings.speculator),
-        prefill_threads=settings.prefill_threads or default_prefill_threads(),
+        prefill_threads=settings.prefill_threads_for(service) or default_prefill_threads(),
         quantize=settings.quantize_for(service),
         pack_weights=settings.pack_weights,
         # the target's tokens must equal its own greedy decoding whatever the tree's shape; a

@@ -104,6 +104,10 @@ class WorkerSettings(SessionLimitSettings):
     target_threads: int | None = Field(default=None, description="SPECSPLIT_THREADS for target workers only.")
     prefill_threads: int | None = Field(default=None, ge=1, description=(
         "Torch threads of forwards of more than 64 new tokens (prompt prefills). Unset: every core."))
+    draft_prefill_threads: int | None = Field(default=None, ge=1, description=(
+        "SPECSPLIT_PREFILL_THREADS for draft workers only."))
+    target_prefill_threads: int | None = Field(default=None, ge=1, description=(
+        "SPECSPLIT_PREFILL_THREADS for target workers only."))
     worker_max_sessions: int = Field(default=256, ge=1, description=(
         "Sessions whose KV caches a worker keeps; beyond it, the least recently used is dropped."))
     session_ttl_s: float = Field(default=900.0, gt=0, description=(
@@ -234,6 +238,9 @@ class WorkerSettings(SessionLimitSettings):
 
     def threads_for(self, service: str) -> int | None:
         return getattr(self, f"{service}_threads") or self.threads
+
+    def prefill_threads_for(self, service: str) -> int | None:
+        return getattr(self, f"{service}_prefill_threads") or self.prefill_threads
 
     def backend(self, service: str) -> str:
         return self.draft_backend if service == "draft" else self.target_backend

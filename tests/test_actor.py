@@ -208,11 +208,14 @@ def test_lookup_only_never_calls_the_draft_and_still_equals_greedy(models, budge
     assert run(sampled)[0].token_ids == done.token_ids
 
 
-def test_sessions_starting_together_leave_the_first_drafted_round_to_one_of_them(models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sessions_starting_together_leave_the_first_drafted_round_to_one_of_them(models, overlap):
     """A fresh cost model under load: the first session drafts its first rounds (measuring
     speculation), the one starting beside it decodes plainly until a drafted round is measured,
     instead of both queueing their prompts on the draft worker; every session leaves the
-    ``speculating`` count as it found it, and both outputs are the target's greedy decoding."""
+    ``speculating`` count as it found it, and both outputs are the target's greedy decoding.
+    With the first round's overlap the first session's round-0 draft goes beside its verify,
+    and counts as drafting all the same."""
     from schemas import DraftRequest
     from specsplit.orchestrator.costmodel import CostModel
 
@@ -223,7 +226,8 @@ def test_sessions_starting_together_leave_the_first_drafted_round_to_one_of_them
 
     async def both():
         actors = [SessionActor(GenerateRequest(session_id=sid, prompt_token_ids=p, max_new_tokens=n, tree=SPEC),
-                               d_rpc, t_rpc, ActorPolicy(tree=SPEC), out.append, cost) for sid, p in prompts.items()]
+                               d_rpc, t_rpc, ActorPolicy(tree=SPEC, overlap_prefill=overlap), out.append, cost)
+                  for sid, p in prompts.items()]
         return await asyncio.gather(*(a.run() for a in actors))
 
     done = asyncio.run(both())

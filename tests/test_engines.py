@@ -208,6 +208,18 @@ def test_forwards_use_prefill_threads_for_long_inputs():
     assert seen == [(102, 2), (3, 1)]
 
 
+def test_prefill_threads_can_be_set_per_role():
+    """SPECSPLIT_DRAFT_PREFILL_THREADS / _TARGET_ override SPECSPLIT_PREFILL_THREADS for one role
+    (where the two share cores and prefill at once: the first round's overlap)."""
+    from specsplit.backends import build_backend
+    from specsplit.config import WorkerSettings
+
+    s = WorkerSettings(prefill_threads=2, draft_prefill_threads=1, threads=1)
+    assert build_backend("draft", "cpu", s).prefill_threads == 1
+    assert build_backend("target", "cpu", s).prefill_threads == 2
+    assert build_backend("target", "cpu", WorkerSettings(target_prefill_threads=3, threads=1)).prefill_threads == 3
+
+
 def test_thread_chooser_runs_the_faster_option_and_notices_a_change_of_regime():
     """Per forward size, the option measured faster runs; the other is retried now and then, so
     when the cores free up (or fill) the choice follows within a few forwards."""

@@ -211,7 +211,9 @@ class SessionActor:
                              stop=stop, tree=self.tree, sampling=sampling, exact=self.exact,
                              proposers=self.proposers, cost=self.cost, overlap=self.policy.overlap_prefill,
                              overlap_max_tokens=self.policy.overlap_prefill_max_tokens)
-            self._set_drafting(any(p.model_cost for p in rp.proposers))
+            # a draft beside the verify (the first round's overlap) counts too: under load one
+            # session at a time drafts until speculation is measured (CostModel.plain_pays)
+            self._set_drafting(any(p.model_cost for p in (*rp.proposers, *rp.ahead)))
             t_propose = time.perf_counter()
             cands = await rounds.propose(rp, self.cur.committed, sampling,
                                          chain_tokens=self.policy.lookup_max_tokens, cost=self.cost)
