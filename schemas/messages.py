@@ -57,6 +57,9 @@ class SamplingSpec(Message):
     # (llama.cpp's default order), not before them (transformers' and vLLM's); None is false and
     # is left off the wire, so peers without the field still read every other request
     temperature_last: bool | None = None
+    # true: llama.cpp's infill sampler chooses among the tokens top-k / top-p / min-p kept, before
+    # a last temperature (specsplit.engine.infill); needs a top-k; None is false and off the wire
+    infill: bool | None = None
     seed: int = Field(default=0, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

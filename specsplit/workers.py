@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from functools import partial
+from functools import cache, partial
 
 from brokers.curve import CurveError
 from brokers.settings import MetricsSettings
@@ -128,12 +128,18 @@ def build_llamacpp_engine(service: str, settings: WorkerSettings, model_settings
 def take_grammars(engine, tokenizer, model_dir, draft: bool = False) -> None:
     """A target constrains sessions to grammars (``engine.grammars``) with the served tokenizer; a
     draft masks its proposals to them with its own (``draft``: SPECSPLIT_DRAFT_GRAMMAR).
-    llguidance's tokenizer is built at the first grammar, not here."""
+    llguidance's tokenizer is built at the first grammar, not here; so are the tables of llama.cpp's
+    infill sampler (``engine.infill_vocab``), for both roles."""
     from specsplit.engine.grammar import GrammarBook  # torch: never at this module's import
 
     role = getattr(engine, "role", None)
     if role == "target" or (role == "draft" and draft):
         engine.grammars = GrammarBook.for_model(tokenizer, model_dir, engine.vocab_size)
+    if role in ("target", "draft"):  # llama.cpp's infill sampler: its tables at its first request
+        from specsplit.engine.infill import InfillVocab
+
+        engine.infill_vocab = cache(
+            lambda: InfillVocab.for_tokenizer(tokenizer, model_dir, engine.vocab_size))
 
 
 DEVICE_FAILURE_EXIT = 3  # a worker whose device failed exits with this code

@@ -119,7 +119,7 @@ def test_infill_lays_out_the_repository_and_answers_as_the_targets_greedy_decodi
     prefix, suffix, middle = "class A:\n    def f(self):\n        ", "\n    return total\n", "x"
     extra = [("util.py", "def helper():\n    return 1\n"), ("b.py", "import os\n")]
     ids = infill_prompt(tok, prefix, suffix, middle, extra)
-    want = expected(model, tok, ids, 24)
+    want = until_end(expected(model, tok, ids, 24), tok.eog_token_ids)
     body = {"id_slot": 0, "input_prefix": prefix, "input_suffix": suffix, "prompt": middle,
             "input_extra": [{"filename": f, "text": t} for f, t in extra], "n_predict": 24, "top_k": 1,
             "top_p": 0.99, "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
@@ -130,8 +130,8 @@ def test_infill_lays_out_the_repository_and_answers_as_the_targets_greedy_decodi
     whole = post_json(fleet, "/infill", {**body, "response_fields": None, "return_tokens": True}).json()
     assert whole["tokens"] == want and whole["tokens_evaluated"] == len(ids) and whole["stop"] is True
     assert whole["prompt"] == tok.tok.decode(ids, skip_special_tokens=False)
-    assert whole["stop_type"] == ("eos" if want[-1] in tok.stop_token_ids else "limit")
-    assert whole["generation_settings"]["samplers"] == ["top_k", "top_p"]  # (infill is not applied)
+    assert whole["stop_type"] == ("eos" if want[-1] in tok.eog_token_ids else "limit")
+    assert whole["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
     with httpx.stream("POST", f"{fleet['url']}/infill", json={**body, "stream": True}, timeout=60) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     events = [json.loads(ln.removeprefix("data: ")) for ln in lines]
@@ -139,6 +139,50 @@ def test_infill_lays_out_the_repository_and_answers_as_the_targets_greedy_decodi
     assert "".join(e["content"] for e in events) == tok.decode(want)
     assert all(e["stop"] is False for e in events[:-1]) and set(events[-1]) == set(VIM_FIELDS)  # (filtered)
     assert events[-1]["content"] == ""  # (the text went in the chunks before)
+
+
+def until_end(ids: list[int], ends) -> list[int]:
+    """``ids`` up to llama.cpp's first end of generation (included), where llama-server stops."""
+    at = next((i for i, t in enumerate(ids) if t in ends), None)
+    return ids if at is None else ids[:at + 1]
+
+
+def test_infill_sampler_chooses_every_token(fleet, served, dirs):
+    """llama.vim's chain as it sends it (top-k 40, top-p 0.99, infill; no temperature): sampled,
+    every token of every answer is one llama.cpp's infill sampler leaves at its place in the
+    target's distribution (its EOT where it leaves nothing), and the sampler did choose: some
+    places leave several tokens, some one of fewer than the candidates."""
+    import torch
+
+    from schemas import SamplingSpec
+    from specsplit.engine import sampling as S
+    from specsplit.engine.infill import InfillVocab
+
+    tok, model = served
+    vocab = InfillVocab.for_tokenizer(tok.tok, dirs["target"], model.config.vocab_size)
+    spec = SamplingSpec(temperature=1.0, top_k=40, top_p=0.99)
+    checked, several, cut = 0, 0, 0
+    for n, (prefix, suffix) in enumerate([("def f(x):\n    ", "\n"), ("import os\nclass B:\n    ", "\n    pass\n"),
+                                          ("x = [1, 2", "]\n"), ("for i in range(10):\n", "print(i)\n")]):
+        ids = infill_prompt(tok, prefix, suffix, "", [])
+        for seed in range(4):
+            body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 12, "top_k": 40, "top_p": 0.99,
+                    "samplers": ["top_k", "top_p", "infill"], "seed": 100 * n + seed, "return_tokens": True}
+            res = post_json(fleet, "/infill", body).json()
+            assert res["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"], res
+            ctx = list(ids)
+            for t in res["tokens"]:
+                with torch.no_grad():
+                    logits = model(torch.tensor([ctx])).logits[0, -1:]
+                probs, cand = S.top_k_rows(logits, 40, spec)
+                keep, forced = vocab.keep(cand.numpy(), probs.numpy())
+                left = [vocab.eot] if forced[0] else cand[0][torch.from_numpy(keep[0])].tolist()
+                assert t in left, (prefix, seed, ctx[len(ids):], t, left)
+                checked, several = checked + 1, several + (len(left) > 1)
+                cut += not forced[0] and len(left) < int((probs[0] > 0).sum())
+                ctx.append(t)
+            assert res["tokens"] == until_end(res["tokens"], tok.eog_token_ids)
+    assert checked >= 30 and several >= 5 and cut >= 10, (checked, several, cut)
 
 
 def test_infill_n_indent_and_cache_warming(fleet, served):

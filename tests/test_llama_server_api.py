@@ -28,7 +28,11 @@ def chain(r: L.LlamaRequest):
     ({}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, True,
      ["top_k", "top_p", "min_p", "temperature"]),  # llama-server's defaults: the temperature last
     ({"samplers": ["top_k", "top_p", "infill"], "top_p": 0.9},  # llama.vim's chain: no temperature
-     {"temperature": 1.0, "top_k": 40, "top_p": 0.9, "min_p": 0.0}, False, ["top_k", "top_p"]),
+     {"temperature": 1.0, "top_k": 40, "top_p": 0.9, "min_p": 0.0}, False, ["top_k", "top_p", "infill"]),
+    ({"samplers": ["top_k", "top_p", "infill", "temperature"], "temperature": 0.5},  # the temperature after infill
+     {"temperature": 0.5, "top_k": 40, "top_p": 0.95, "min_p": 0.0}, True, ["top_k", "top_p", "infill", "temperature"]),
+    ({"samplers": "tkpi", "temperature": 0.5},  # before everything its scale changes
+     {"temperature": 0.5, "top_k": 40, "top_p": 0.95, "min_p": 0.0}, False, ["temperature", "top_k", "top_p", "infill"]),
     ({"samplers": "tkpm", "temperature": 0.5}, {"temperature": 0.5, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
      False, ["temperature", "top_k", "top_p", "min_p"]),  # one-letter codes, the temperature first
     ({"samplers": ["Top-K", "temp", "nucleus"], "min_p": 0.2},  # aliases; min-p not in the chain
@@ -44,7 +48,11 @@ def test_the_sampler_chain_as_the_fleet_applies_it(body, fields, last, used):
 
 @pytest.mark.parametrize("body", [{"samplers": ["top_p", "top_k"]}, {"samplers": ["min_p", "top_p"]},
                                   {"samplers": ["top_p", "temperature", "min_p"]}, {"samplers": ["top_k", "top_k"]},
-                                  {"samplers": ["adaptive_p"]}, {"samplers": ["mystery"]}, {"samplers": "kz"}])
+                                  {"samplers": ["adaptive_p"]}, {"samplers": ["mystery"]}, {"samplers": "kz"},
+                                  {"samplers": ["top_k", "infill", "top_p"]},  # infill before a cut
+                                  {"samplers": ["top_p", "infill"]}, {"samplers": "kpi", "top_k": 0},  # no top-k
+                                  {"samplers": "kpi", "top_k": 5000},
+                                  {"samplers": ["top_k", "top_p", "temperature", "infill"], "temperature": 0.5}])
 def test_a_chain_the_fleet_cannot_keep_is_a_400(body):
     with pytest.raises(ApiError) as err:
         chain(req(**body))
@@ -158,6 +166,12 @@ def test_openai_endpoints_take_llama_cpps_fields():
     vim = sampling_for(parse(CompletionRequest, {"model": "m", "prompt": "x", "samplers": ["top_k", "top_p"],
                                                  "top_k": 40, "top_p": 0.9, "temperature": 0.5}), 7)
     assert (vim.temperature, vim.top_k, vim.top_p, vim.temperature_last) == (1.0, 40, 0.9, None)  # (no temperature)
+    assert vim.infill is None
+    fim = sampling_for(parse(CompletionRequest, {"model": "m", "prompt": "x", "samplers": ["top_k", "top_p", "infill"],
+                                                 "top_k": 40, "top_p": 0.99}), 7)
+    assert (fim.temperature, fim.top_k, fim.infill) == (1.0, 40, True)  # llama.vscode's chain on /v1/completions
+    greedy = sampling_for(parse(CompletionRequest, {"model": "m", "prompt": "x", "samplers": "kpi", "top_k": 1}), 7)
+    assert greedy.greedy and greedy.infill is None
     for name, value in [("typical_p", 0.9), ("repeat_penalty", 1.1), ("mirostat", 2), ("samplers", ["top_p", "top_k"]),
                         ("n_probs", 3), ("frobnicate", 1)]:
         with pytest.raises(ApiError) as err:

@@ -76,29 +76,40 @@ def chain_of(samplers: list[str] | str | None) -> list[str]:
     return names
 
 
+INFILL_MAX_TOP_K = 1024  # the infill sampler compares its candidates' pieces pairwise, on the host
+
+
 def sampling_of(samplers: list[str] | str | None, temperature: float, top_k: int, top_p: float,
                 min_p: float) -> tuple[dict, bool, list[str]]:
     """The OpenAI-side sampling fields, ``temperature_last``, and the chain as applied: the
-    samplers of the chain that act (the others are off, or ``infill``), in the fleet's order
-    (top-k, top-p, min-p; the temperature first or last); a 400 for an order it cannot keep."""
+    samplers of the chain that act (the others are off), in the fleet's order (top-k, top-p,
+    min-p, infill; the temperature first or last); a 400 for an order it cannot keep.
+    ``infill`` (llama.cpp's infill sampler, ``SamplingSpec.infill``) is in it where it acts."""
     chain = chain_of(samplers)
     if "adaptive_p" in chain:
         raise ApiError(400, "samplers: adaptive_p is not supported by this server", param="samplers")
     if len(set(chain)) < len(chain):
         raise ApiError(400, "samplers: a sampler named twice is not supported", param="samplers")
-    acting = {"top_k": top_k > 0, "top_p": top_p < 1.0, "min_p": min_p > 0.0, "temperature": temperature != 1.0}
+    acting = {"top_k": top_k > 0, "top_p": top_p < 1.0, "min_p": min_p > 0.0, "temperature": temperature != 1.0,
+              "infill": True}
     used = [s for s in chain if acting.get(s)]
-    cuts = [s for s in used if s != "temperature"]
+    cuts = [s for s in used if s in ("top_k", "top_p", "min_p")]
     if cuts != [s for s in ("top_k", "top_p", "min_p") if s in cuts]:
         raise ApiError(400, f"samplers: the order {cuts} is not supported (top_k, top_p, min_p in this order)",
                        param="samplers")
+    if "infill" in used:
+        if any(used.index(s) > used.index("infill") for s in cuts):
+            raise ApiError(400, "samplers: infill before top_k, top_p or min_p is not supported", param="samplers")
+        if not 0 < top_k <= INFILL_MAX_TOP_K or "top_k" not in used:
+            raise ApiError(400, f"samplers: infill needs top_k (1 to {INFILL_MAX_TOP_K}) before it", param="samplers")
     last = False
-    if "temperature" in used and temperature > 0:
+    if "temperature" in used and temperature > 0:  # before or after every step its scale changes
         at = used.index("temperature")
-        scaled = [s for s in used[at + 1:] if s in ("top_p", "min_p")]  # (top-k keeps the same tokens)
-        before = [s for s in used[:at] if s in ("top_p", "min_p")]
+        scaled = [s for s in used[at + 1:] if s in ("top_p", "min_p", "infill")]  # (top-k keeps the same tokens)
+        before = [s for s in used[:at] if s in ("top_p", "min_p", "infill")]
         if scaled and before:
-            raise ApiError(400, "samplers: the temperature between top_p and min_p is not supported", param="samplers")
+            raise ApiError(400, f"samplers: the temperature between {before[-1]} and {scaled[0]} is not supported",
+                           param="samplers")
         last = bool(before)
     fields = {"temperature": temperature if "temperature" in used else 1.0,
               "top_k": top_k if "top_k" in used else 0, "top_p": top_p if "top_p" in used else 1.0,

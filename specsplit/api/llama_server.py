@@ -12,10 +12,10 @@
 - Sampling is llama.cpp's chain: defaults temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
   the temperature applied after the truncations (``SamplingSpec.temperature_last``), or the
   chain ``samplers`` names. What the fleet cannot do exactly is a 400 naming the parameter
-  (llama.cpp's window penalties, DRY, XTC, typical-p, mirostat, a chain in another order), but
-  for the ``infill`` sampler in a chain, which is not applied (its merging of tokens by their
-  text is no distribution the verifier can reproduce): the answer is sampled from the rest of
-  the chain.
+  (llama.cpp's window penalties, DRY, XTC, typical-p, mirostat, a chain in another order).
+  The ``infill`` sampler that llama.vim and llama.vscode ask for is applied at every node of a
+  tree by both models (``SamplingSpec.infill``, ``specsplit.engine.infill``): a choice of
+  tokens, as top-p is, so the verifier keeps the answer's distribution exactly llama.cpp's.
 - ``n_indent`` and ``t_max_predict_ms`` end an answer by its lines
   (``specsplit.api.textstream.LineLimits``); ``n_predict: 0`` forwards the prompt (the prefix
   caches keep it) and answers nothing, as llama.vim's cache warming asks.
@@ -220,7 +220,9 @@ def plan(req: LlamaRequest, state: ApiState, tok: ServedTokenizer, infill: bool)
     creq = parse(CompletionRequest, body)
     lines = LineLimits(req.n_indent, max(0, req.t_max_predict_ms) / 1000)
     jobs = [dataclasses.replace(j, max_tokens=0 if n == 0 else j.max_tokens, lines=lines or None,
-                                sampling=j.sampling.model_copy(update={"temperature_last": last or None}))
+                                sampling=j.sampling.model_copy(update={
+                                    "temperature_last": last or None,
+                                    "infill": (not j.sampling.greedy and "infill" in used) or None}))
             for j in plan_jobs(creq, prompts, state, None, "n_predict")]
     return creq, prompts, jobs, used
 
@@ -330,7 +332,7 @@ async def native(request: Request, infill: bool) -> Response:
     req = parse_llama(body)
     tok = state.require_ready()
     _, prompts, jobs, used = plan(req, state, tok, infill)
-    ends = tok.stop_token_ids
+    ends = tok.eog_token_ids  # llama.cpp's ends of generation (its FIM separators too)
     gen, release = launch(state, jobs, [] if req.ignore_eos else ends, unlisted=ends)
     shaper = Shaper(req, state, gen, prompts, used)
     return await answer(request, gen, release, req.stream, lambda first: stream_native(gen, first, shaper, release),

@@ -26,14 +26,14 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
     bar exact ties, where greedy takes the first), which verifies trees on the cheaper path."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_k = req.top_k if req.top_k and req.top_k > 0 else 0
-    top_p, min_p, last = 1.0 if req.top_p is None else req.top_p, req.min_p or 0.0, False
+    top_p, min_p, last, used = 1.0 if req.top_p is None else req.top_p, req.min_p or 0.0, False, []
     if getattr(req, "samplers", None) is not None:  # llama.cpp's chain: which act, the temperature's place
-        chain, last, _ = sampling_of(req.samplers, temperature, top_k, top_p, min_p)
+        chain, last, used = sampling_of(req.samplers, temperature, top_k, top_p, min_p)
         temperature, top_k, top_p, min_p = chain["temperature"], chain["top_k"], chain["top_p"], chain["min_p"]
     if top_k == 1:
         temperature, top_k = 0.0, 0
     return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, temperature_last=last or None,
-                        seed=0 if seed is None else seed,
+                        infill=(temperature > 0 and "infill" in used) or None, seed=0 if seed is None else seed,
                         presence_penalty=req.presence_penalty or None, frequency_penalty=req.frequency_penalty or None,
                         repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 

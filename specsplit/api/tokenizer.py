@@ -13,9 +13,7 @@ can check it holds the fleet's tokenizer.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 from specsplit.models.loading import DEFAULT_CACHE_DIR, tokenizer_fingerprint
 from specsplit.models.presets import DEFAULT_PRESET, TINY_NAME, get_preset
 from specsplit.models.pull import is_provisioned
+from specsplit.vocab import end_ids, llama_eog_ids, token_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_PIECES = 65536  # tokens whose text and bytes token_piece keeps
@@ -31,23 +30,6 @@ MAX_PIECES = 65536  # tokens whose text and bytes token_piece keeps
 FIM_STYLES = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
               ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"))
 REPO_STYLES = (("<|repo_name|>", "<|file_sep|>"), ("<repo_name>", "<file_sep>"))
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's characters (GPT-2's map: printable bytes as themselves, the others
-    shifted past U+0100) -> the bytes they stand for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, shift = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + shift)] = b
-            shift += 1
-    return chars
-
-
-_BYTE_OF = _byte_level_alphabet()
 
 
 def keep_torch_out() -> None:
@@ -115,6 +97,9 @@ class ServedTokenizer:
         self.chat_template: str | None = getattr(self.tok, "chat_template", None) or None
         self.has_chat_template = bool(self.chat_template)
         self.stop_token_ids = sorted(self._stop_ids())
+        # llama.cpp's ends of generation (llama-server's endpoints stop at them): the stop ids and
+        # the FIM pad / repository / file-separator and end-of-turn tokens it knows by text
+        self.eog_token_ids = sorted(llama_eog_ids(self.tok, set(self.stop_token_ids)))
         self.added_tokens = frozenset(self.tok.get_added_vocab())  # e.g. "<tool_call>": one token each
         self.fim = next((style for style in FIM_STYLES if set(style) <= self.added_tokens), None)
         # a repository's files before the FIM prompt (Qwen2.5-Coder's, StarCoder2's): the repository's
@@ -127,14 +112,7 @@ class ServedTokenizer:
 
     def _stop_ids(self) -> set[int]:
         """The tokenizer's eos and the generation config's end ids (as ``specsplit produce``)."""
-        stops = {int(self.tok.eos_token_id)} if self.tok.eos_token_id is not None else set()
-        try:
-            gen = json.loads((self.path / "generation_config.json").read_text())
-        except (OSError, ValueError):
-            return stops
-        eos = gen.get("eos_token_id")
-        stops.update([eos] if isinstance(eos, int) else [int(e) for e in eos or []])
-        return stops
+        return end_ids(self.tok, self.path)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tok.encode(text)]
@@ -189,13 +167,4 @@ class ServedTokenizer:
         return hit
 
     def _token_bytes(self, token_id: int) -> bytes:
-        piece = self.tok.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
-            return b""
-        if piece in self.added_tokens:
-            return piece.encode()
-        if all(ch in _BYTE_OF for ch in piece):  # byte-level BPE (GPT-2's, Qwen's, Llama 3's)
-            return bytes(_BYTE_OF[ch] for ch in piece)
-        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
-            return bytes([int(piece[3:5], 16)])
-        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
+        return token_bytes(self.tok, token_id, self.added_tokens)

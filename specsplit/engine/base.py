@@ -25,6 +25,7 @@ import torch
 from schemas import Ack, CacheSync, EndSession, ErrorCode, Message
 from specsplit.engine.batch import PLAN_KWARG, Segment, flatten, segment_attention_name, using_attention
 from specsplit.engine.graphs import GraphRunner
+from specsplit.engine.infill import InfillVocab
 from specsplit.engine.kvcache import SessionKV
 from specsplit.engine.kvpool import AUTO, GB, KVPool, auto_slots, pool_shape, pool_slots
 from specsplit.engine.masks import (
@@ -142,6 +143,18 @@ class Engine:
     kv_pool: KVPool | None = None
     graphs: GraphRunner | None = None
     prefix_cache: PrefixCache | None = None
+    # llama.cpp's infill sampler's tables (``specsplit.engine.infill``), built at their first use:
+    # set by the worker, which has the tokenizer; None: requests for that sampler are refused
+    infill_vocab: Callable[[], InfillVocab] | None = None
+
+    def infill_for(self, sampling) -> InfillVocab | None:
+        """The infill sampler's tables where ``sampling`` asks for it (sampled, not greedy);
+        a BAD_REQUEST where this engine has none."""
+        if not sampling.infill or sampling.greedy:
+            return None
+        if self.infill_vocab is None:
+            raise SpecError(ErrorCode.BAD_REQUEST, f"this {self.role} takes no infill sampler (it has no tokenizer)")
+        return self.infill_vocab()
 
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend: Backend | None = None):

@@ -360,7 +360,8 @@ class DraftEngine(Engine):
     def _expand_sampled(self, g: DraftTree, frontier, rows, spec: TreeSpec, sampling: SamplingSpec, gen) -> list[int]:
         """Children of every frontier node drawn i.i.d. from its processed distribution q, which
         the tree carries (support capped at ``max_support``); one host copy per level."""
-        q = S.probs_from_logits(self._processed(g, frontier, rows), sampling, self.max_support)  # [F, V]
+        infill = self.infill_vocab() if sampling.infill and self.infill_vocab is not None else None
+        q = S.probs_from_logits(self._processed(g, frontier, rows), sampling, self.max_support, infill)  # [F, V]
         draws = S.sample_rows(q, gen, spec.branch)  # [F, B]
         logq = torch.log(q.gather(1, draws))  # [F, B]
         # the support: max_support ids, plus room for ties with the k-th logit (which survive)

@@ -25,7 +25,6 @@ Masks are computed on the host (~20-70 us each) for every tree node the grammar 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from schemas import ErrorCode, GrammarSpec
 from schemas.messages import MAX_FORCED_TOKENS
 from specsplit.errors import SpecError
 from specsplit.grammar_text import llguidance_grammar
+from specsplit.vocab import end_ids
 
 MAX_COMPILED = 64  # compiled grammars kept (by the text's hash)
 
@@ -68,13 +68,7 @@ class GrammarBook:
     @classmethod
     def for_model(cls, hf_tokenizer, model_dir: str | Path, vocab_size: int) -> GrammarBook:
         """End ids: the tokenizer's eos and the generation config's (as the API stops at)."""
-        eos = [int(hf_tokenizer.eos_token_id)] if hf_tokenizer.eos_token_id is not None else []
-        try:
-            gen = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
-            eos += [gen] if isinstance(gen, int) else [int(e) for e in gen or []]
-        except (OSError, ValueError):
-            pass
-        return cls(hf_tokenizer, vocab_size, eos)
+        return cls(hf_tokenizer, vocab_size, sorted(end_ids(hf_tokenizer, model_dir)))
 
     # ---- grammars ------------------------------------------------------------------------
     def _tokenizer(self):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from schemas import SamplingSpec
+from specsplit.engine.infill import InfillVocab
 
 
 def prob_dtype(device: torch.device) -> torch.dtype:
@@ -39,9 +40,10 @@ def make_generator(seed: int, round: int, role: str, device: torch.device | str 
     return g
 
 
-def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support: int = 0) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support: int = 0,
+                      infill: InfillVocab | None = None) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (float64 where the device has it) after temperature,
-    top-k, top-p and min-p.
+    top-k, top-p and min-p (and, with ``infill``, llama.cpp's infill sampler: ``apply_infill``).
 
     max_support > 0 additionally caps the support (the draft uses it so its distribution fits
     in a message). The four steps are transformers' TemperatureLogitsWarper, TopKLogitsWarper
@@ -58,7 +60,7 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if max_support and (k == 0 or k > max_support):
         k = max_support
     if 0 < k < logits.shape[-1]:
-        within = top_k_rows(logits, k, sampling)
+        within = top_k_rows(logits, k, sampling, infill)
         if within is not None:
             probs, ids = within
             out = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)
@@ -77,12 +79,18 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingSpec, max_support:
     if sampling.min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if infill is not None:  # on the candidates alone (one host sync for their count)
+        m = max(1, int((x > float("-inf")).sum(dim=-1).max()))
+        vals, idx = torch.topk(x, m, dim=-1)
+        vals, idx = apply_infill(vals, idx, infill)
+        x = torch.full_like(x, float("-inf")).scatter_(-1, idx, vals)
     if sampling.temperature_last:  # llama.cpp's order: the survivors' logits scaled last
         x = x / sampling.temperature
     return torch.softmax(x, dim=-1)
 
 
-def top_k_rows(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+def top_k_rows(logits: torch.Tensor, k: int, sampling: SamplingSpec,
+               infill: InfillVocab | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``probs_from_logits`` computed over each row's k largest logits only, as (probabilities
     [N, k], their token ids [N, k]), least probable first: top-p sorts k values, not the
     vocabulary (a 152K vocabulary's sort is most of a sampled round's cost on a CPU). The same
@@ -102,9 +110,31 @@ def top_k_rows(logits: torch.Tensor, k: int, sampling: SamplingSpec) -> tuple[to
     if sampling.min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if infill is not None:
+        x, idx = apply_infill(x, idx, infill)
     if sampling.temperature_last:
         x = x / sampling.temperature
     return torch.softmax(x, dim=-1), idx
+
+
+def apply_infill(x: torch.Tensor, ids: torch.Tensor, infill: InfillVocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's infill sampler (``specsplit.engine.infill``) on rows of candidates: logits
+    ``x`` [N, M] (-inf: not a candidate) of tokens ``ids`` [N, M] -> the same with the tokens it
+    drops at -inf; a row it ends is its EOT alone (in that token's column, else in the row's
+    most probable one, its id replaced). One host copy of the rows."""
+    probs = torch.softmax(x, dim=-1)
+    host_p, host_ids = probs.cpu().numpy(), ids.cpu().numpy()
+    keep, forced = infill.keep(host_ids, host_p)
+    x = x.masked_fill(~torch.from_numpy(keep).to(x.device), float("-inf"))
+    if forced.any():
+        ids = ids.clone()
+        for r in np.flatnonzero(forced):
+            at = np.flatnonzero(host_ids[r] == infill.eot)
+            c = int(at[0]) if at.size else int(host_p[r].argmax())
+            x[r] = float("-inf")
+            x[r, c] = 0.0
+            ids[r, c] = infill.eot
+    return x, ids
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

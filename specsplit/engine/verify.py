@@ -17,6 +17,7 @@ import torch
 from schemas import FlatTree, Logprobs, SamplingSpec
 from schemas.base import LOGPROB_FLOOR
 from specsplit.engine import sampling as S
+from specsplit.engine.infill import InfillVocab
 from specsplit.tree import TreeLayout, path_to
 
 
@@ -119,7 +120,8 @@ def greedy_verdict(tree: FlatTree, layout: TreeLayout, argmax: list[int]) -> Ver
 
 
 def verify_sampling(
-    tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, sampling: SamplingSpec, g: torch.Generator
+    tree: FlatTree, layout: TreeLayout, logits: torch.Tensor, sampling: SamplingSpec, g: torch.Generator,
+    infill: InfillVocab | None = None,
 ) -> Verdict:
     """Recursive rejection sampling. At node v with children c_1..c_k (draw order), residual
     r = p_v; child c_j with token x is accepted with prob min(1, r(x)/q_j(x)); on rejection
@@ -130,14 +132,15 @@ def verify_sampling(
     Computed for every node at once: the j-th child test of every node (as reached, i.e. after
     its j-1 elder siblings were rejected) and every node's bonus draw; the walk from the root
     then reads them on the host. With top-k (at most ``SUPPORT_MAX_K``), over each node's
-    columns only (``_on_supports``)."""
+    columns only (``_on_supports``). ``infill``: p is llama.cpp's infill sampler's choice
+    (``sampling.apply_infill``)."""
     n, vocab = logits.shape
     dev = logits.device
-    rows = S.top_k_rows(logits, sampling.top_k, sampling) if 0 < sampling.top_k <= min(SUPPORT_MAX_K, vocab - 1) \
-        else None
+    rows = S.top_k_rows(logits, sampling.top_k, sampling, infill) \
+        if 0 < sampling.top_k <= min(SUPPORT_MAX_K, vocab - 1) else None
     if rows is not None:
         return _walk(layout, *_on_supports(tree, layout, rows, g))
-    r = S.probs_from_logits(logits, sampling)  # [N, V] residuals, p to start with
+    r = S.probs_from_logits(logits, sampling, infill=infill)  # [N, V] residuals, p to start with
     dt = r.dtype
     u_test = torch.rand(n, generator=g, dtype=dt, device=dev)  # [N]: child c's test uses u_test[c]
     u_bonus = torch.rand(n, 1, generator=g, dtype=dt, device=dev)  # [N, 1]: node v's bonus draw
