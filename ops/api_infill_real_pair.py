@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     from specsplit.models import ModelSettings, resolve_model_paths
 
     tok = ServedTokenizer(resolve_model_paths(ModelSettings()).target)
-    stops = list(tok.stop_token_ids)
+    stops = list(tok.eog_token_ids)  # (llama-server's ends of generation)
     report = new_report(max_new_tokens=args.max_new_tokens, files=FILES)
     bodies = [vim_body(before, after, args.max_new_tokens) for before, after in GAPS]
     with served_fleet("specsplit-api-infill-", report, SPECSPLIT_LOOKUP_CACHE_KEYS="0") as (url, _, tmp):

