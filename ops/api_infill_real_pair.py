@@ -81,7 +81,7 @@ def indent_cut(text: str, n: int) -> str:
 
 
 @contextlib.contextmanager
-def llama_server(bin_dir: Path, model: Path, draft: Path | None, threads: int, log: Path):
+def llama_server(bin_dir: Path, model: Path, draft: Path | None, threads: int, log: Path, repack: bool = False):
     """``llama-server`` on a free port (as people run it: no OMP_WAIT_POLICY), healthy: its url."""
     from specsplit.launch import free_ports
 
@@ -91,7 +91,7 @@ def llama_server(bin_dir: Path, model: Path, draft: Path | None, threads: int, l
     # --no-repack: this build's AMX repacking crashes at the first forward here (SIGSEGV in
     # ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36's llama.cpp on this Xeon)
     cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "8192", "--port", str(port),
-           "--host", "127.0.0.1", "-np", "1", "--no-repack"]
+           "--host", "127.0.0.1", "-np", "1", *([] if repack else ["--no-repack"])]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads)]
     with log.open("w") as out:

@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--llama-server-bin", default=None, help="a llama.cpp build's bin dir with llama-server")
+    p.add_argument("--repack", action="store_true", help="llama-server with its repacked weights (its default; "
+                   "off by default here: it crashed on an AMX Xeon)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from specsplit.api.tokenizer import ServedTokenizer
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
 
             urls["llama-server infill"] = stack.enter_context(llama_server(
                 Path(args.llama_server_bin).expanduser(), kept_gguf(ModelSettings()), None, 2,
-                tmp / "llama-server.log"))
+                tmp / "llama-server.log", repack=args.repack))
         names = list(urls)
         ask(url, sampled_body(*GAPS[0], 8, WAYS["infill"], 0))  # (first forwards of each shape)
         for seed in range(args.seeds):
