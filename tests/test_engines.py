@@ -66,6 +66,10 @@ def test_target_errors_change_nothing(engines):
                                               tree=FlatTree(token_ids=[1] * 17, parents=[-1] + list(range(16))))),
         (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len, append_token_ids=[1] * 120),
                                               tree=FlatTree(token_ids=[1] * 9, parents=[-1] * 1 + [0] * 8))),
+        # the infill sampler on a target without its tokenizer's tables (no worker set them)
+        (ErrorCode.BAD_REQUEST, VerifyRequest(session_id="s1", round=1, sync=CacheSync(base_len=r.cache_len),
+                                              tree=FlatTree(token_ids=[1], parents=[-1]),
+                                              sampling=SamplingSpec(temperature=1.0, top_k=8, infill=True))),
     ]
     for code, req in bad:
         reply = tgt.handle(req)

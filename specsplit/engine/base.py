@@ -147,15 +147,6 @@ class Engine:
     # set by the worker, which has the tokenizer; None: requests for that sampler are refused
     infill_vocab: Callable[[], InfillVocab] | None = None
 
-    def infill_for(self, sampling) -> InfillVocab | None:
-        """The infill sampler's tables where ``sampling`` asks for it (sampled, not greedy);
-        a BAD_REQUEST where this engine has none."""
-        if not sampling.infill or sampling.greedy:
-            return None
-        if self.infill_vocab is None:
-            raise SpecError(ErrorCode.BAD_REQUEST, f"this {self.role} takes no infill sampler (it has no tokenizer)")
-        return self.infill_vocab()
-
     def __init__(self, model, limits: EngineLimits = EngineLimits(), *, vocab_size: int | None = None,
                  backend: Backend | None = None):
         self.model = model.eval()

@@ -80,8 +80,8 @@ class TargetEngine(Engine):
             raise SpecError(ErrorCode.BAD_REQUEST, f"a masked token is outside the vocabulary [0, {self.vocab_size})")
         if req.grammar is not None and self.grammars is None:
             raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no grammars (it has no tokenizer for them)")
-        if req.sampling.infill and self.infill_vocab is None:
-            self.infill_for(req.sampling)  # (raises)
+        if req.sampling.infill and not req.sampling.greedy and self.infill_vocab is None:
+            raise SpecError(ErrorCode.BAD_REQUEST, "this target takes no infill sampler (it has no tokenizer for it)")
         return layout, self.open_session(req.session_id, req.round, sync, layout.num_nodes)
 
     def run_locked(self, session: Session, req: VerifyRequest, layout: TreeLayout) -> Outcome:
@@ -379,4 +379,5 @@ class TargetEngine(Engine):
             return verify_greedy(req.tree, layout, logits) if argmax is None else \
                 greedy_verdict(req.tree, layout, argmax)
         g = make_generator(req.sampling.seed, req.round, "target", self.device)
-        return verify_sampling(req.tree, layout, logits, req.sampling, g, self.infill_for(req.sampling))
+        infill = self.infill_vocab() if req.sampling.infill else None  # (checked: a target with its tables)
+        return verify_sampling(req.tree, layout, logits, req.sampling, g, infill)
