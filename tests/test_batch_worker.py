@@ -309,11 +309,12 @@ def _per_token(engine: TargetEngine, ms_per_token: float) -> TargetEngine:
 
 
 async def test_load_aware_sessions_through_batching_workers_equal_greedy(models):
-    """Six concurrent actors sharing one cost model, on a target whose forwards cost 4 ms per
+    """Six concurrent actors sharing one cost model, on a target whose forwards cost 8 ms per
     token: the model learns from the batches the replies report, trees are chosen against the
-    whole batch, and every session still equals plain greedy decoding."""
+    whole batch, and every session still equals plain greedy decoding. (At 4 ms per token a
+    loaded 2-core CI box's jitter in the tiny model's own forward fitted a slope of 1.5.)"""
     target, close_draft, _ = models["llama"]
-    t_eng, d_eng = _per_token(TargetEngine(target, LIMITS), 4.0), DraftEngine(close_draft, LIMITS)
+    t_eng, d_eng = _per_token(TargetEngine(target, LIMITS), 8.0), DraftEngine(close_draft, LIMITS)
     rng = random.Random(13)
     prompts = [[rng.randrange(128) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
     spec = TreeSpec(max_nodes=8, max_depth=4, branch=2)
@@ -337,6 +338,8 @@ async def test_load_aware_sessions_through_batching_workers_equal_greedy(models)
     for req, r in replies:  # each reply reports its forward: its own tokens, and more when shared
         own = verify_tokens(req)
         assert r.batch_tokens == own if r.batch_size == 1 else r.batch_tokens >= own + r.batch_size - 1
-    assert cm.verify_line()[1] > 2.0  # the line learned the forward's ms per token (4, plus the model's)
+    line = cm.verify_line()
+    assert line[1] > 2.0, line  # the line learned the forward's ms per token (8, plus the model's)
     nodes = lambda rs: sum(req.tree.num_nodes for req, _ in rs) / len(rs)  # noqa: E731
-    print(f"mean tree nodes: shared {nodes(shared):.2f} over {len(shared)}, all {nodes(replies):.2f} over {len(replies)}")
+    print(f"mean tree nodes: shared {nodes(shared):.2f} over {len(shared)}, all {nodes(replies):.2f} over {len(replies)}; "
+          f"line {line[0]:.1f} ms + {line[1]:.2f} ms a token")
