@@ -33,9 +33,9 @@ from brokers.settings import (
     RouterSettings,
 )
 from schemas import SpecPVSpec
+from specsplit.api.settings import ApiSettings
 from specsplit.config import (
     REMOVED_SETTINGS,
-    ApiSettings,
     OrchestratorSettings,
     ProducerSettings,
     SessionLimitSettings,
@@ -44,7 +44,7 @@ from specsplit.config import (
 )
 from specsplit.models.settings import ModelSettings
 
-SETTINGS_MODULES = ("brokers.settings", "specsplit.config", "specsplit.models.settings")
+SETTINGS_MODULES = ("brokers.settings", "specsplit.config", "specsplit.api.settings", "specsplit.models.settings")
 DOC_PATH = "docs/configuration.md"
 COMMAND = f"specsplit config --markdown {DOC_PATH}"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from brokers.metrics import instance_slot, metrics_port
 from brokers.settings import SERVICES, MetricsSettings, RouterSettings
-from specsplit.config import ApiSettings, OrchestratorSettings, ProducerSettings, WorkerSettings
+from specsplit.api.settings import ApiSettings
+from specsplit.config import OrchestratorSettings, ProducerSettings, WorkerSettings
 from specsplit.models.settings import ModelSettings, model_dtype
 
 ROLES = ("router", "draft", "target", "pair", "orchestrator", "produce", "api")

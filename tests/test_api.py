@@ -6,19 +6,15 @@ decoding of the target; every error against OpenAI's status and body."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from specsplit.launch import free_ports, scrape
+from specsplit.launch import scrape
 from tests.api_fleet import (
     LONG,
     MAX_BODY,
@@ -26,7 +22,6 @@ from tests.api_fleet import (
     api_error,
     api_fleet,
     api_health,
-    api_process,
     expected,
     moved_off_a_stalled_worker,
     openai_client,
@@ -34,7 +29,6 @@ from tests.api_fleet import (
     post_json,
     rss_kb,
     scrape_api,
-    stop_process,
     target_sessions,
     tiny_pair,
     worker_sessions,
@@ -398,81 +392,6 @@ def test_a_session_that_ends_while_its_worker_is_away_is_ended_there_when_it_is_
     wait_until(lambda: scrape(router)['specsplit:router_workers_live{service="target"}'] == 2, 60,
                "the stalled worker admitted again")
     wait_until(lambda: worker_sessions(fleet) == 0, 60, "no session left on either worker")
-
-
-# ---------------------------------------------------------------------------- more API processes
-def test_api_keys_are_required_when_on(fleet, tmp_path):
-    keys = tmp_path / "keys"
-    keys.write_text("# keys\nsk-one\n\nsk-two\n")
-    proc, url = api_process(fleet, tmp_path, "keyed", SPECSPLIT_API_KEYS_FILE=str(keys))
-    try:
-        wait_until(lambda: api_health(url) == 200 or proc.poll() is not None, 120, "keyed API serves")
-        body = {"model": "tiny-v1", "prompt": "hi", "max_tokens": 2}
-        api_error(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 401, code="invalid_api_key")
-        api_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"},
-                        timeout=30), 401)
-        ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-two"}, timeout=60)
-        assert ok.status_code == 200, ok.text
-    finally:
-        assert stop_process(proc) == 0
-
-
-def test_binding_beyond_loopback_without_keys_is_refused(fleet, tmp_path):
-    proc, _ = api_process(fleet, tmp_path, "public", SPECSPLIT_API_HOST="0.0.0.0")
-    assert proc.wait(timeout=60) == 2
-    assert "requires API keys" in (tmp_path / "public.log").read_text()
-
-
-def test_no_orchestrator_is_503(fleet, tmp_path):
-    dead = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    proc, url = api_process(fleet, tmp_path, "orphan", SPECSPLIT_ORCHESTRATOR=dead)
-    try:
-        wait_until(lambda: api_health(url) == 503, 60, "the API answers 503")
-        wait_until(lambda: "loading" not in httpx.get(f"{url}/health", timeout=5).text, 60, "tokenizer loaded")
-        api_error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-v1", "prompt": "hi"}, timeout=30), 503)
-    finally:
-        assert stop_process(proc) == 0
-
-
-def test_another_tokenizer_is_refused_naming_both(fleet, tiny, tmp_path):
-    _, tok, paths = tiny
-    other = tmp_path / "other"
-    shutil.copytree(paths.target, other, ignore=shutil.ignore_patterns("*.safetensors"))
-    data = json.loads((other / "tokenizer.json").read_text())
-    data["added_tokens"].append({**data["added_tokens"][-1], "id": data["added_tokens"][-1]["id"] + 1,
-                                 "content": "<|not-the-fleet's|>"})
-    (other / "tokenizer.json").write_text(json.dumps(data))
-    proc, _ = api_process(fleet, tmp_path, "other", SPECSPLIT_TARGET_MODEL=str(other))
-    assert proc.wait(timeout=120) == 2
-    log = (tmp_path / "other.log").read_text()
-    assert "tokenizer_mismatch" in log and tok.fingerprint in log
-
-
-def test_orchestrator_overload_is_429_with_retry_after(fleet, tmp_path):
-    """A second orchestrator on the same routers admitting one session at a time: a second
-    request while the first runs is refused, and the API answers 429 at once."""
-    port = free_ports(1)[0]
-    env = {**fleet["env"], "SPECSPLIT_ORCHESTRATOR_BIND": f"tcp://127.0.0.1:{port}",
-           "SPECSPLIT_ORCHESTRATOR_MAX_SESSIONS": "1", "SPECSPLIT_ORCHESTRATOR_ACTIVE_SESSIONS": "1",
-           "SPECSPLIT_METRICS_PORT": "0", "SPECSPLIT_SUPERVISE": "false"}
-    log = open(tmp_path / "orch.log", "wb")
-    orch = subprocess.Popen([sys.executable, "-m", "specsplit", "orchestrator"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    proc, url = api_process(fleet, tmp_path, "small", SPECSPLIT_ORCHESTRATOR=f"tcp://127.0.0.1:{port}")
-    try:
-        wait_until(lambda: api_health(url) == 200, 120, "the API on the small orchestrator serves")
-        long = {"model": "tiny-v1", **LONG}
-        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as first:
-            assert first.status_code == 200
-            lines = first.iter_lines()  # (kept: a dropped iterator closes the connection)
-            next(lines)
-            refused = httpx.post(f"{url}/v1/completions", json={**long, "stream": False}, timeout=30)
-            api_error(refused, 429, code="rate_limit_exceeded")
-            assert refused.headers["retry-after"] == "1"
-    finally:
-        assert stop_process(proc) == 0
-        stop_process(orch)
 
 
 @pytest.mark.timeout(600)

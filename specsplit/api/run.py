@@ -79,7 +79,7 @@ def api_main(argv: list[str]) -> int:
     from brokers.curve import CurveError
     from specsplit.api.server import build_app
     from specsplit.api.state import ApiState
-    from specsplit.config import ApiSettings
+    from specsplit.api.settings import ApiSettings
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
 

@@ -11,7 +11,7 @@ from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.routes import PromptRoutes
 from specsplit.api.tokenizer import ServedTokenizer, target_model_dir, wait_for_tokenizer_dir
-from specsplit.config import ApiSettings
+from specsplit.api.settings import ApiSettings
 from specsplit.logs import get_logger
 from specsplit.pool import OrchestratorPool
 

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def http_main(url: str | None, seed: int, count: int, cases: list[int] | None) -> int:
-    from specsplit.config import ApiSettings
+    from specsplit.api.settings import ApiSettings
     from specsplit.fuzz.http import ApiLimits, fuzz_api
 
     settings = ApiSettings()
