@@ -38,6 +38,24 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
                         repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 
 
+def chat_prompt(tok, req: ChatCompletionRequest) -> tuple[list[int], tools.ToolPlan | None]:
+    """A chat request's prompt (its turns through the chat template, with its tools shown) and
+    its tool plan; a 400 for a model without a template, or one that does not take tools."""
+    if not tok.has_chat_template:
+        raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
+    tool_plan = tools.plan(req, tok.added_tokens)
+    if (tool_plan or tools.has_tool_turns(req)) and not tools.template_takes_tools(tok.chat_template):
+        raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
+                            "to one that does)", param="tools" if tool_plan else "messages")
+    turns = tools.turns(req)
+    try:
+        ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
+                              prefill=tool_plan.prefill if tool_plan else "", variables=req.chat_template_kwargs)
+    except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    return ids, tool_plan
+
+
 def seeds(req, count: int) -> list[int]:
     """One seed per choice: the request's seed + the choice's index (the same seed and request give
     the same output), or fresh random ones."""

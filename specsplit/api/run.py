@@ -78,8 +78,8 @@ def api_main(argv: list[str]) -> int:
 
     from brokers.curve import CurveError
     from specsplit.api.server import build_app
-    from specsplit.api.state import ApiState
     from specsplit.api.settings import ApiSettings
+    from specsplit.api.state import ApiState
     from specsplit.logs import configure_logging
     from specsplit.models import ModelSettings
 

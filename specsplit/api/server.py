@@ -2,9 +2,10 @@
 
 A producer of the orchestrators (``specsplit.pool.OrchestratorPool``: spread over the live ones,
 resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions``, llama-server's ``POST /completion`` and ``/infill``
-(``specsplit.api.llama_server``), ``POST /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``),
-``GET /health``, ``GET /metrics``. It loads the target's tokenizer only
+/v1/chat/completions``, the Responses API's ``/v1/responses`` (``specsplit.api.responses``),
+llama-server's ``POST /completion`` and ``/infill`` (``specsplit.api.llama_server``), ``POST
+/tokenize`` and ``/detokenize`` (``specsplit.api.tokens``), ``GET /health``, ``GET /metrics``.
+It loads the target's tokenizer only
 (no torch, no weights) and checks it against the tokenizer the orchestrators report
 (``Heartbeat.tokenizer_hash``): another one ends the process with code 2, naming both.
 
@@ -24,11 +25,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specsplit.api import llama_server, tools
+from specsplit.api import llama_server, responses, tools
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
-from specsplit.api.planning import plan_jobs
+from specsplit.api.planning import chat_prompt, plan_jobs
 from specsplit.api.plumbing import check_key, encode_text, read_json, request_state
 from specsplit.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from specsplit.api.state import ApiState
@@ -196,19 +197,7 @@ async def chat_completions(request: Request) -> Response:
     check_key(request, state)
     req = parse(ChatCompletionRequest, await read_json(request, state))
     state.check_model(req.model)
-    tok = state.require_ready()
-    if not tok.has_chat_template:
-        raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
-    tool_plan = tools.plan(req, tok.added_tokens)
-    if (tool_plan or tools.has_tool_turns(req)) and not tools.template_takes_tools(tok.chat_template):
-        raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
-                            "to one that does)", param="tools" if tool_plan else "messages")
-    turns = tools.turns(req)
-    try:
-        ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
-                              prefill=tool_plan.prefill if tool_plan else "", variables=req.chat_template_kwargs)
-    except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
-        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    ids, tool_plan = chat_prompt(state.require_ready(), req)
     return await run_generation(request, state, req, [ids], True, None,
                                 "max_completion_tokens" if req.max_completion_tokens else "max_tokens", tool_plan)
 
@@ -262,6 +251,9 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/completion", llama_server.completion, methods=["POST"]),
         Route("/completions", llama_server.completion, methods=["POST"]),
         Route("/infill", llama_server.infill, methods=["POST"]),

@@ -44,6 +44,12 @@ class ApiSettings(ProducerSettings):
         "Conversation affinity without prompt_cache_key: the API remembers this many recent prompts (~300 bytes "
         "each), and a request whose prompt begins with a whole remembered one (a conversation's last turn) is "
         "routed with it, to the workers whose prefix caches hold it. 0: off (each request routed on its own)."))
+    api_stored_responses: int = Field(default=1024, ge=0, le=1 << 20, description=(
+        "Responses API answers kept in this API process's memory for GET /v1/responses/{id} and "
+        "previous_response_id (requests with store: true, the default), the oldest out first. 0: none kept. "
+        "Behind several API replicas a stored response is found only through the one that made it."))
+    api_stored_responses_mb: int = Field(default=256, ge=1, le=1 << 20, description=(
+        "Megabytes of stored responses (their JSON) at most, the oldest out first."))
     api_max_concurrent_requests: int = Field(default=1024, ge=1, description=(
         "Requests served at once; beyond it a request gets 429 at once."))
     api_chat_template: Path | None = Field(default=None, description=(

@@ -10,8 +10,9 @@ import time
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.routes import PromptRoutes
-from specsplit.api.tokenizer import ServedTokenizer, target_model_dir, wait_for_tokenizer_dir
 from specsplit.api.settings import ApiSettings
+from specsplit.api.stored import ResponseStore
+from specsplit.api.tokenizer import ServedTokenizer, target_model_dir, wait_for_tokenizer_dir
 from specsplit.logs import get_logger
 from specsplit.pool import OrchestratorPool
 
@@ -31,6 +32,7 @@ class ApiState:
         self.started = int(time.time())
         self.inflight = 0  # choices generating now
         self.routes = PromptRoutes(settings.api_prompt_routes, self.metrics.routed)  # routing groups without a key
+        self.responses = ResponseStore(settings.api_stored_responses, settings.api_stored_responses_mb << 20)
         self.probed = False  # a generation went through end to end
         self.exit_code = 0  # 2: refused to serve (another tokenizer); the server then stops
         self.on_fatal = None  # set by the runner: stops the server

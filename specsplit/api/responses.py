@@ -1,0 +1,494 @@
+"""OpenAI's Responses API over the fleet: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``, as the OpenAI SDK's ``client.responses`` calls them (and the agents and
+coding tools built on it). No torch.
+
+A request becomes a chat completion request (``ChatCompletionRequest``) and runs as one:
+- ``input`` (a text, or items: messages with text parts, ``function_call`` and
+  ``function_call_output``) after the stored conversation of ``previous_response_id``, with
+  ``instructions`` first as a system turn (not carried over to the next response, as OpenAI's);
+- function ``tools`` (strict unless ``strict: false``, as OpenAI's), ``tool_choice``,
+  ``parallel_tool_calls``; ``text.format`` (``json_schema``, ``json_object``) as
+  ``response_format``; ``max_output_tokens``; ``include: ["message.output_text.logprobs"]``
+  with ``top_logprobs``; and the chat endpoint's sampling extensions (``top_k``, ``min_p``,
+  ``seed``, ``stop``, the penalties).
+- The output is a ``message`` item with its ``output_text``, and a ``function_call`` item per
+  call the model made; ``status`` is ``incomplete`` (``max_output_tokens``) when the budget ended
+  it. A stream is the Responses API's typed events (``response.created`` ...
+  ``response.completed``, ``response.incomplete`` or ``response.failed``), numbered.
+- ``store`` (true by default) keeps the answer in this process's ``ResponseStore``
+  (``specsplit.api.stored``; ``SPECSPLIT_API_STORED_RESPONSES``).
+
+What the fleet cannot do is a 400 naming the parameter: built-in tools (web search, files,
+computers, MCP), images and files in the input, ``background``, ``conversation``, ``prompt``
+templates, ``truncation: "auto"``, ``reasoning.effort`` (the served models do not reason).
+Reasoning items in the input are left out, as chat templates leave out past reasoning.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from specsplit.api.generation import Delta, Done, Failed, Generation
+from specsplit.api.logprobs import chat_logprobs
+from specsplit.api.planning import chat_prompt, plan_jobs
+from specsplit.api.plumbing import check_key, read_json, request_state
+from specsplit.api.protocol import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    ApiError,
+    ChatCompletionRequest,
+    parse,
+)
+from specsplit.api.state import ApiState
+from specsplit.api.streaming import answer, each_event, launch, sse
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# what ``include`` may name: the logprobs are honoured; the others name outputs of built-in tools
+# (refused) or of reasoning (none here), so there is never anything of theirs to include
+INCLUDABLE = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
+                        "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+                        "computer_call_output.output.image_url", "message.input_image.image_url"})
+# a chat request's parameters, by the Responses API's name for them (the chat request's 400s)
+PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format": "text", "logprobs": "include"}
+MAX_METADATA = 16  # OpenAI's: key-value pairs
+MAX_ID = 256
+
+
+class ResponsesRequest(BaseModel):
+    """A body of ``POST /v1/responses``: OpenAI's fields, a few of vLLM's sampling extensions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[dict[str, Any]] | None = Field(default=None, max_length=MAX_MESSAGES)
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    include: list[str] | None = Field(default=None, max_length=len(INCLUDABLE))
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = Field(default=False, strict=True)
+    stream_options: dict[str, Any] | None = None
+    store: bool = Field(default=True, strict=True)
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA)
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    conversation: Any = None
+    prompt: Any = None
+    # vLLM's sampling extensions, as the chat endpoint takes them
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def checked(self) -> ResponsesRequest:
+        """A 400 naming what this server cannot honour."""
+        for name in ("conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if self.background:
+            raise ApiError(400, "background responses are not supported by this server", param="background",
+                           code="unsupported_parameter")
+        if self.truncation == "auto":
+            raise ApiError(400, 'truncation "auto" is not supported: a conversation over the context is a 400',
+                           param="truncation", code="unsupported_parameter")
+        if (self.reasoning or {}).get("effort") not in (None, "none"):
+            raise ApiError(400, "reasoning.effort is not supported with this model: it does not reason",
+                           param="reasoning.effort", code="unsupported_parameter")
+        if self.max_tool_calls is not None:
+            raise ApiError(400, "max_tool_calls is not supported by this server", param="max_tool_calls",
+                           code="unsupported_parameter")
+        for name in self.include or ():
+            if name not in INCLUDABLE:
+                raise ApiError(400, f"include: {name[:80]!r} is not one of {sorted(INCLUDABLE)}", param="include")
+        if self.input is None and self.previous_response_id is None:
+            raise ApiError(400, "input is required", param="input")
+        return self
+
+
+# ---------------------------------------------------------------------------- the request as a chat's
+def _part_text(part: Any, where: str) -> str:
+    """The text of a content part (``input_text``, ``output_text``, ``refusal``); a 400 for others."""
+    if not isinstance(part, dict):
+        raise ApiError(400, f"{where}: a content part is an object", param="input")
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    if kind in ("input_image", "input_file", "input_audio"):
+        raise ApiError(400, f"{where}: {kind} is not supported: the served model reads text only", param="input",
+                       code="unsupported_parameter")
+    raise ApiError(400, f"{where}: a content part of type {str(kind)[:40]!r} with its text is expected", param="input")
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(_part_text(p, f"{where}[{j}]") for j, p in enumerate(value))
+    raise ApiError(400, f"{where}: content is a text or a list of parts", param="input")
+
+
+def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict]:
+    """``input`` as chat turns: messages, calls (an assistant turn's ``tool_calls``, the calls in a
+    row one turn) and their outputs (tool turns)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"{where}: role must be user, assistant, system or developer", param="input")
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": _content(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # past reasoning: chat templates leave it out (the served models make none)
+        else:
+            raise ApiError(400, f"{where}: items of type {str(kind)[:40]!r} are not supported by this server "
+                                "(messages, function_call, function_call_output)", param="input",
+                           code="unsupported_parameter")
+    return out
+
+
+def _tool(tool: dict[str, Any], i: int) -> dict:
+    if tool.get("type") != "function":
+        raise ApiError(400, f"tools[{i}]: {str(tool.get('type'))[:40]!r} tools are not supported by this server "
+                            "(function tools only)", param="tools", code="unsupported_parameter")
+    function = {**{k: v for k, v in tool.items() if k != "type"}, "strict": tool.get("strict") is not False}
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | dict[str, Any] | None):
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and set(choice) <= {"type", "name"}:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise ApiError(400, "tool_choice: none, auto, required or {type: function, name} (function tools only)",
+                   param="tool_choice", code="unsupported_parameter")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict | None:
+    if not text:
+        return None
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        raise ApiError(400, f"text: unknown field {min(unknown)!r}", param="text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise ApiError(400, "text.verbosity is not supported with this model (only medium)", param="text.verbosity",
+                       code="unsupported_parameter")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "text.format: type text, json_object or json_schema", param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request the response runs as, and its conversation without the instructions
+    (what a later response continues)."""
+    turns = [*history, *input_messages(req.input)]
+    if not turns:
+        raise ApiError(400, "input: the conversation has no message", param="input")
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    logprobs = LOGPROBS_INCLUDE in (req.include or ())
+    body = {"model": req.model, "messages": system + turns, "max_completion_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "tools": [_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
+            "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": _response_format(req.text), "user": req.user,
+            "prompt_cache_key": req.prompt_cache_key, "logprobs": True if logprobs else None,
+            "top_logprobs": req.top_logprobs if logprobs else None, "top_k": req.top_k, "min_p": req.min_p,
+            "seed": req.seed, "stop": req.stop, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty}
+    try:
+        chat = parse(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+    except ApiError as exc:
+        raise renamed(exc) from None
+    return chat, turns
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """A chat request's 400 with the Responses API's name of its parameter."""
+    if exc.param in PARAM_NAMES:
+        exc.param = PARAM_NAMES[exc.param]
+    for chat, ours in (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+                       ("max_completion_tokens", "max_output_tokens")):
+        exc.message = exc.message.replace(chat, ours)
+    return exc
+
+
+# ---------------------------------------------------------------------------- the answer
+class Builder:
+    """One response's object and its stream's events (``sequence_number`` in order), built from
+    the generation's events: a message item while text comes, a function_call item per call."""
+
+    def __init__(self, req: ResponsesRequest, model: str, piece) -> None:
+        self.req, self.model, self.piece = req, model, piece
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.items: list[dict] = []
+        self.message: dict | None = None  # the message item text goes to now
+        self.seq = 0
+        self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
+
+    def response(self) -> dict:
+        r = self.req
+        tools = [{**t, "strict": t.get("strict") is not False} for t in r.tools or ()]
+        fmt = (r.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "completed_at": int(time.time()) if self.status == "completed" else None,
+            "error": self.error, "incomplete_details": self.incomplete, "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,  # (the default: true)
+            "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
+            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": r.tool_choice or "auto", "tools": tools,
+            "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
+            "truncation": "disabled", "usage": self.usage, "user": r.user, "metadata": r.metadata or {},
+            "background": False, "service_tier": "default", "prompt_cache_key": r.prompt_cache_key,
+            "safety_identifier": r.safety_identifier, "max_tool_calls": None,
+        }
+
+    def _event(self, kind: str, **fields) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def _logprobs(self, entries) -> list[dict]:
+        asked = LOGPROBS_INCLUDE in (self.req.include or ())
+        return chat_logprobs(list(entries), self.piece)["content"] if asked and entries else []
+
+    def _text(self, text: str, logprobs) -> list[dict]:
+        if not text and not logprobs:
+            return []
+        events = []
+        if self.message is None:
+            self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                            "role": "assistant", "content": []}
+            self.items.append(self.message)
+            events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                      item={**self.message, "content": []}))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.message["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=self.message["id"],
+                                      output_index=len(self.items) - 1, content_index=0, part=dict(part)))
+        part, lp = self.message["content"][0], self._logprobs(logprobs)
+        part["text"] += text
+        part["logprobs"].extend(lp)
+        events.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                  output_index=self.items.index(self.message), content_index=0, delta=text,
+                                  logprobs=lp))
+        return events
+
+    def _close_message(self, status: str) -> list[dict]:
+        m, self.message = self.message, None
+        if m is None:
+            return []
+        m["status"] = status
+        index, part = self.items.index(m), m["content"][0]
+        return [self._event("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
+                            text=part["text"], logprobs=part["logprobs"]),
+                self._event("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
+                            part=dict(part)),
+                self._event("response.output_item.done", output_index=index, item=dict(m))]
+
+    def _call(self, call) -> list[dict]:
+        events = self._close_message("completed")
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call.id,
+                "name": call.name, "arguments": call.arguments}
+        self.items.append(item)
+        index = len(self.items) - 1
+        return [*events,
+                self._event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=call.arguments),
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
+
+    def feed(self, ev: Delta | Done) -> list[dict]:
+        """The events one of the generation's events makes; after its Done, the last one."""
+        events = self._text(ev.text, ev.logprobs)
+        for call in ev.calls:
+            events += self._call(call)
+        if isinstance(ev, Done):
+            cut = ev.finish_reason == "length"
+            if not self.items:  # an empty answer is an empty message
+                events += self._empty()
+            events += self._close_message("incomplete" if cut else "completed")
+            self.status = "incomplete" if cut else "completed"
+            self.incomplete = {"reason": "max_output_tokens"} if cut else None
+            self.usage = {"input_tokens": ev.prompt_tokens, "input_tokens_details": {"cached_tokens": ev.cached_tokens},
+                          "output_tokens": ev.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+            events.append(self._event(f"response.{self.status}", response=self.response()))
+        return events
+
+    def _empty(self) -> list[dict]:
+        self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": [],
+                                                          "logprobs": []}]}
+        self.items.append(self.message)
+        return [self._event("response.output_item.added", output_index=len(self.items) - 1,
+                            item={**self.message, "content": []}),
+                self._event("response.content_part.added", item_id=self.message["id"],
+                            output_index=len(self.items) - 1, content_index=0, part=dict(self.message["content"][0]))]
+
+    def fail(self, error: ApiError) -> list[dict]:
+        self.status = "failed"
+        self.error = {"code": error.code or ("server_error" if error.status >= 500 else "invalid_request"),
+                      "message": error.message}
+        return [self._event("response.failed", response=self.response())]
+
+    def assistant_turn(self) -> dict:
+        """The output as the chat turn a later response continues after."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.items if i["type"] == "function_call"]
+        turn: dict = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            turn["tool_calls"] = calls
+        return turn
+
+
+def event_bytes(ev: dict) -> bytes:
+    return b"event: " + ev["type"].encode() + b"\n" + sse(ev)
+
+
+# ---------------------------------------------------------------------------- endpoints
+async def create(request: Request) -> Response:
+    """``POST /v1/responses``."""
+    state = request_state(request)
+    check_key(request, state)
+    req = parse_request(await read_json(request, state))
+    state.check_model(req.model)
+    tok = state.require_ready()
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        found = state.responses.get(req.previous_response_id)
+        if found is None:
+            raise ApiError(400, f"previous response with id {req.previous_response_id!r} not found",
+                           param="previous_response_id", code="previous_response_not_found")
+        history = list(found.messages)
+    chat, turns = chat_request(req, history)
+    try:
+        ids, tool_plan = chat_prompt(tok, chat)
+        jobs = plan_jobs(chat, [ids], state, None, "max_output_tokens", tool_plan)
+    except ApiError as exc:
+        raise renamed(exc) from None
+    builder = Builder(req, state.model_name, tok.token_piece)
+    ends = tok.stop_token_ids
+    gen, release = launch(state, jobs, sorted({*ends, *(chat.stop_token_ids or ())}), unlisted=ends)
+
+    def keep() -> None:
+        if req.store and builder.status in ("completed", "incomplete"):
+            state.responses.put(builder.id, builder.response(), [*turns, builder.assistant_turn()])
+
+    def whole(events) -> dict:
+        for ev in events:
+            builder.feed(ev)
+        keep()
+        return builder.response()
+
+    return await answer(request, gen, release, req.stream, lambda first: streamed(gen, first, builder, release, keep),
+                        whole)
+
+
+async def streamed(gen: Generation, first, builder: Builder, release, keep):
+    """The Responses API's events; leaving early (the client went away) cancels the session."""
+    try:
+        for ev in builder.start():
+            yield event_bytes(ev)
+        async for got in each_event(gen, first):
+            if isinstance(got, Failed):
+                for ev in builder.fail(got.error):
+                    yield event_bytes(ev)
+                return
+            for ev in builder.feed(got):
+                yield event_bytes(ev)
+            if isinstance(got, Done):
+                keep()
+    finally:
+        release()
+
+
+def parse_request(body: Any) -> ResponsesRequest:
+    """A validated request, or a 400 naming the first offending parameter (the chat endpoint's
+    rules: ``protocol.parse``)."""
+    return parse(ResponsesRequest, body).checked()  # type: ignore[arg-type]
+
+
+def _stored(request: Request, state: ApiState):
+    rid = request.path_params["response_id"]
+    found = state.responses.get(rid)
+    if found is None:
+        raise ApiError(404, f"response with id {rid[:MAX_ID]!r} not found", code="not_found")
+    return rid, found
+
+
+async def retrieve(request: Request) -> Response:
+    """``GET /v1/responses/{id}``: a stored response, as it was answered."""
+    state = request_state(request)
+    check_key(request, state)
+    _, found = _stored(request, state)
+    return JSONResponse(found.response)
+
+
+async def delete(request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``."""
+    state = request_state(request)
+    check_key(request, state)
+    rid, _ = _stored(request, state)
+    state.responses.delete(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})

@@ -1,0 +1,94 @@
+"""The Responses API's parts without a fleet: the store's bounds, the input as chat turns, and
+the events a generation's deltas make (tests/test_api_responses.py runs them through a fleet)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specsplit.api.generation import Delta, Done
+from specsplit.api.protocol import ApiError
+from specsplit.api.responses import Builder, chat_request, input_messages, parse_request
+from specsplit.api.stored import ResponseStore
+from specsplit.api.tools import ParsedCall
+
+
+def test_the_store_keeps_the_newest_within_its_count_and_bytes():
+    store = ResponseStore(3, 10_000)
+    for i in range(5):
+        assert store.put(f"r{i}", {"n": i}, [{"role": "user", "content": "x"}])
+    assert len(store) == 3 and store.get("r0") is None and store.get("r4").response == {"n": 4}
+    store.get("r2")  # used: kept past a newer one
+    store.put("r5", {"n": 5}, [])
+    assert store.get("r2") is not None and store.get("r3") is None
+    big = ResponseStore(100, 2_000)
+    for i in range(10):
+        big.put(f"b{i}", {"text": "y" * 500}, [])
+    assert big.bytes <= 2_000 and len(big) == 3 and big.get("b9") is not None
+    assert not big.put("huge", {"text": "z" * 5_000}, []) and big.get("huge") is None
+    assert big.delete("b9") and not big.delete("b9") and big.get("b9") is None
+    assert not ResponseStore(0, 1_000).put("r", {}, [])
+
+
+def test_input_items_become_chat_turns():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "c", "annotations": []}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1"},
+             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "function_call_output", "call_id": "c1", "output": "one"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]}]
+    calls = [{"id": c, "type": "function", "function": {"name": n, "arguments": "{}"}} for c, n in (("c1", "f"),
+                                                                                                    ("c2", "g"))]
+    assert input_messages(items) == [{"role": "user", "content": "ab"},
+                                     {"role": "assistant", "content": "c", "tool_calls": calls},
+                                     {"role": "tool", "tool_call_id": "c1", "content": "one"},
+                                     {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+    req = parse_request({"model": "m", "input": "hi", "instructions": "sys", "max_output_tokens": 7,
+                         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                         "include": ["message.output_text.logprobs"], "top_logprobs": 3,
+                         "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}})
+    chat, turns = chat_request(req, [{"role": "user", "content": "before"}])
+    assert [m.role for m in chat.messages] == ["system", "user", "user"] and turns[0]["content"] == "before"
+    assert chat.budget == 7 and chat.logprobs_asked == 3 and chat.tools[0].function.strict is True
+    assert chat.response_format.json_schema.json_schema == {"type": "object"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"tools": [{"type": "file_search"}]}, "tools"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"include": ["everything"]}, "include"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"max_output_tokens": 5, "temperature": 3}, "temperature"),
+    ({"text": {"format": {"type": "json_schema", "name": "bad name"}}}, "text"),
+])
+def test_what_cannot_be_honoured_is_refused_naming_it(body, param):
+    with pytest.raises(ApiError) as err:
+        chat_request(parse_request({"model": "m", "input": "hi", **body}), [])
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_events_are_numbered_and_the_response_holds_what_they_said():
+    b = Builder(parse_request({"model": "m", "input": "x"}), "m", lambda t: ("t", b"t"))
+    events = b.start() + b.feed(Delta(0, "Hel")) + b.feed(Delta(0, "lo", (ParsedCall(0, "f", '{"a": 1}', "call_1"),)))
+    events += b.feed(Done(0, "!", "length", 0, 3, 4, {}, cached_tokens=2))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    assert kinds[-1] == "response.incomplete" and b.incomplete == {"reason": "max_output_tokens"}
+    out = b.response()["output"]
+    assert [i["type"] for i in out] == ["message", "function_call", "message"]
+    assert [out[0]["content"][0]["text"], out[2]["content"][0]["text"]] == ["Hello", "!"]
+    assert out[1]["call_id"] == "call_1" and out[2]["status"] == "incomplete"
+    assert b.response()["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 2},
+                                     "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
+                                     "total_tokens": 7}
+    assert b.assistant_turn() == {"role": "assistant", "content": "Hello!", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    empty = Builder(parse_request({"model": "m", "input": "x"}), "m", None)
+    assert empty.feed(Done(0, "", "stop", 0, 3, 1, {}))[-1]["response"]["output"][0]["content"][0]["text"] == ""
+    assert empty.status == "completed"
