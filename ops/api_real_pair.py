@@ -1,8 +1,9 @@
 """The HTTP API on the real pair, checked with the official ``openai`` client: ``honcho start`` of
 the repository's Procfile and .env (the default preset, free ports), then sync, async and
-streaming chat and completions at temperature 0 against the fleet target's own greedy decoding of
-the same token ids (its engine in this process, int8 as the worker runs it: a quantized target is
-its own reference), a stop string, a seeded sample twice, and ``n=2``. Prints each check and
+streaming chat, completions and Responses at temperature 0 against the fleet target's own greedy
+decoding of the same token ids (its engine in this process, int8 as the worker runs it: a quantized
+target is its own reference), a stop string, ``previous_response_id`` and a function call's round
+trip against the chat endpoint's answers, a seeded sample twice, and ``n=2``. Prints each check and
 writes a JSON report.
 
     python ops/api_real_pair.py --json ops/results/api-real-pair-qwen-coder.json
@@ -123,12 +124,73 @@ async def run_checks(url: str, model: str, tok, refs: dict, max_new: int, report
             cut = sync.completions.create(model=model, prompt=ids, max_tokens=max_new, temperature=0, stop=[stop])
             check(report, f"completion {i}: stop {stop!r} cuts where it begins",
                   cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop")
+        await responses_checks(sync, client, model, messages, want, max_new, i, report)
+    continuation_checks(sync, model, max_new, report)
     kw = dict(model=model, messages=MESSAGES[0], max_tokens=48, temperature=0.8, top_p=0.95)
     a = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
     b = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
     check(report, "same seed, same sample", a == b)
     two = sync.chat.completions.create(seed=11, n=2, **kw)
     check(report, "n=2 gives two choices", sorted(c.index for c in two.choices) == [0, 1])
+
+
+async def responses_checks(sync, client, model: str, messages: list[dict], want: str, max_new: int, i: int,
+                           report: dict) -> None:
+    """The Responses API on one conversation: a system turn as ``instructions``, the rest as
+    ``input``; whole, async and streamed, each the target's greedy answer."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    kw = {"model": model, "input": [m for m in messages if m["role"] != "system"], "max_output_tokens": max_new,
+          "temperature": 0, "instructions": system[0] if system else None}
+    whole = sync.responses.create(**kw)
+    check(report, f"responses {i}: sync = target greedy", whole.output_text == want,
+          tokens=whole.usage.output_tokens, status=whole.status)
+    res = await client.responses.create(**kw)
+    check(report, f"responses {i}: async = target greedy", res.output_text == want)
+    stream = await client.responses.create(**kw, stream=True)
+    streamed = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
+    check(report, f"responses {i}: streamed = target greedy", streamed == want)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def continuation_checks(sync, model: str, max_new: int, report: dict) -> None:
+    """``previous_response_id`` and a function call's round trip, each the chat endpoint's answer
+    to the same conversation (its tools shown the same way)."""
+    ask = {"role": "user", "content": "And the same in JavaScript?"}
+    first = sync.responses.create(model=model, input=MESSAGES[0], max_output_tokens=max_new, temperature=0)
+    more = sync.responses.create(model=model, previous_response_id=first.id, input=[ask], max_output_tokens=max_new,
+                                 temperature=0)
+    chat = sync.chat.completions.create(model=model, max_tokens=max_new, temperature=0, messages=[
+        *MESSAGES[0], {"role": "assistant", "content": first.output_text}, ask])
+    check(report, "responses: previous_response_id = chat with the whole conversation",
+          more.output_text == chat.choices[0].message.content, tokens=more.usage.output_tokens,
+          cached_tokens=more.usage.input_tokens_details.cached_tokens, input_tokens=more.usage.input_tokens)
+    question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    called = sync.responses.create(model=model, input=question, tools=[WEATHER], max_output_tokens=max_new,
+                                   temperature=0)
+    tool = {"type": "function", "function": {**{k: v for k, v in WEATHER.items() if k != "type"}, "strict": True}}
+    chat = sync.chat.completions.create(model=model, messages=question, tools=[tool], max_tokens=max_new,
+                                        temperature=0).choices[0].message
+    calls = [c for c in called.output if c.type == "function_call"]
+    check(report, "responses: function calls = chat's", [(c.name, c.arguments) for c in calls]
+          == [(t.function.name, t.function.arguments) for t in chat.tool_calls or ()],
+          calls=[(c.name, c.arguments) for c in calls])
+    if calls:
+        result = [{"type": "function_call_output", "call_id": c.call_id, "output": "18 C, clear"} for c in calls]
+        after = sync.responses.create(model=model, previous_response_id=called.id, input=result, tools=[WEATHER],
+                                      max_output_tokens=max_new, temperature=0)
+        history = [*question, {"role": "assistant", "content": chat.content, "tool_calls": [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]}, *({"role": "tool", "tool_call_id": c.call_id, "content": "18 C, clear"} for c in calls)]
+        reply = sync.chat.completions.create(model=model, messages=history, tools=[tool], max_tokens=max_new,
+                                             temperature=0).choices[0].message
+        again = [(c.name, c.arguments) for c in after.output if c.type == "function_call"]
+        check(report, "responses: the call's output answered = chat's", after.output_text == (reply.content or "")
+              and again == [(t.function.name, t.function.arguments) for t in reply.tool_calls or ()],
+              text=after.output_text[:200], calls=again)
 
 
 def main(argv=None) -> int:
