@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from specsplit.fuzz.http import ApiLimits, fuzz_api, loopback
-from specsplit.fuzz.http_cases import DOCUMENTED, RAW, HttpCase, schema_fields
+from specsplit.fuzz.http_cases import DOCUMENTED, RAW, HttpCase, response_fields, schema_fields
 from specsplit.fuzz.http_families import FAMILIES, HttpGenerator
 from specsplit.fuzz.http_run import Outcome, judge, run_raw
 from tests.conftest import wait_until
@@ -81,7 +81,7 @@ def test_cases_are_rebuilt_from_seed_and_index():
     assert first != [c.case(i) for i in range(300)]
 
 
-def test_cases_expect_documented_statuses_and_cover_both_schemas():
+def test_cases_expect_documented_statuses_and_cover_every_schema():
     g = _gen(3)
     cases = [g.case(i) for i in range(3000)]
     assert {c.family.split("/")[0] for c in cases} == set(FAMILIES)
@@ -91,6 +91,10 @@ def test_cases_expect_documented_statuses_and_cover_both_schemas():
         assert not c.may_close or c.family.split("/")[0] in HANG_UP_FAMILIES, c
     fuzzed = {c.family.split("/", 1)[1] for c in cases if c.family.startswith("wrong_type/")}
     assert set(schema_fields(chat=True)) | set(schema_fields(chat=False)) <= fuzzed
+    more = [g.case(i) for i in range(3000, 6000)]  # the Responses API's fields: a fifth of wrong types
+    fuzzed |= {c.family.split("/", 1)[1] for c in more if c.family.startswith("wrong_type/")}
+    assert set(response_fields()) <= fuzzed
+    assert {c.path for c in cases if c.family == "valid/response"} == {"/v1/responses"}
     over = [c for c in cases if c.family.startswith("huge_field/array") and len(c.body) > LIMITS.max_body_bytes]
     assert over and all(c.expect == {413} for c in over)
 

@@ -5,9 +5,9 @@ resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completio
 /v1/chat/completions``, the Responses API's ``/v1/responses`` (``specsplit.api.responses``),
 llama-server's ``POST /completion`` and ``/infill`` (``specsplit.api.llama_server``), ``POST
 /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``), ``GET /health``, ``GET /metrics``.
-It loads the target's tokenizer only
-(no torch, no weights) and checks it against the tokenizer the orchestrators report
-(``Heartbeat.tokenizer_hash``): another one ends the process with code 2, naming both.
+It loads the target's tokenizer only (no torch, no weights) and checks it against the tokenizer
+the orchestrators report (``Heartbeat.tokenizer_hash``): another one ends the process with code
+2, naming both.
 
 Limits: a body over ``api_max_body_bytes`` gets 413 before it is read; headers must arrive
 within ``api_header_timeout_s`` of connecting (the connection is closed otherwise), a body within

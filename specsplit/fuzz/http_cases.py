@@ -21,10 +21,11 @@ import random
 from dataclasses import dataclass, field
 
 from specsplit.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart
+from specsplit.api.responses import ResponsesRequest
 
 HTTPX, RAW, STREAM_CUT = "httpx", "raw", "stream_cut"
 DOCUMENTED = frozenset({200, 400, 404, 405, 408, 413, 429, 503})
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 SLACK_S = 4.0  # beyond a server timeout, what a loaded box may add before the close is seen
 ANSWER_BOUND_S = 20.0  # an error or a small generation
 LONG_BOUND_S = 90.0  # a valid request that may generate up to the context length
@@ -53,7 +54,7 @@ class HttpCase:
     steps: tuple[tuple, ...] = ()  # RAW: ("send", b) ("trickle", b, interval_s) ("sleep", s) ("eof",) ("hangup",)
     expect: frozenset[int] = frozenset({400})
     may_close: bool = False  # the server may close it unanswered
-    shape: str = ""  # a 200 must be: "completion" | "chat" | "json" | "text" ("" : any)
+    shape: str = ""  # a 200 must be: "completion" | "chat" | "response" | "json" | "text" ("" : any)
     stream: bool = False  # a 200 is an event stream
     choices: int = 1  # choices a completion / chat answer holds
     events: int = 0  # STREAM_CUT: events read before hanging up
@@ -111,6 +112,24 @@ def schema_fields(chat: bool) -> list[str]:
     else:
         nested += ["prompt.0", "stop.0"]
     return top + nested
+
+
+def response_fields() -> list[str]:
+    """Every field of the Responses API's request, and the input's and text format's parts."""
+    return [*ResponsesRequest.model_fields, "input.0", "input.0.type", "input.0.role", "input.0.content",
+            "input.0.content.0", "input.0.content.0.type", "input.0.content.0.text", "text.format", "text.format.type",
+            "text.format.schema", "tools.0", "tools.0.name", "tools.0.parameters", "include.0", "metadata.k"]
+
+
+# the Responses API's optional fields, with values it takes
+RESPONSE_OPTIONS = (
+    ("top_p", [0.5, 1.0]), ("top_k", [-1, 0, 5]), ("seed", [0, 7]), ("stop", ["\n", ["a", "the"]]), ("user", ["u1"]),
+    ("store", [False, True]), ("metadata", [{"k": "v"}]), ("prompt_cache_key", ["k1"]), ("truncation", ["disabled"]),
+    ("text", [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {
+        "type": "json_schema", "name": "n", "schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}}]),
+    ("include", [["message.output_text.logprobs"]]), ("top_logprobs", [0, 3]), ("parallel_tool_calls", [False]),
+    ("reasoning", [{"effort": None}]), ("service_tier", ["auto"]), ("instructions", ["Be brief."]),
+)
 
 
 class Builder:
@@ -176,6 +195,26 @@ class Builder:
         self._stream(body, stream)
         return Draft(CHAT, body, expect={200}, shape="chat")
 
+    def responses(self, stream: bool | None = None, max_tokens: int | None = None) -> Draft:
+        """A Responses API request: a text, or message items (a system or developer turn first
+        now and then; text or input_text parts)."""
+        g = self.rng
+        if g.random() < 0.5:
+            given: str | list = self.text()
+        else:
+            content = self.text() if g.random() < 0.5 else [{"type": "input_text", "text": self.text()}]
+            given = [{"role": g.choice(["system", "developer"]), "content": self.text()}] if g.random() < 0.3 else []
+            given.append({"type": "message", "role": "user", "content": content} if g.random() < 0.5
+                         else {"role": "user", "content": content})
+        body = {"model": self.model, "input": given, "max_output_tokens": max_tokens or g.randint(1, 4),
+                "temperature": g.choice([0, 0, 0.7, 1.0, 2])}
+        for name, values in RESPONSE_OPTIONS:
+            if g.random() < 0.15:
+                body[name] = g.choice(values)
+        if stream if stream is not None else g.random() < 0.3:
+            body["stream"] = True
+        return Draft(RESPONSES, body, expect={200}, shape="response")
+
     def _stream(self, body: dict, stream: bool | None) -> None:
         if stream if stream is not None else self.rng.random() < 0.3:
             body["stream"] = True
@@ -211,7 +250,7 @@ class Builder:
     def bound(d: Draft) -> float:
         """A request that may generate up to the context length gets the long bound."""
         body = d.obj if isinstance(d.obj, dict) else {}
-        budgets = [body.get(k) for k in ("max_tokens", "max_completion_tokens") if k in body]
+        budgets = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens") if k in body]
         small = any(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= 64 for b in budgets)
         return ANSWER_BOUND_S if small or 200 not in d.expect else LONG_BOUND_S
 

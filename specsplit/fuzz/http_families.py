@@ -8,7 +8,8 @@ import copy
 import random
 
 from specsplit.fuzz.http_cases import (
-    BAD_VALUES, CHAT, DELETE, HTTPX, Builder, Draft, HttpCase, encode, raw_request, schema_fields, set_path,
+    BAD_VALUES, CHAT, DELETE, HTTPX, Builder, Draft, HttpCase, encode, raw_request, response_fields, schema_fields,
+    set_path,
 )
 from specsplit.fuzz.http_wire import bad_headers, disconnect, method_path, slow, stream_cut, truncated
 
@@ -27,20 +28,27 @@ def valid(g: Builder, i: int) -> HttpCase:
         path, shape = g.rng.choice([("/v1/models", "json"), ("/health", "json"), ("/metrics", "text"),
                                     ("/v1/models?x=1", "json")])
         return HttpCase(i, "valid/get", HTTPX, "GET", path, expect=frozenset({200}), shape=shape)
-    d = g.request()
+    d = g.request() if g.rng.random() < 0.8 else g.responses()
     return g.httpx_case(i, f"valid/{d.shape}", d)
 
 
 def wrong_type(g: Builder, i: int) -> HttpCase:
-    chat = g.rng.random() < 0.5
-    d = g.chat() if chat else g.completion()
-    path = g.rng.choice(schema_fields(chat))
+    kind = g.rng.random()
+    chat = kind < 0.4
+    d = g.chat() if chat else g.completion() if kind < 0.8 else g.responses()
+    path = g.rng.choice(response_fields() if kind >= 0.8 else schema_fields(chat))
     set_path(d.obj, path, DELETE if g.rng.random() < 0.1 else copy.deepcopy(g.rng.choice(BAD_VALUES)))
     d.expect, d.choices = {200, 400, 404}, 0
     return g.httpx_case(i, f"wrong_type/{path}", d)
 
 
 def unknown_field(g: Builder, i: int) -> HttpCase:
+    if g.rng.random() < 0.2:  # the Responses API's: its items keep what clients echo back (ids, status)
+        d = g.responses()
+        d.obj[g.rng.choice(["bogus", "", "x" * 300, "Model", "n", "messages", "max_tokens", "stream_options "])] = \
+            copy.deepcopy(g.rng.choice(BAD_VALUES))
+        d.expect = {400}
+        return g.httpx_case(i, "unknown_field/responses", d)
     chat = g.rng.random() < 0.5
     d = g.chat() if chat else g.completion()
     other = ["prompt", "echo", "suffix", "best_of"] if chat else ["messages", "max_completion_tokens", "tools"]

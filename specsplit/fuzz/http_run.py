@@ -229,6 +229,9 @@ def judge(case: HttpCase, out: Outcome, header_timeout_s: float) -> list[tuple[s
     return problems
 
 
+RESPONSE_ENDS = ("completed", "incomplete")
+
+
 def error_body_problems(out: Outcome) -> list[tuple[str, str]]:
     ctype = out.headers.get("content-type", "")
     where = f"status {out.status}, content-type {ctype!r}, body {out.body[:200]!r}"
@@ -261,6 +264,8 @@ def answer_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
         return [("answer not JSON", repr(out.body[:200]))]
     if case.shape == "json":
         return [] if isinstance(obj, dict) else [("answer not a JSON object", repr(out.body[:200]))]
+    if case.shape == "response":
+        return response_problems(obj, out)
     kind = "chat.completion" if case.shape == "chat" else "text_completion"
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or obj.get("object") != kind:
@@ -276,7 +281,45 @@ def answer_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
     return []
 
 
+def response_problems(obj, out: Outcome) -> list[tuple[str, str]]:
+    """A Responses API answer: a finished response whose items are messages with their text (or calls)."""
+    if not isinstance(obj, dict) or obj.get("object") != "response" or obj.get("status") not in RESPONSE_ENDS \
+            or not isinstance(obj.get("output"), list) or not obj["output"]:
+        return [("answer of the wrong shape", repr(out.body[:300]))]
+    for item in obj["output"]:
+        texts = [p.get("text") for p in item.get("content") or () if isinstance(p, dict)] \
+            if isinstance(item, dict) and item.get("type") == "message" else None
+        if not (texts and all(isinstance(t, str) for t in texts)) and not (
+                isinstance(item, dict) and item.get("type") == "function_call"):
+            return [("answer of the wrong shape", repr(item)[:300])]
+    return []
+
+
+def response_stream_problems(out: Outcome) -> list[tuple[str, str]]:
+    """The Responses API's events: ``event: TYPE`` then its ``data``, numbered from 0, the last
+    one the response's end (unless the client hung up); no ``[DONE]``."""
+    blocks = [b.splitlines() for b in out.body.decode("utf-8", "replace").split("\n\n") if b.strip()]
+    if out.hung_up and blocks:
+        blocks = blocks[:-1]  # the last may be cut
+    kinds = []
+    for n, b in enumerate(blocks):
+        if len(b) != 2 or not b[0].startswith("event: ") or not b[1].startswith("data: "):
+            return [("event of the wrong shape", repr(b)[:300])]
+        try:
+            obj = json.loads(b[1][6:])
+        except ValueError:
+            return [("event not JSON", b[1][:200])]
+        if not isinstance(obj, dict) or obj.get("type") != b[0][7:] or obj.get("sequence_number") != n:
+            return [("event of the wrong shape", b[1][:300])]
+        kinds.append(obj["type"])
+    if not out.hung_up and (not kinds or kinds[-1] not in {f"response.{e}" for e in RESPONSE_ENDS}):
+        return [("stream without its end", repr(out.body[-300:]))]
+    return []
+
+
 def stream_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
+    if case.shape == "response":
+        return response_stream_problems(out)
     datas = [ln[5:].strip() for ln in out.body.decode("utf-8", "replace").splitlines() if ln.startswith("data:")]
     finished: set[int] = set()
     for d in datas:

@@ -6,14 +6,15 @@ a few events. Raw cases are the exact bytes on the socket (``HttpCase.steps``)."
 from __future__ import annotations
 
 from specsplit.fuzz.http_cases import (
-    CHAT, COMPLETIONS, HTTPX, LONG_BOUND_S, SLACK_S, STREAM_CUT, Builder, Draft, HttpCase, raw_request,
+    CHAT, COMPLETIONS, HTTPX, LONG_BOUND_S, RESPONSES, SLACK_S, STREAM_CUT, Builder, Draft, HttpCase, raw_request,
 )
 
 GET_ROUTES = ("/v1/models", "/health", "/metrics")
-POST_ROUTES = (COMPLETIONS, CHAT)
+POST_ROUTES = (COMPLETIONS, CHAT, RESPONSES)
 WRONG_PATHS = ("/", "/v1", "/v1/", "/v1/completion", "/v1/chat", "/v1/chat/completion", "/v2/completions",
                "/V1/models", "/v1/modelsx", "/v1/embeddings", "/v1/completions/", "/v1/chat/completions/",
-               "/health/", "/metrics/x", "/v1/model", "/favicon.ico", "/v1/completions/x")
+               "/health/", "/metrics/x", "/v1/model", "/favicon.ico", "/v1/completions/x", "/v1/response",
+               "/v1/responses/", "/v1/responses/x/y")
 ODD_TARGETS = ("//v1/models", "/v1/%6Dodels", "/%00", "/%ff", "/v1/models%2f", "*", "http://127.0.0.1/v1/models",
                "/v1/models#frag", "/v1/../v1/models", "/v1/models?" + "q=1&" * 1000, "/%2e%2e/health")
 AUTHORIZATIONS = ("Bearer", "Bearer ", "Basic Zm9vOmJhcg==", "Bearer " + "k" * 8000, "bearer sk-x", "Bearer a b c",
