@@ -73,6 +73,17 @@ def test_fields_taken_at_any_value_or_only_off():
     assert req(max_tokens=7).budget == 7 and req().budget == -1 and req(n_predict=0, max_tokens=9).budget == 0
 
 
+def test_text_that_is_not_unicode_is_a_400_naming_its_field():
+    """A lone surrogate (valid JSON escapes, no text): the fuzzer's ``{"prompt": "\\ud800"}`` got a
+    500 from the tokenizer's TypeError."""
+    for body, param in [({"prompt": "\ud800"}, "prompt"), ({"prompt": ["x", 5, "\udfff"]}, "prompt"),
+                        ({"input_extra": [{"text": "a", "filename": "\ud800"}]}, "input_extra"),
+                        ({"logit_bias": [["\ud800", 1]]}, "logit_bias"), ({"\ud800": 1}, None)]:
+        with pytest.raises(ApiError) as err:
+            req(**body)
+        assert err.value.status == 400 and err.value.param == param, body
+
+
 def test_prompt_forms():
     assert L.prompt_pieces("a") == [["a"]]
     assert L.prompt_pieces(["a", 5, "b"]) == [["a", 5, "b"]]  # ids among texts: one prompt

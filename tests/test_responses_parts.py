@@ -65,6 +65,9 @@ def test_input_items_become_chat_turns():
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"max_output_tokens": 5, "temperature": 3}, "temperature"),
     ({"text": {"format": {"type": "json_schema", "name": "bad name"}}}, "text"),
+    # texts a response would echo, or a tokenizer read, that are no Unicode (lone surrogates)
+    ({"user": "\ud800"}, "user"), ({"metadata": {"k": "\udfff"}}, "metadata"), ({"instructions": "a\ud800"},
+                                                                               "instructions"),
 ])
 def test_what_cannot_be_honoured_is_refused_naming_it(body, param):
     with pytest.raises(ApiError) as err:

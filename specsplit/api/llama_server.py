@@ -35,7 +35,7 @@ from starlette.responses import Response
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.llama_fields import IGNORED, OFF_ONLY, check_fields, sampling_of
 from specsplit.api.planning import plan_jobs
-from specsplit.api.plumbing import check_key, read_json, request_state
+from specsplit.api.plumbing import check_key, check_unicode, read_json, request_state
 from specsplit.api.protocol import MAX_N, MAX_TOP_K, MAX_TOP_LOGPROBS, ApiError, CompletionRequest, parse
 from specsplit.api.state import ApiState
 from specsplit.api.streaming import answer, each_event, launch, sse
@@ -359,6 +359,7 @@ def parse_llama(body: dict) -> LlamaRequest:
     """A validated llama-server body, or ApiError(400) naming the first offending field."""
     from pydantic import ValidationError
 
+    check_unicode(body)
     try:
         return LlamaRequest.model_validate(body).checked()
     except ValidationError as exc:

@@ -52,6 +52,27 @@ def encode_text(tok, text: str, special: bool = True) -> list[int]:
     return tok.encode(text) if special else tok.encode_text(text)
 
 
+def check_unicode(body: dict) -> None:
+    """A 400 naming the field when a string anywhere in the body (a key too) is not valid
+    Unicode (a lone surrogate escaped in JSON): no tokenizer takes one, and no answer that
+    echoes it could be written as UTF-8."""
+    for name, value in body.items():
+        todo = [name, value]
+        while todo:
+            v = todo.pop()
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    field = name if isinstance(name, str) and name.isprintable() and name.isascii() else None
+                    raise ApiError(400, f"{field or 'a field'}: a text that is not valid Unicode (a lone "
+                                        "surrogate)", param=field) from None
+            elif isinstance(v, dict):
+                todo += [*v.keys(), *v.values()]
+            elif isinstance(v, list):
+                todo += v
+
+
 def check_key(request: Request, state: ApiState) -> None:
     if not state.keys:
         return

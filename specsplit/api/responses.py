@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from specsplit.api.generation import Delta, Done, Failed, Generation
 from specsplit.api.logprobs import chat_logprobs
 from specsplit.api.planning import chat_prompt, plan_jobs
-from specsplit.api.plumbing import check_key, read_json, request_state
+from specsplit.api.plumbing import check_key, check_unicode, read_json, request_state
 from specsplit.api.protocol import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -466,6 +466,8 @@ async def streamed(gen: Generation, first, builder: Builder, release, keep):
 def parse_request(body: Any) -> ResponsesRequest:
     """A validated request, or a 400 naming the first offending parameter (the chat endpoint's
     rules: ``protocol.parse``)."""
+    if isinstance(body, dict):
+        check_unicode(body)  # (a response echoes its request's texts: instructions, user, metadata)
     return parse(ResponsesRequest, body).checked()  # type: ignore[arg-type]
 
 

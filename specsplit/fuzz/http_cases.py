@@ -15,6 +15,7 @@ hung-up requests. Torch-free and socket-free.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import random
@@ -210,7 +211,7 @@ class Builder:
                 "temperature": g.choice([0, 0, 0.7, 1.0, 2])}
         for name, values in RESPONSE_OPTIONS:
             if g.random() < 0.15:
-                body[name] = g.choice(values)
+                body[name] = copy.deepcopy(g.choice(values))  # (cases change their bodies' parts)
         if stream if stream is not None else g.random() < 0.3:
             body["stream"] = True
         return Draft(RESPONSES, body, expect={200}, shape="response")

@@ -266,11 +266,33 @@ def llama_native(g: Builder, i: int) -> HttpCase:
     return g.httpx_case(i, f"llama/{'infill' if infill else 'completion'}", d)
 
 
+def surrogate_text(g: Builder, i: int) -> HttpCase:
+    """A lone surrogate in a text of a Responses API or llama-server body: what a tokenizer reads
+    or an answer echoes (instructions, user, metadata) can hold none, so each is a 400."""
+    r = g.rng
+    if r.random() < 0.6:
+        d = g.responses(stream=r.random() < 0.3)
+        where = r.choice(["user", "instructions", "metadata.k", "input", "input.0.content", "model", "stop",
+                          "prompt_cache_key", "safety_identifier", "key"])
+    else:
+        d = Draft("/completion", {"prompt": g.text(), "n_predict": 2}, shape="")
+        where = r.choice(["prompt", "prompt.1", "input_extra.0.text", "input_extra.0.filename", "stop.0", "key"])
+    body = copy.deepcopy(d.obj)
+    if where == "key":
+        body[MARK] = 1
+    else:
+        set_path(body, where, MARK)
+    data = encode(body).replace(MARK.encode(), SURROGATE_UTF8)
+    shaped = Draft(d.path, expect={400}, choices=0)
+    return g.raw_case(i, f"surrogate/{d.path.strip('/').replace('/', '_')}", shaped,
+                      [("send", raw_request("POST", d.path, data))], body=data)
+
+
 FAMILIES = {
     "valid": (14, valid), "wrong_type": (20, wrong_type), "unknown_field": (5, unknown_field),
     "huge_field": (12, huge_field), "malformed_json": (16, malformed_json), "method_path": (8, method_path),
     "bad_headers": (12, bad_headers), "slow": (4, slow), "truncated": (3, truncated), "disconnect": (3, disconnect),
-    "stream_cut": (3, stream_cut), "llama": (6, llama_native),
+    "stream_cut": (3, stream_cut), "llama": (6, llama_native), "surrogate": (3, surrogate_text),
 }
 
 
