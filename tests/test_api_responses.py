@@ -156,6 +156,27 @@ def test_function_calls_and_their_outputs_are_the_chat_endpoints(fleet):
     assert done == [c.arguments for c in calls]
 
 
+def test_logprobs_through_include_are_the_chat_endpoints(fleet):
+    client = openai_client(fleet)
+    messages = [{"role": "user", "content": ASK}]
+    res = client.responses.create(model="tiny-v1", input=ASK, max_output_tokens=6, temperature=0, top_logprobs=2,
+                                  include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    got = [(e.token, round(e.logprob, 5), [(t.token, round(t.logprob, 5)) for t in e.top_logprobs])
+           for e in res.output[0].content[0].logprobs]
+    want = [(e.token, round(e.logprob, 5), [(t.token, round(t.logprob, 5)) for t in e.top_logprobs])
+            for e in chat.choices[0].logprobs.content]
+    assert got == want and len(got) == res.usage.output_tokens - (res.status == "completed")
+    events = list(client.responses.create(model="tiny-v1", input=ASK, max_output_tokens=6, temperature=0,
+                                          top_logprobs=2, include=["message.output_text.logprobs"], stream=True))
+    streamed = [(e.token, round(e.logprob, 5)) for ev in events if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    assert streamed == [(t, lp) for t, lp, _ in want]
+    plain = client.responses.create(model="tiny-v1", input=ASK, max_output_tokens=6, temperature=0, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == []  # only with include
+
+
 def test_curl_streams_the_typed_events(fleet):
     body = {"model": "tiny-v1", "input": ASK, "max_output_tokens": 8, "stream": True}
     out = subprocess.run(["curl", "-sSN", "--max-time", "120", f"{fleet['url']}/v1/responses", "-H",
