@@ -109,6 +109,16 @@ def test_previous_response_id_retrieve_and_delete(fleet, tiny, served):
     again = client.responses.create(model="tiny-v1", input=turns, max_output_tokens=12, temperature=0)
     assert again.output_text == second.output_text
 
+    # its input items, newest first by default, a page at a time
+    listed = client.responses.input_items.list(again.id)
+    assert [(i.role, i.content[0].text) for i in listed.data] == [(t["role"], t["content"]) for t in turns[::-1]]
+    assert [i.content[0].type for i in listed.data] == ["input_text", "output_text", "input_text"]
+    page = client.responses.input_items.list(again.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == [ASK, first.output_text] and page.has_more
+    rest = client.responses.input_items.list(again.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == [MORE] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(first.id).data] == [ASK]
+
     got = client.responses.retrieve(first.id)
     assert got.id == first.id and got.output_text == first.output_text and got.usage == first.usage
     client.responses.delete(first.id)
@@ -208,4 +218,8 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(fleet):
     refused({"previous_response_id": "resp_nope"}, "previous_response_id", "previous_response_not_found")
     api_error(post_json(fleet, "/v1/responses", {"model": "tiny-v1"}), 400, "input")
     api_error(post_json(fleet, "/v1/responses", [1, 2]), 400)
-    api_error(httpx.get(f"{fleet['url']}/v1/responses/resp_nope", timeout=30), 404, code="not_found")
+    for path in ("resp_nope", "resp_nope/input_items"):
+        api_error(httpx.get(f"{fleet['url']}/v1/responses/{path}", timeout=30), 404, code="not_found")
+    kept = openai_client(fleet).responses.create(model="tiny-v1", input=ASK, max_output_tokens=1).id
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("after=msg_no", "after")):
+        api_error(httpx.get(f"{fleet['url']}/v1/responses/{kept}/input_items?{query}", timeout=30), 400, param)

@@ -7,7 +7,7 @@ import pytest
 
 from specsplit.api.generation import Delta, Done
 from specsplit.api.protocol import ApiError
-from specsplit.api.responses import Builder, chat_request, input_messages, parse_request
+from specsplit.api.responses import Builder, chat_request, input_messages, listed_items, parse_request
 from specsplit.api.stored import ResponseStore
 from specsplit.api.tools import ParsedCall
 
@@ -53,6 +53,14 @@ def test_input_items_become_chat_turns():
     assert [m.role for m in chat.messages] == ["system", "user", "user"] and turns[0]["content"] == "before"
     assert chat.budget == 7 and chat.logprobs_asked == 3 and chat.tools[0].function.strict is True
     assert chat.response_format.json_schema.json_schema == {"type": "object"}
+
+
+def test_input_items_are_listed_with_ids_and_parts():
+    listed = listed_items([{"role": "assistant", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                                   "arguments": "{}", "id": "fc_given"}])
+    assert listed[0]["type"] == "message" and listed[0]["id"].startswith("msg_") and listed[0]["status"] == "completed"
+    assert listed[0]["content"] == [{"type": "output_text", "text": "a"}] and listed[1]["id"] == "fc_given"
+    assert listed_items("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}] and listed_items(None) == []
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -1,6 +1,6 @@
 """OpenAI's Responses API over the fleet: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``, as the OpenAI SDK's ``client.responses`` calls them (and the agents and
-coding tools built on it). No torch.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, as the OpenAI SDK's
+``client.responses`` calls them (and the agents and coding tools built on it). No torch.
 
 A request becomes a chat completion request (``ChatCompletionRequest``) and runs as one:
 - ``input`` (a text, or items: messages with text parts, ``function_call`` and
@@ -189,6 +189,27 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict]:
             raise ApiError(400, f"{where}: items of type {str(kind)[:40]!r} are not supported by this server "
                                 "(messages, function_call, function_call_output)", param="input",
                            code="unsupported_parameter")
+    return out
+
+
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(value: str | list[dict[str, Any]] | None) -> list[dict]:
+    """A request's input as ``input_items`` lists it: items with ids and status, a message's text
+    as its parts (``input_text``, or an assistant's ``output_text``)."""
+    if value is None:
+        return []
+    out = []
+    for item in [{"role": "user", "content": value}] if isinstance(value, str) else value:
+        kind = item.get("type", "message")
+        item = {"type": kind, **item, "id": item.get("id") or f"{ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}"}
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("status", "completed")
+        out.append(item)
     return out
 
 
@@ -428,12 +449,12 @@ async def create(request: Request) -> Response:
     except ApiError as exc:
         raise renamed(exc) from None
     builder = Builder(req, state.model_name, tok.token_piece)
-    ends = tok.stop_token_ids
-    gen, release = launch(state, jobs, sorted({*ends, *(chat.stop_token_ids or ())}), unlisted=ends)
+    gen, release = launch(state, jobs, sorted(tok.stop_token_ids), unlisted=tok.stop_token_ids)
 
     def keep() -> None:
         if req.store and builder.status in ("completed", "incomplete"):
-            state.responses.put(builder.id, builder.response(), [*turns, builder.assistant_turn()])
+            state.responses.put(builder.id, builder.response(), [*turns, builder.assistant_turn()],
+                                listed_items(req.input))
 
     def whole(events) -> dict:
         for ev in events:
@@ -485,6 +506,36 @@ async def retrieve(request: Request) -> Response:
     check_key(request, state)
     _, found = _stored(request, state)
     return JSONResponse(found.response)
+
+
+MAX_LIST = 100  # OpenAI's limit on one page of input items
+
+
+async def input_items(request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items`` (``order`` desc by default, ``limit`` 1-100 (20),
+    ``after`` an item id): the stored response's own input items, in OpenAI's list shape."""
+    state = request_state(request)
+    check_key(request, state)
+    _, found = _stored(request, state)
+    q = request.query_params
+    order, after = q.get("order", "desc"), q.get("after")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be asc or desc", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIST:
+        raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIST}", param="limit")
+    items = list(found.items) if order == "asc" else list(reversed(found.items))
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after[:MAX_ID]!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 async def delete(request: Request) -> Response:

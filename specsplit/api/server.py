@@ -254,6 +254,7 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/completion", llama_server.completion, methods=["POST"]),
         Route("/completions", llama_server.completion, methods=["POST"]),
         Route("/infill", llama_server.infill, methods=["POST"]),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 class Stored:
     response: dict  # the response object, as it was answered
     messages: tuple[dict, ...]  # its conversation as chat turns (instructions left out), its output last
+    items: tuple[dict, ...]  # its own input items, as ``GET /v1/responses/{id}/input_items`` lists them
     size: int  # bytes, as counted against the store's limit
 
 
@@ -30,13 +31,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, rid: str, response: dict, messages: list[dict]) -> bool:
+    def put(self, rid: str, response: dict, messages: list[dict], items: list[dict] = ()) -> bool:
         """Keep a response (False: the store is off, or it alone is over the size limit)."""
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+        size = len(json.dumps(response)) + len(json.dumps(messages)) + len(json.dumps(list(items)))
         if self.count == 0 or size > self.max_bytes:
             return False
         self.delete(rid)
-        self._items[rid] = Stored(response, tuple(messages), size)
+        self._items[rid] = Stored(response, tuple(messages), tuple(items), size)
         self.bytes += size
         while len(self._items) > self.count or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
