@@ -7,7 +7,8 @@ import pytest
 
 from specsplit.api.generation import Delta, Done
 from specsplit.api.protocol import ApiError
-from specsplit.api.responses import Builder, chat_request, input_messages, listed_items, parse_request
+from specsplit.api.response_events import Builder
+from specsplit.api.responses import chat_request, input_messages, listed_items, parse_request
 from specsplit.api.stored import ResponseStore
 from specsplit.api.tools import ParsedCall
 

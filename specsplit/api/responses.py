@@ -16,7 +16,8 @@ A request becomes a chat completion request (``ChatCompletionRequest``) and runs
   it. A stream is the Responses API's typed events (``response.created`` ...
   ``response.completed``, ``response.incomplete`` or ``response.failed``), numbered.
 - ``store`` (true by default) keeps the answer in this process's ``ResponseStore``
-  (``specsplit.api.stored``; ``SPECSPLIT_API_STORED_RESPONSES``).
+  (``specsplit.api.stored``; ``SPECSPLIT_API_STORED_RESPONSES``). The answer's object and events:
+  ``specsplit.api.response_events``.
 
 What the fleet cannot do is a 400 naming the parameter: built-in tools (web search, files,
 computers, MCP), images and files in the input, ``background``, ``conversation``, ``prompt``
@@ -26,7 +27,6 @@ Reasoning items in the input are left out, as chat templates leave out past reas
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Literal
 
@@ -34,23 +34,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from specsplit.api.generation import Delta, Done, Failed, Generation
-from specsplit.api.logprobs import chat_logprobs
+from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.planning import chat_prompt, plan_jobs
 from specsplit.api.plumbing import check_key, check_unicode, read_json, request_state
 from specsplit.api.protocol import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
-    MAX_TOP_LOGPROBS,
-    SEED_RANGE,
-    ApiError,
-    ChatCompletionRequest,
-    parse,
+    MAX_MESSAGES, MAX_TOOLS, MAX_TOP_LOGPROBS, SEED_RANGE, ApiError, ChatCompletionRequest, parse,
 )
+from specsplit.api.response_events import LOGPROBS_INCLUDE, Builder, event_bytes
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import answer, each_event, launch, sse
+from specsplit.api.streaming import answer, each_event, launch
 
-LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # what ``include`` may name: the logprobs are honoured; the others name outputs of built-in tools
 # (refused) or of reasoning (none here), so there is never anything of theirs to include
 INCLUDABLE = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
@@ -281,150 +274,6 @@ def renamed(exc: ApiError) -> ApiError:
                        ("max_completion_tokens", "max_output_tokens")):
         exc.message = exc.message.replace(chat, ours)
     return exc
-
-
-# ---------------------------------------------------------------------------- the answer
-class Builder:
-    """One response's object and its stream's events (``sequence_number`` in order), built from
-    the generation's events: a message item while text comes, a function_call item per call."""
-
-    def __init__(self, req: ResponsesRequest, model: str, piece) -> None:
-        self.req, self.model, self.piece = req, model, piece
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.items: list[dict] = []
-        self.message: dict | None = None  # the message item text goes to now
-        self.seq = 0
-        self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
-
-    def response(self) -> dict:
-        r = self.req
-        tools = [{**t, "strict": t.get("strict") is not False} for t in r.tools or ()]
-        fmt = (r.text or {}).get("format") or {"type": "text"}
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
-            "completed_at": int(time.time()) if self.status == "completed" else None,
-            "error": self.error, "incomplete_details": self.incomplete, "instructions": r.instructions,
-            "max_output_tokens": r.max_output_tokens, "model": self.model, "output": self.items,
-            "parallel_tool_calls": r.parallel_tool_calls is not False,  # (the default: true)
-            "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
-            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": r.tool_choice or "auto", "tools": tools,
-            "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
-            "truncation": "disabled", "usage": self.usage, "user": r.user, "metadata": r.metadata or {},
-            "background": False, "service_tier": "default", "prompt_cache_key": r.prompt_cache_key,
-            "safety_identifier": r.safety_identifier, "max_tool_calls": None,
-        }
-
-    def _event(self, kind: str, **fields) -> dict:
-        ev = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return ev
-
-    def start(self) -> list[dict]:
-        return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
-
-    def _logprobs(self, entries) -> list[dict]:
-        asked = LOGPROBS_INCLUDE in (self.req.include or ())
-        return chat_logprobs(list(entries), self.piece)["content"] if asked and entries else []
-
-    def _text(self, text: str, logprobs) -> list[dict]:
-        if not text and not logprobs:
-            return []
-        events = []
-        if self.message is None:
-            self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                            "role": "assistant", "content": []}
-            self.items.append(self.message)
-            events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
-                                      item={**self.message, "content": []}))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.message["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=self.message["id"],
-                                      output_index=len(self.items) - 1, content_index=0, part=dict(part)))
-        part, lp = self.message["content"][0], self._logprobs(logprobs)
-        part["text"] += text
-        part["logprobs"].extend(lp)
-        events.append(self._event("response.output_text.delta", item_id=self.message["id"],
-                                  output_index=self.items.index(self.message), content_index=0, delta=text,
-                                  logprobs=lp))
-        return events
-
-    def _close_message(self, status: str) -> list[dict]:
-        m, self.message = self.message, None
-        if m is None:
-            return []
-        m["status"] = status
-        index, part = self.items.index(m), m["content"][0]
-        return [self._event("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
-                            text=part["text"], logprobs=part["logprobs"]),
-                self._event("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
-                            part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=dict(m))]
-
-    def _call(self, call) -> list[dict]:
-        events = self._close_message("completed")
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call.id,
-                "name": call.name, "arguments": call.arguments}
-        self.items.append(item)
-        index = len(self.items) - 1
-        return [*events,
-                self._event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=call.arguments),
-                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=call.name, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=index, item=dict(item))]
-
-    def feed(self, ev: Delta | Done) -> list[dict]:
-        """The events one of the generation's events makes; after its Done, the last one."""
-        events = self._text(ev.text, ev.logprobs)
-        for call in ev.calls:
-            events += self._call(call)
-        if isinstance(ev, Done):
-            cut = ev.finish_reason == "length"
-            if not self.items:  # an empty answer is an empty message
-                events += self._empty()
-            events += self._close_message("incomplete" if cut else "completed")
-            self.status = "incomplete" if cut else "completed"
-            self.incomplete = {"reason": "max_output_tokens"} if cut else None
-            self.usage = {"input_tokens": ev.prompt_tokens, "input_tokens_details": {"cached_tokens": ev.cached_tokens},
-                          "output_tokens": ev.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
-            events.append(self._event(f"response.{self.status}", response=self.response()))
-        return events
-
-    def _empty(self) -> list[dict]:
-        self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                        "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": [],
-                                                          "logprobs": []}]}
-        self.items.append(self.message)
-        return [self._event("response.output_item.added", output_index=len(self.items) - 1,
-                            item={**self.message, "content": []}),
-                self._event("response.content_part.added", item_id=self.message["id"],
-                            output_index=len(self.items) - 1, content_index=0, part=dict(self.message["content"][0]))]
-
-    def fail(self, error: ApiError) -> list[dict]:
-        self.status = "failed"
-        self.error = {"code": error.code or ("server_error" if error.status >= 500 else "invalid_request"),
-                      "message": error.message}
-        return [self._event("response.failed", response=self.response())]
-
-    def assistant_turn(self) -> dict:
-        """The output as the chat turn a later response continues after."""
-        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.items if i["type"] == "function_call"]
-        turn: dict = {"role": "assistant", "content": text if text or not calls else None}
-        if calls:
-            turn["tool_calls"] = calls
-        return turn
-
-
-def event_bytes(ev: dict) -> bytes:
-    return b"event: " + ev["type"].encode() + b"\n" + sse(ev)
 
 
 # ---------------------------------------------------------------------------- endpoints
