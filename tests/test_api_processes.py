@@ -41,6 +41,16 @@ def test_api_keys_are_required_when_on(fleet, tmp_path):
                         timeout=30), 401)
         ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-two"}, timeout=60)
         assert ok.status_code == 200, ok.text
+        # Anthropic's clients send the key as x-api-key, and read Anthropic's error body
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=url, api_key="sk-one", max_retries=0, timeout=60)
+        said = client.messages.create(model="tiny-v1", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert said.usage.output_tokens >= 1
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            anthropic.Anthropic(base_url=url, api_key="sk-nope", max_retries=0, timeout=60).messages.create(
+                model="tiny-v1", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.body["error"]["type"] == "authentication_error"
     finally:
         assert stop_process(proc) == 0
 

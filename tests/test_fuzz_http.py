@@ -9,13 +9,14 @@ rebuilt from (seed, index), expectations within the documented set, the oracle, 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import httpx
 import pytest
 
 from specsplit.fuzz.http import ApiLimits, fuzz_api, loopback
-from specsplit.fuzz.http_cases import DOCUMENTED, RAW, HttpCase, response_fields, schema_fields
+from specsplit.fuzz.http_cases import DOCUMENTED, RAW, HttpCase, message_fields, response_fields, schema_fields
 from specsplit.fuzz.http_families import FAMILIES, HttpGenerator
 from specsplit.fuzz.http_run import Outcome, judge, run_raw
 from tests.conftest import wait_until
@@ -91,10 +92,12 @@ def test_cases_expect_documented_statuses_and_cover_every_schema():
         assert not c.may_close or c.family.split("/")[0] in HANG_UP_FAMILIES, c
     fuzzed = {c.family.split("/", 1)[1] for c in cases if c.family.startswith("wrong_type/")}
     assert set(schema_fields(chat=True)) | set(schema_fields(chat=False)) <= fuzzed
-    more = [g.case(i) for i in range(3000, 6000)]  # the Responses API's fields: a fifth of wrong types
+    # the Responses and Messages APIs' fields: each a seventh of the wrong types
+    more = [g.case(i) for i in range(3000, 12000)]
     fuzzed |= {c.family.split("/", 1)[1] for c in more if c.family.startswith("wrong_type/")}
-    assert set(response_fields()) <= fuzzed
+    assert set(response_fields()) <= fuzzed and set(message_fields()) <= fuzzed
     assert {c.path for c in cases if c.family == "valid/response"} == {"/v1/responses"}
+    assert {c.path for c in cases if c.family == "valid/message"} == {"/v1/messages"}
     over = [c for c in cases if c.family.startswith("huge_field/array") and len(c.body) > LIMITS.max_body_bytes]
     assert over and all(c.expect == {413} for c in over)
 
@@ -132,6 +135,32 @@ def test_oracle():
     assert judge(stream, _out(200, chunk, "text/event-stream"), 1.0)[0][0] == "stream without [DONE]"
     bad = judge(stream, _out(200, b'data: {"error":{}}\n\n', "text/event-stream"), 1.0)
     assert bad[0][0] == "event of the wrong shape"
+
+
+def test_oracle_of_the_messages_api():
+    case = HttpCase(0, "x/y", "httpx", path="/v1/messages", expect=frozenset({400}))
+    theirs = b'{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens: bad"}}'
+    assert judge(case, _out(400, theirs), 1.0) == []
+    ours = b'{"error":{"message":"bad","type":"invalid_request_error","param":null,"code":null}}'
+    assert judge(case, _out(400, ours), 1.0)[0][0] == "error body not Anthropic's shape"
+    ok = HttpCase(0, "valid/message", "httpx", path="/v1/messages", expect=frozenset({200}), shape="message")
+    msg = {"type": "message", "content": [{"type": "text", "text": "a"}], "stop_reason": "max_tokens",
+           "usage": {"input_tokens": 3, "output_tokens": 1}}
+    assert judge(ok, _out(200, json.dumps(msg).encode()), 1.0) == []
+    assert judge(ok, _out(200, json.dumps({**msg, "content": []}).encode()), 1.0)[0][0] == "answer of the wrong shape"
+    assert judge(ok, _out(200, json.dumps({**msg, "stop_reason": "stop"}).encode()), 1.0)
+    streamed = HttpCase(0, "valid/message", "httpx", path="/v1/messages", expect=frozenset({200}), shape="message",
+                        stream=True)
+
+    def events(*kinds: str) -> bytes:
+        return b"".join(f'event: {k}\ndata: {{"type":"{k}"}}\n\n'.encode() for k in kinds)
+
+    assert judge(streamed, _out(200, events("message_start", "ping", "message_stop"), "text/event-stream"), 1.0) == []
+    assert judge(streamed, _out(200, events("message_start", "error"), "text/event-stream"), 1.0) == []
+    assert judge(streamed, _out(200, events("message_start", "ping"), "text/event-stream"),
+                 1.0)[0][0] == "stream without its end"
+    assert judge(streamed, _out(200, b'event: ping\ndata: {"type":"pong"}\n\n', "text/event-stream"),
+                 1.0)[0][0] == "event of the wrong shape"
 
 
 def test_raw_runner_reads_answers_closes_and_silence():

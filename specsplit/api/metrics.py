@@ -19,7 +19,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 FINISHED_REASONS = ("stop", "length", "abort")
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/completion", "/infill",
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+          "/v1/messages/count_tokens", "/completion", "/infill",
           "/tokenize", "/detokenize", "/health", "/metrics")
 
 

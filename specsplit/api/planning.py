@@ -38,9 +38,10 @@ def sampling_for(req, seed: int | None) -> SamplingSpec:
                         repetition_penalty=None if req.repetition_penalty in (None, 1.0) else req.repetition_penalty)
 
 
-def chat_prompt(tok, req: ChatCompletionRequest) -> tuple[list[int], tools.ToolPlan | None]:
+def chat_prompt(tok, req: ChatCompletionRequest, prefill: str = "") -> tuple[list[int], tools.ToolPlan | None]:
     """A chat request's prompt (its turns through the chat template, with its tools shown) and
-    its tool plan; a 400 for a model without a template, or one that does not take tools."""
+    its tool plan; a 400 for a model without a template, or one that does not take tools.
+    ``prefill``: the assistant's turn begins with it (Anthropic's prefill), the answer its rest."""
     if not tok.has_chat_template:
         raise ApiError(400, "the served model has no chat template: use /v1/completions", param="messages")
     tool_plan = tools.plan(req, tok.added_tokens)
@@ -48,9 +49,13 @@ def chat_prompt(tok, req: ChatCompletionRequest) -> tuple[list[int], tools.ToolP
         raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
                             "to one that does)", param="tools" if tool_plan else "messages")
     turns = tools.turns(req)
+    if prefill and tool_plan and tool_plan.prefill:
+        raise ApiError(400, "a forced tool call and an assistant prefill do not go together: the call begins the "
+                            "turn", param="tool_choice")
     try:
         ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
-                              prefill=tool_plan.prefill if tool_plan else "", variables=req.chat_template_kwargs)
+                              prefill=prefill or (tool_plan.prefill if tool_plan else ""),
+                              variables=req.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return ids, tool_plan

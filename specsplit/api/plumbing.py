@@ -74,11 +74,13 @@ def check_unicode(body: dict) -> None:
 
 
 def check_key(request: Request, state: ApiState) -> None:
+    """The request's API key: ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key:
+    KEY`` (Anthropic's, and llama-server's other way); a 401 without a served one."""
     if not state.keys:
         return
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    ok = scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.keys)
-    if not ok:
-        raise ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)", type="authentication_error",
-                       code="invalid_api_key")
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    sent = [bearer.strip()] if scheme.lower() == "bearer" else []
+    sent += [request.headers["x-api-key"].strip()] if "x-api-key" in request.headers else []
+    if not any(hmac.compare_digest(key.encode(), k.encode()) for key in sent for k in state.keys):
+        raise ApiError(401, "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                       type="authentication_error", code="invalid_api_key")

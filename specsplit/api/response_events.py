@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from specsplit.api.generation import Delta, Done
 from specsplit.api.logprobs import chat_logprobs
 from specsplit.api.protocol import ApiError
-from specsplit.api.streaming import sse
+from specsplit.api.streaming import event_bytes  # noqa: F401  (responses.py's)
 
 if TYPE_CHECKING:
     from specsplit.api.responses import ResponsesRequest
@@ -155,7 +155,3 @@ class Builder:
         if calls:
             turn["tool_calls"] = calls
         return turn
-
-
-def event_bytes(ev: dict) -> bytes:
-    return b"event: " + ev["type"].encode() + b"\n" + sse(ev)

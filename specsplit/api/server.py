@@ -3,6 +3,7 @@
 A producer of the orchestrators (``specsplit.pool.OrchestratorPool``: spread over the live ones,
 resumed after a loss) that speaks HTTP: ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions``, the Responses API's ``/v1/responses`` (``specsplit.api.responses``),
+Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (``specsplit.api.messages``),
 llama-server's ``POST /completion`` and ``/infill`` (``specsplit.api.llama_server``), ``POST
 /tokenize`` and ``/detokenize`` (``specsplit.api.tokens``), ``GET /health``, ``GET /metrics``.
 It loads the target's tokenizer only (no torch, no weights) and checks it against the tokenizer
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specsplit.api import llama_server, responses, tools
+from specsplit.api import llama_server, messages, responses, tools
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.logprobs import Piece, chat_logprobs, completion_logprobs
 from specsplit.api.metrics import ApiMetrics
@@ -231,20 +232,22 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------------------- the app
 def build_app(state: ApiState) -> Starlette:
     async def on_api_error(request: Request, exc: ApiError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        anthropic = request.url.path.startswith(messages.PREFIX)  # Anthropic's clients read Anthropic's body
+        body = messages.api_error_body(exc) if anthropic else exc.body()
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found" if exc.status_code == 404 else None
-        err = ApiError(exc.status_code, str(exc.detail), code=kind)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return await on_api_error(request, ApiError(exc.status_code, str(exc.detail), code=kind,
+                                                    headers=getattr(exc, "headers", None)))
 
     async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=499)  # nobody reads it; the generation was cancelled
 
     async def on_error(request: Request, exc: Exception) -> Response:
         state.log.exception("api_internal_error", path=request.url.path)
-        err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+        return await on_api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", type="server_error",
+                                                    code="internal_error"))
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
@@ -255,6 +258,8 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/completion", llama_server.completion, methods=["POST"]),
         Route("/completions", llama_server.completion, methods=["POST"]),
         Route("/infill", llama_server.infill, methods=["POST"]),

@@ -71,6 +71,11 @@ def sse(obj) -> bytes:
     return b"data: " + data.encode() + b"\n\n"
 
 
+def event_bytes(ev: dict) -> bytes:
+    """A typed event (the Responses and Messages APIs'): its ``event:`` line names its ``type``."""
+    return b"event: " + ev["type"].encode() + b"\n" + sse(ev)
+
+
 async def watch_disconnect(request: Request) -> None:
     """Returns when the client disconnects (after the body was read)."""
     while True:

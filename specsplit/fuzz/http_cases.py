@@ -22,11 +22,12 @@ import random
 from dataclasses import dataclass, field
 
 from specsplit.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart
+from specsplit.api.messages import MessagesRequest
 from specsplit.api.responses import ResponsesRequest
 
 HTTPX, RAW, STREAM_CUT = "httpx", "raw", "stream_cut"
 DOCUMENTED = frozenset({200, 400, 404, 405, 408, 413, 429, 503})
-COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+COMPLETIONS, CHAT, RESPONSES, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"
 SLACK_S = 4.0  # beyond a server timeout, what a loaded box may add before the close is seen
 ANSWER_BOUND_S = 20.0  # an error or a small generation
 LONG_BOUND_S = 90.0  # a valid request that may generate up to the context length
@@ -55,7 +56,7 @@ class HttpCase:
     steps: tuple[tuple, ...] = ()  # RAW: ("send", b) ("trickle", b, interval_s) ("sleep", s) ("eof",) ("hangup",)
     expect: frozenset[int] = frozenset({400})
     may_close: bool = False  # the server may close it unanswered
-    shape: str = ""  # a 200 must be: "completion" | "chat" | "response" | "json" | "text" ("" : any)
+    shape: str = ""  # a 200 must be: "completion" | "chat" | "response" | "message" | "json" | "text" ("" : any)
     stream: bool = False  # a 200 is an event stream
     choices: int = 1  # choices a completion / chat answer holds
     events: int = 0  # STREAM_CUT: events read before hanging up
@@ -131,6 +132,24 @@ RESPONSE_OPTIONS = (
     ("include", [["message.output_text.logprobs"]]), ("top_logprobs", [0, 3]), ("parallel_tool_calls", [False]),
     ("reasoning", [{"effort": None}]), ("service_tier", ["auto"]), ("instructions", ["Be brief."]),
 )
+
+
+def message_fields() -> list[str]:
+    """Every field of the Messages API's request, and its messages', blocks', tools' and format's parts."""
+    return [*MessagesRequest.model_fields, "messages.0", "messages.0.role", "messages.0.content",
+            "messages.0.content.0", "messages.0.content.0.type", "messages.0.content.0.text", "system.0",
+            "system.0.text", "tools.0", "tools.0.name", "tools.0.input_schema", "tool_choice.type",
+            "output_config.format", "output_config.format.schema", "metadata.user_id", "stop_sequences.0"]
+
+
+# the Messages API's optional fields, with values it takes
+MESSAGE_OPTIONS = (
+    ("top_p", [0.5, 1.0]), ("top_k", [0, 5]), ("stop_sequences", [["\n"], ["a", "the"]]),
+    ("metadata", [{"user_id": "u1"}]), ("thinking", [{"type": "disabled"}]), ("service_tier", ["auto"]),
+    ("system", ["Be brief.", [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]]),
+    ("output_config", [{"format": {"type": "json_schema", "schema": {"type": "array", "items": {"type": "integer"},
+                                                                     "maxItems": 3}}}]),
+)  # (no tools: the fuzzed fleet's tiny template takes none)
 
 
 class Builder:
@@ -216,6 +235,22 @@ class Builder:
             body["stream"] = True
         return Draft(RESPONSES, body, expect={200}, shape="response")
 
+    def messages(self, stream: bool | None = None, max_tokens: int | None = None) -> Draft:
+        """An Anthropic Messages API request: a text, or text blocks; an assistant's prefill now and then."""
+        g = self.rng
+        content = self.text() if g.random() < 0.5 else [{"type": "text", "text": self.text()}]
+        messages = [{"role": "user", "content": content}]
+        if g.random() < 0.15:
+            messages.append({"role": "assistant", "content": self.text()})
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens or g.randint(1, 4),
+                "temperature": g.choice([0, 0, 0.7, 1.0])}
+        for name, values in MESSAGE_OPTIONS:
+            if g.random() < 0.12 and not (name == "output_config" and len(messages) > 1):
+                body[name] = copy.deepcopy(g.choice(values))
+        if stream if stream is not None else g.random() < 0.3:
+            body["stream"] = True
+        return Draft(MESSAGES, body, expect={200}, shape="message")
+
     def _stream(self, body: dict, stream: bool | None) -> None:
         if stream if stream is not None else self.rng.random() < 0.3:
             body["stream"] = True
@@ -236,7 +271,7 @@ class Builder:
     def raw_case(self, index: int, family: str, d: Draft, steps: list[tuple], *, may_close: bool = False,
                  bound_s: float | None = None, body: bytes | None = None) -> HttpCase:
         expect = self.over_limit(body, d.expect) if body is not None else d.expect
-        return HttpCase(index, family, RAW, steps=tuple(steps), expect=frozenset(expect), may_close=may_close,
+        return HttpCase(index, family, RAW, path=d.path, steps=tuple(steps), expect=frozenset(expect), may_close=may_close,
                         shape=d.shape, stream=self.streams(d), choices=d.choices,
                         bound_s=bound_s if bound_s is not None else self.bound(d))
 

@@ -8,8 +8,8 @@ import copy
 import random
 
 from specsplit.fuzz.http_cases import (
-    BAD_VALUES, CHAT, DELETE, HTTPX, Builder, Draft, HttpCase, encode, raw_request, response_fields, schema_fields,
-    set_path,
+    BAD_VALUES, CHAT, DELETE, HTTPX, Builder, Draft, HttpCase, encode, message_fields, raw_request, response_fields,
+    schema_fields, set_path,
 )
 from specsplit.fuzz.http_wire import bad_headers, disconnect, method_path, slow, stream_cut, truncated
 
@@ -28,21 +28,28 @@ def valid(g: Builder, i: int) -> HttpCase:
         path, shape = g.rng.choice([("/v1/models", "json"), ("/health", "json"), ("/metrics", "text"),
                                     ("/v1/models?x=1", "json")])
         return HttpCase(i, "valid/get", HTTPX, "GET", path, expect=frozenset({200}), shape=shape)
-    d = g.request() if g.rng.random() < 0.8 else g.responses()
+    kind = g.rng.random()
+    d = g.request() if kind < 0.7 else g.responses() if kind < 0.85 else g.messages()
     return g.httpx_case(i, f"valid/{d.shape}", d)
 
 
 def wrong_type(g: Builder, i: int) -> HttpCase:
     kind = g.rng.random()
-    chat = kind < 0.4
-    d = g.chat() if chat else g.completion() if kind < 0.8 else g.responses()
-    path = g.rng.choice(response_fields() if kind >= 0.8 else schema_fields(chat))
+    chat = kind < 0.35
+    d = g.chat() if chat else g.completion() if kind < 0.7 else g.responses() if kind < 0.85 else g.messages()
+    path = g.rng.choice(schema_fields(chat) if kind < 0.7 else response_fields() if kind < 0.85 else message_fields())
     set_path(d.obj, path, DELETE if g.rng.random() < 0.1 else copy.deepcopy(g.rng.choice(BAD_VALUES)))
     d.expect, d.choices = {200, 400, 404}, 0
     return g.httpx_case(i, f"wrong_type/{path}", d)
 
 
 def unknown_field(g: Builder, i: int) -> HttpCase:
+    if g.rng.random() < 0.1:  # the Messages API's
+        d = g.messages()
+        d.obj[g.rng.choice(["bogus", "", "Model", "n", "prompt", "max_completion_tokens", "input", "stream_options"])] = \
+            copy.deepcopy(g.rng.choice(BAD_VALUES))
+        d.expect = {400}
+        return g.httpx_case(i, "unknown_field/messages", d)
     if g.rng.random() < 0.2:  # the Responses API's: its items keep what clients echo back (ids, status)
         d = g.responses()
         d.obj[g.rng.choice(["bogus", "", "x" * 300, "Model", "n", "messages", "max_tokens", "stream_options "])] = \
@@ -267,13 +274,18 @@ def llama_native(g: Builder, i: int) -> HttpCase:
 
 
 def surrogate_text(g: Builder, i: int) -> HttpCase:
-    """A lone surrogate in a text of a Responses API or llama-server body: what a tokenizer reads
+    """A lone surrogate in a text of a Responses API, Messages API or llama-server body: what a tokenizer reads
     or an answer echoes (instructions, user, metadata) can hold none, so each is a 400."""
     r = g.rng
-    if r.random() < 0.6:
+    kind = r.random()
+    if kind < 0.45:
         d = g.responses(stream=r.random() < 0.3)
         where = r.choice(["user", "instructions", "metadata.k", "input", "input.0.content", "model", "stop",
                           "prompt_cache_key", "safety_identifier", "key"])
+    elif kind < 0.7:
+        d = g.messages(stream=r.random() < 0.3)
+        where = r.choice(["system", "messages.0.content", "metadata.user_id", "model", "stop_sequences", "key",
+                          "inference_geo"])
     else:
         d = Draft("/completion", {"prompt": g.text(), "n_predict": 2}, shape="")
         where = r.choice(["prompt", "prompt.1", "input_extra.0.text", "input_extra.0.filename", "stop.0", "key"])

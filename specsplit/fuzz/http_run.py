@@ -6,9 +6,11 @@ the server may close under us). Either gives an ``Outcome``: a status, headers a
 server's close, or our own hang-up, or nothing within the case's bound.
 
 ``judge`` is the oracle: an answered case has a status in ``DOCUMENTED`` and in the case's own
-``expect``; an error is OpenAI's body (``{"error": {"message", "type", "param", "code"}}``, JSON);
-a 200 to a well-formed request has the answer's shape (choices, or an event stream ending in
-``[DONE]``); a connection closed unanswered only where the case may be; nothing past its bound.
+``expect``; an error is OpenAI's body (``{"error": {"message", "type", "param", "code"}}``, JSON),
+or Anthropic's under ``/v1/messages`` (``{"type": "error", "error": {"type", "message"}}``); a
+200 to a well-formed request has the answer's shape (choices, or an event stream ending in
+``[DONE]``; a response or a message, or their typed events to the last); a connection closed
+unanswered only where the case may be; nothing past its bound.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import h11
 import httpx
 
+from specsplit.api.messages import PREFIX as MESSAGES_PREFIX
 from specsplit.fuzz.http_cases import DOCUMENTED, STREAM_CUT, HttpCase
 
 MAX_KEPT_BODY = 1 << 20  # bytes of an answer kept for judging
@@ -223,7 +226,7 @@ def judge(case: HttpCase, out: Outcome, header_timeout_s: float) -> list[tuple[s
     elif not out.complete and not out.hung_up:
         problems.append(("answer cut short", f"{len(out.body)} bytes then {'close' if out.closed else 'nothing'}"))
     if status >= 400 and case.method != "HEAD":
-        problems += error_body_problems(out)
+        problems += error_body_problems(out, anthropic=case.path.startswith(MESSAGES_PREFIX))
     elif status == 200 and case.shape:
         problems += answer_problems(case, out)
     return problems
@@ -232,7 +235,7 @@ def judge(case: HttpCase, out: Outcome, header_timeout_s: float) -> list[tuple[s
 RESPONSE_ENDS = ("completed", "incomplete")
 
 
-def error_body_problems(out: Outcome) -> list[tuple[str, str]]:
+def error_body_problems(out: Outcome, anthropic: bool = False) -> list[tuple[str, str]]:
     ctype = out.headers.get("content-type", "")
     where = f"status {out.status}, content-type {ctype!r}, body {out.body[:200]!r}"
     try:
@@ -240,6 +243,12 @@ def error_body_problems(out: Outcome) -> list[tuple[str, str]]:
     except ValueError:
         return [("error body not JSON", where)]
     err = obj.get("error") if isinstance(obj, dict) else None
+    if anthropic:
+        if not isinstance(err, dict) or set(obj) != {"type", "error"} or obj["type"] != "error" \
+                or set(err) != {"type", "message"} or not isinstance(err["type"], str) \
+                or not isinstance(err["message"], str) or not err["message"]:
+            return [("error body not Anthropic's shape", where)]
+        return [] if ctype.startswith("application/json") else [("error body not application/json", where)]
     if not isinstance(err, dict) or set(obj) != {"error"} or set(err) != {"message", "type", "param", "code"}:
         return [("error body not OpenAI's shape", where)]
     if not (isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
@@ -266,6 +275,8 @@ def answer_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
         return [] if isinstance(obj, dict) else [("answer not a JSON object", repr(out.body[:200]))]
     if case.shape == "response":
         return response_problems(obj, out)
+    if case.shape == "message":
+        return message_problems(obj, out)
     kind = "chat.completion" if case.shape == "chat" else "text_completion"
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or obj.get("object") != kind:
@@ -295,23 +306,62 @@ def response_problems(obj, out: Outcome) -> list[tuple[str, str]]:
     return []
 
 
-def response_stream_problems(out: Outcome) -> list[tuple[str, str]]:
-    """The Responses API's events: ``event: TYPE`` then its ``data``, numbered from 0, the last
-    one the response's end (unless the client hung up); no ``[DONE]``."""
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+
+
+def message_problems(obj, out: Outcome) -> list[tuple[str, str]]:
+    """A Messages API answer: a message of text and tool_use blocks with its stop reason and usage."""
+    if not isinstance(obj, dict) or obj.get("type") != "message" or obj.get("stop_reason") not in STOP_REASONS \
+            or not isinstance(obj.get("content"), list) or not obj["content"] \
+            or not isinstance((obj.get("usage") or {}).get("output_tokens"), int):
+        return [("answer of the wrong shape", repr(out.body[:300]))]
+    for block in obj["content"]:
+        if not (isinstance(block, dict) and (block.get("type") == "text" and isinstance(block.get("text"), str)
+                                             or block.get("type") == "tool_use" and isinstance(block.get("input"),
+                                                                                                dict))):
+            return [("answer of the wrong shape", repr(block)[:300])]
+    return []
+
+
+def typed_events(out: Outcome, numbered: bool) -> tuple[list[str], list[tuple[str, str]]]:
+    """The types of a stream of typed events (``event: TYPE`` then its ``data``; ``numbered``:
+    ``sequence_number`` from 0), or the first problem."""
     blocks = [b.splitlines() for b in out.body.decode("utf-8", "replace").split("\n\n") if b.strip()]
     if out.hung_up and blocks:
         blocks = blocks[:-1]  # the last may be cut
     kinds = []
     for n, b in enumerate(blocks):
         if len(b) != 2 or not b[0].startswith("event: ") or not b[1].startswith("data: "):
-            return [("event of the wrong shape", repr(b)[:300])]
+            return kinds, [("event of the wrong shape", repr(b)[:300])]
         try:
             obj = json.loads(b[1][6:])
         except ValueError:
-            return [("event not JSON", b[1][:200])]
-        if not isinstance(obj, dict) or obj.get("type") != b[0][7:] or obj.get("sequence_number") != n:
-            return [("event of the wrong shape", b[1][:300])]
+            return kinds, [("event not JSON", b[1][:200])]
+        if not isinstance(obj, dict) or obj.get("type") != b[0][7:] or (numbered and obj.get("sequence_number") != n):
+            return kinds, [("event of the wrong shape", b[1][:300])]
         kinds.append(obj["type"])
+    return kinds, []
+
+
+def message_stream_problems(out: Outcome) -> list[tuple[str, str]]:
+    """The Messages API's events: message_start first, message_stop (or an error) last, unless the
+    client hung up."""
+    kinds, problems = typed_events(out, numbered=False)
+    if problems:
+        return problems
+    if kinds and kinds[0] != "message_start":
+        return [("stream without its start", repr(out.body[:300]))]
+    if not out.hung_up and (not kinds or kinds[-1] not in ("message_stop", "error")):
+        return [("stream without its end", repr(out.body[-300:]))]
+    return []
+
+
+def response_stream_problems(out: Outcome) -> list[tuple[str, str]]:
+    """The Responses API's events, numbered from 0, the last one the response's end (unless the
+    client hung up); no ``[DONE]``."""
+    kinds, problems = typed_events(out, numbered=True)
+    if problems:
+        return problems
     if not out.hung_up and (not kinds or kinds[-1] not in {f"response.{e}" for e in RESPONSE_ENDS}):
         return [("stream without its end", repr(out.body[-300:]))]
     return []
@@ -320,6 +370,8 @@ def response_stream_problems(out: Outcome) -> list[tuple[str, str]]:
 def stream_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
     if case.shape == "response":
         return response_stream_problems(out)
+    if case.shape == "message":
+        return message_stream_problems(out)
     datas = [ln[5:].strip() for ln in out.body.decode("utf-8", "replace").splitlines() if ln.startswith("data:")]
     finished: set[int] = set()
     for d in datas:
