@@ -1,10 +1,11 @@
-"""The HTTP API on the real pair, checked with the official ``openai`` client: ``honcho start`` of
-the repository's Procfile and .env (the default preset, free ports), then sync, async and
-streaming chat, completions and Responses at temperature 0 against the fleet target's own greedy
-decoding of the same token ids (its engine in this process, int8 as the worker runs it: a quantized
-target is its own reference), a stop string, ``previous_response_id`` and a function call's round
-trip against the chat endpoint's answers, a seeded sample twice, and ``n=2``. Prints each check and
-writes a JSON report.
+"""The HTTP API on the real pair, checked with the official ``openai`` and ``anthropic`` clients:
+``honcho start`` of the repository's Procfile and .env (the default preset, free ports), then sync,
+async and streaming chat, completions, Responses and Anthropic's Messages at temperature 0 against
+the fleet target's own greedy decoding of the same token ids (its engine in this process, int8 as
+the worker runs it: a quantized target is its own reference), a stop string,
+``previous_response_id``, a Messages prefill against a completion of the same ids, function calls'
+round trips (Responses and Messages) against the chat endpoint's answers, a seeded sample twice,
+and ``n=2``. Prints each check and writes a JSON report.
 
     python ops/api_real_pair.py --json ops/results/api-real-pair-qwen-coder.json
 """
@@ -125,7 +126,9 @@ async def run_checks(url: str, model: str, tok, refs: dict, max_new: int, report
             check(report, f"completion {i}: stop {stop!r} cuts where it begins",
                   cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop")
         await responses_checks(sync, client, model, messages, want, max_new, i, report)
+        messages_checks(url, sync, model, tok, messages, want, max_new, i, report)
     continuation_checks(sync, model, max_new, report)
+    anthropic_tool_checks(url, sync, model, max_new, report)
     kw = dict(model=model, messages=MESSAGES[0], max_tokens=48, temperature=0.8, top_p=0.95)
     a = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
     b = sync.chat.completions.create(seed=7, **kw).choices[0].message.content
@@ -149,6 +152,73 @@ async def responses_checks(sync, client, model: str, messages: list[dict], want:
     stream = await client.responses.create(**kw, stream=True)
     streamed = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
     check(report, f"responses {i}: streamed = target greedy", streamed == want)
+
+
+GREEDY = {"temperature": 0}  # (the anthropic SDK's own arguments no longer include the sampling parameters)
+
+
+def anthropic_client(url: str):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+
+def messages_checks(url: str, sync, model: str, tok, messages: list[dict], want: str, max_new: int, i: int,
+                    report: dict) -> None:
+    """Anthropic's Messages API on one conversation (a system turn as ``system``): whole and
+    through the SDK's stream helper, each the target's greedy answer; ``count_tokens`` the
+    template's count; a final assistant message continued as a completion of the same ids."""
+    client = anthropic_client(url)
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    kw = {"model": model, "messages": [m for m in messages if m["role"] != "system"], "max_tokens": max_new,
+          "extra_body": GREEDY, **({"system": system[0]} if system else {})}
+    whole = client.messages.create(**kw)
+    text = "".join(b.text for b in whole.content if b.type == "text")
+    check(report, f"messages {i}: sync = target greedy", text == want, tokens=whole.usage.output_tokens,
+          stop_reason=whole.stop_reason)
+    with client.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+    check(report, f"messages {i}: streamed = target greedy", streamed == want)
+    counted = client.messages.count_tokens(**{k: v for k, v in kw.items() if k not in ("max_tokens", "extra_body")})
+    check(report, f"messages {i}: count_tokens = the template's", counted.input_tokens == len(tok.encode_chat(messages)))
+    prefill = want[:len(want) // 3]
+    if prefill.strip():
+        cont = client.messages.create(**{**kw, "messages": [*kw["messages"], {"role": "assistant", "content": prefill}]})
+        ids = tok.encode_chat(messages, prefill=prefill)
+        comp = sync.completions.create(model=model, prompt=ids, max_tokens=max_new, temperature=0)
+        check(report, f"messages {i}: a prefill continued = a completion of the same ids",
+              "".join(b.text for b in cont.content if b.type == "text") == comp.choices[0].text, prefill=prefill)
+
+
+def anthropic_tool_checks(url: str, sync, model: str, max_new: int, report: dict) -> None:
+    """A tool's round trip through the Messages API: its tool_use blocks, and the answer to their
+    tool_result blocks, each the chat endpoint's for the same conversation (tools not strict, as
+    Anthropic's)."""
+    client = anthropic_client(url)
+    tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+    chat_tool = {"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                                  "parameters": tool["input_schema"]}}
+    question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    used = client.messages.create(model=model, messages=question, tools=[tool], max_tokens=max_new, extra_body=GREEDY)
+    chat = sync.chat.completions.create(model=model, messages=question, tools=[chat_tool], max_tokens=max_new,
+                                        temperature=0).choices[0].message
+    uses = [b for b in used.content if b.type == "tool_use"]
+    check(report, "messages: tool_use = chat's calls", [(b.name, b.input) for b in uses]
+          == [(t.function.name, json.loads(t.function.arguments)) for t in chat.tool_calls or ()],
+          calls=[(b.name, b.input) for b in uses], stop_reason=used.stop_reason)
+    if uses:
+        turn = {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in used.content]}
+        results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "18 C, clear"}
+                                               for b in uses]}
+        after = client.messages.create(model=model, messages=[*question, turn, results], tools=[tool],
+                                       max_tokens=max_new, extra_body=GREEDY)
+        history = [*question, {"role": "assistant", "content": chat.content, "tool_calls": [
+            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+            for b in uses]}, *({"role": "tool", "tool_call_id": b.id, "content": "18 C, clear"} for b in uses)]
+        reply = sync.chat.completions.create(model=model, messages=history, tools=[chat_tool], max_tokens=max_new,
+                                             temperature=0).choices[0].message
+        text = "".join(b.text for b in after.content if b.type == "text")
+        check(report, "messages: the tool_result answered = chat's", text == (reply.content or ""), text=text[:200])
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city.",

@@ -21,7 +21,7 @@ class ApiSettings(ProducerSettings):
         "Port the HTTP API listens on; instance N of `honcho start -c api=N` listens on this + N - 1."))
     api_keys_file: Path | None = Field(default=None, description=(
         "API keys, one a line (blank lines and # comments skipped); clients send `Authorization: Bearer KEY` "
-        "on /v1/*. Unset: no keys, and only a loopback SPECSPLIT_API_HOST is allowed."))
+        "or `x-api-key: KEY` on /v1/*. Unset: no keys, and only a loopback SPECSPLIT_API_HOST is allowed."))
     api_model_name: str | None = Field(default=None, min_length=1, max_length=256, description=(
         "The model id clients name and /v1/models lists. Unset: the target model directory's name."))
     api_max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=1 << 30, description=(
