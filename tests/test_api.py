@@ -183,6 +183,32 @@ def test_chat_greedy_sync_async_stream_all_equal_the_target(fleet, tiny):
               400, param="chat_template_kwargs")
 
 
+def test_chat_continues_a_final_assistant_message_as_vllm_does(fleet, tiny):
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``): the answer is
+    the target's greedy continuation of the assistant's turn begun with that message's text; and
+    ``add_generation_prompt: false`` alone leaves the assistant's opening out of the prompt."""
+    model, tok, _ = tiny
+    messages = [{"role": "user", "content": "Count: one two"}]
+    client = openai_client(fleet)
+    for begun in ("Sure, ", "three"):
+        res = client.chat.completions.create(
+            model="tiny-v1", messages=[*messages, {"role": "assistant", "content": begun}], max_tokens=12,
+            temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        ids = tok.encode_chat(messages, prefill=begun)
+        assert res.choices[0].message.content == tok.decode(expected(model, tok, ids, 12))
+        assert res.usage.prompt_tokens == len(ids)
+    bare = client.chat.completions.create(model="tiny-v1", messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"add_generation_prompt": False})
+    ids = tok.encode_chat(messages, opened=False)
+    assert ids != tok.encode_chat(messages) and bare.usage.prompt_tokens == len(ids)
+    assert bare.choices[0].message.content == tok.decode(expected(model, tok, ids, 12))
+    for body, param in (({"continue_final_message": True}, "add_generation_prompt"),
+                        ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),
+                        ({"continue_final_message": "yes"}, "continue_final_message")):
+        api_error(post_json(fleet, "/v1/chat/completions", {"model": "tiny-v1", "messages": messages, **body}),
+                  400, param=param)
+
+
 def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(fleet, tiny):
     """``POST /tokenize`` and ``/detokenize`` (curl's way: plain JSON bodies): the served
     tokenizer's ids for a text (vLLM's ``prompt``, llama-server's ``content``) or a conversation

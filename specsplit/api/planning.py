@@ -49,13 +49,19 @@ def chat_prompt(tok, req: ChatCompletionRequest, prefill: str = "") -> tuple[lis
         raise ApiError(400, "the served model's chat template does not take tools (set SPECSPLIT_API_CHAT_TEMPLATE "
                             "to one that does)", param="tools" if tool_plan else "messages")
     turns = tools.turns(req)
+    if req.continue_final_message:  # vLLM's prefill: the last (assistant) message continued
+        prefill = turns.pop()["content"] or ""
+    opened = req.add_generation_prompt or req.continue_final_message
+    if not opened and tool_plan and tool_plan.prefill:
+        raise ApiError(400, "a forced tool call needs the assistant's turn opened: add_generation_prompt: true",
+                       param="add_generation_prompt")
     if prefill and tool_plan and tool_plan.prefill:
         raise ApiError(400, "a forced tool call and an assistant prefill do not go together: the call begins the "
                             "turn", param="tool_choice")
     try:
         ids = tok.encode_chat(turns, tools=tool_plan.tools if tool_plan else None,
                               prefill=prefill or (tool_plan.prefill if tool_plan else ""),
-                              variables=req.chat_template_kwargs)
+                              variables=req.chat_template_kwargs, opened=opened)
     except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return ids, tool_plan

@@ -409,6 +409,11 @@ class ChatCompletionRequest(_Request):
     prediction: Prediction | None = None  # its tokens go to the ``prediction`` proposer (Job.prediction)
     # vLLM's and SGLang's: more variables for the chat template (Qwen3's enable_thinking, say)
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)
+    # vLLM's: the last message, an assistant's, is continued rather than closed (the answer's
+    # beginning, given: a prefill), with add_generation_prompt false; and the prompt without the
+    # assistant's opening (add_generation_prompt false alone)
+    continue_final_message: bool = Field(default=False, strict=True)
+    add_generation_prompt: bool = Field(default=True, strict=True)
     functions: Any = None
     function_call: Any = None
 
@@ -430,6 +435,19 @@ class ChatCompletionRequest(_Request):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
+        return self
+
+    @model_validator(mode="after")
+    def _continuation(self):
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt: false (the final message is the "
+                                "assistant's turn, continued)", param="add_generation_prompt")
+        last = self.messages[-1]
+        if last.role != "assistant" or last.tool_calls:
+            raise ApiError(400, "continue_final_message: the last message must be the assistant's text",
+                           param="messages")
         return self
 
     @field_validator("chat_template_kwargs")

@@ -140,15 +140,16 @@ class ServedTokenizer:
         return [ids[0], *before, ids[1], *self.encode_text(after), ids[2]]
 
     def encode_chat(self, turns: list[dict], tools: list[dict] | None = None, prefill: str = "",
-                    variables: dict | None = None) -> list[int]:
+                    variables: dict | None = None, opened: bool = True) -> list[int]:
         """The conversation through the model's chat template, ready for the assistant's turn
         (shown ``tools`` when given), which begins with ``prefill``; ``variables``: more of the
-        template's (a request's ``chat_template_kwargs``)."""
+        template's (a request's ``chat_template_kwargs``); ``opened`` false: without the
+        assistant's opening (vLLM's ``add_generation_prompt: false``)."""
         kw = variables or {}
         if prefill:
             text = self.tok.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False, **kw)
             return [int(t) for t in self.tok(text + prefill, add_special_tokens=False)["input_ids"]]
-        ids = self.tok.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=True, **kw)
+        ids = self.tok.apply_chat_template(turns, tools=tools, add_generation_prompt=opened, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
