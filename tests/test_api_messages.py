@@ -16,6 +16,7 @@ import json
 import subprocess
 
 import anthropic
+import httpx
 import pytest
 
 from tests.api_fleet import api_fleet, expected, openai_client, post_json, tiny_pair
@@ -184,5 +185,19 @@ def test_what_cannot_be_honoured_is_anthropics_400(fleet):
     for body, status in (([1, 2], 400), ({"model": "tiny-v1", "messages": ask}, 400)):
         resp = post_json(fleet, "/v1/messages", body)
         assert resp.status_code == status and resp.json()["type"] == "error", resp.text
-    huge = post_json(fleet, "/v1/messages", {"model": "tiny-v1", "messages": ask, "max_tokens": 10**9})
-    assert huge.status_code == 400 and huge.json()["error"]["message"].startswith("max_tokens"), huge.text
+
+
+def test_a_budget_past_the_context_runs_to_the_context(fleet):
+    """Agents send max_tokens of 32K and more: the answer is the chat endpoint's with the budget
+    the context leaves, and a budget that runs out there ends with model_context_window_exceeded."""
+    client = client_for(fleet)
+    limit = httpx.get(f"{fleet['url']}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    ask = [{"role": "user", "content": ASK}]
+    room = limit - client.messages.count_tokens(model="tiny-v1", messages=ask).input_tokens
+    got = client.messages.create(model="tiny-v1", messages=ask, max_tokens=10**6, extra_body=GREEDY)
+    chat = openai_client(fleet).chat.completions.create(model="tiny-v1", messages=ask, max_tokens=room,
+                                                        temperature=0).choices[0]
+    assert text_of(got) == chat.message.content and got.usage.output_tokens <= room
+    assert got.stop_reason == ("model_context_window_exceeded" if chat.finish_reason == "length" else "end_turn")
+    short = client.messages.create(model="tiny-v1", messages=ask, max_tokens=2, extra_body=GREEDY)
+    assert short.stop_reason in ("max_tokens", "end_turn")

@@ -4,7 +4,8 @@ stream's events, built from a generation's events. No torch.
 Blocks come in the order written: a ``text`` block while text comes, a ``tool_use`` block per
 call (its input whole, in one ``input_json_delta``), text after a call a new block. An answer
 with no text and no call is one empty text block. ``stop_reason``: ``end_turn``, ``max_tokens``,
-``stop_sequence`` (with the one met) or ``tool_use``. Usage, as Anthropic counts it:
+``stop_sequence`` (with the one met), ``tool_use``, or ``model_context_window_exceeded`` (a
+budget past the context, cut to it, ran out). Usage, as Anthropic counts it:
 ``input_tokens`` are the prompt's tokens the target computed, ``cache_read_input_tokens`` those
 its prefix cache held (their sum is the prompt).
 """
@@ -20,8 +21,9 @@ from specsplit.api.generation import Delta, Done
 class MessageBuilder:
     """One message and its stream's events, from the generation's events."""
 
-    def __init__(self, model: str, prompt_tokens: int) -> None:
-        self.model, self.prompt_tokens = model, prompt_tokens
+    def __init__(self, model: str, prompt_tokens: int, window: bool = False) -> None:
+        """``window``: the budget was cut to the context's room (a length end is the context's)."""
+        self.model, self.prompt_tokens, self.window = model, prompt_tokens, window
         self.id = f"msg_{uuid.uuid4().hex}"
         self.content: list[dict] = []
         self.open: int | None = None  # the index of the text block text goes to now
@@ -82,7 +84,8 @@ class MessageBuilder:
                 self.open = 0
                 events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
             events += self._close()
-            self.stop_reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(ev.finish_reason, "end_turn")
+            length = "model_context_window_exceeded" if self.window else "max_tokens"
+            self.stop_reason = {"length": length, "tool_calls": "tool_use"}.get(ev.finish_reason, "end_turn")
             if ev.stop_word is not None and self.stop_reason == "end_turn":
                 self.stop_reason, self.stop_sequence = "stop_sequence", ev.stop_word
             self.prompt_tokens = ev.prompt_tokens

@@ -13,7 +13,8 @@ answers, tools, JSON output, prefix-cache routing and checks are the chat endpoi
 - ``tools`` (client tools: ``input_schema``, strict only with ``strict: true``, as Anthropic's),
   ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``), ``stop_sequences``
   (``stop_reason`` "stop_sequence" names the one met), ``output_config.format`` (a JSON schema
-  the answer is held to), ``max_tokens``, ``temperature`` (0-1), ``top_p``, ``top_k``,
+  the answer is held to), ``max_tokens`` (past the context: up to the context, then
+  "model_context_window_exceeded"), ``temperature`` (0-1), ``top_p``, ``top_k``,
   ``metadata.user_id``. ``cache_control`` marks are accepted: the target's prefix cache needs none,
   and the tokens it held are ``usage.cache_read_input_tokens`` (``input_tokens`` the rest).
 - The answer is a message of ``text`` and ``tool_use`` blocks; a stream is Anthropic's events
@@ -333,11 +334,17 @@ async def create(request: Request) -> Response:
     check_key(request, state)
     req = parse_request(await read_json(request, state))
     tok, chat, ids, tool_plan = _prompt(state, req, True)
+    # agents send budgets past the context (32K, 64K): the answer may run until the context is
+    # full, then ends with stop_reason model_context_window_exceeded (as Anthropic's own API can)
+    room = state.max_model_len() - len(ids)
+    cut = 1 <= room < chat.budget
+    if cut:
+        chat = chat.model_copy(update={"max_completion_tokens": room})
     try:
         jobs = plan_jobs(chat, [ids], state, None, "max_tokens", tool_plan)
     except ApiError as exc:
         raise renamed(exc) from None
-    builder = MessageBuilder(state.model_name, len(ids))
+    builder = MessageBuilder(state.model_name, len(ids), window=cut)
     gen, release = launch(state, jobs, sorted(tok.stop_token_ids), unlisted=tok.stop_token_ids)
 
     def whole(events) -> dict:

@@ -306,7 +306,7 @@ def response_problems(obj, out: Outcome) -> list[tuple[str, str]]:
     return []
 
 
-STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded")
 
 
 def message_problems(obj, out: Outcome) -> list[tuple[str, str]]:
