@@ -143,7 +143,8 @@ def test_tool_use_and_its_result_are_the_chat_endpoints(fleet):
         {"id": uses[0].id, "type": "function", "function": {"name": "get_weather",
                                                             "arguments": json.dumps(uses[0].input)}}]},
         {"role": "tool", "tool_call_id": uses[0].id, "content": "18C"}]
-    reply = chat_client.chat.completions.create(model="tiny-v1", temperature=0, messages=history, tools=[CHAT_TOOL], max_tokens=16).choices[0]
+    reply = chat_client.chat.completions.create(model="tiny-v1", temperature=0, messages=history, tools=[CHAT_TOOL],
+                                                max_tokens=16).choices[0]
     assert text_of(after) == (reply.message.content or "")
     assert [(b.name, b.input) for b in after.content if b.type == "tool_use"] == \
         [(t.function.name, json.loads(t.function.arguments)) for t in reply.message.tool_calls or ()]

@@ -52,7 +52,8 @@ class MessageBuilder:
             events.append({"type": "content_block_start", "index": self.open,
                            "content_block": {"type": "text", "text": ""}})
         self.content[self.open]["text"] += text
-        events.append({"type": "content_block_delta", "index": self.open, "delta": {"type": "text_delta", "text": text}})
+        events.append({"type": "content_block_delta", "index": self.open,
+                       "delta": {"type": "text_delta", "text": text}})
         return events
 
     def _close(self) -> list[dict]:
@@ -82,7 +83,8 @@ class MessageBuilder:
             if not self.content:  # an empty answer is an empty text block
                 self.content.append({"type": "text", "text": ""})
                 self.open = 0
-                events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+                events.append({"type": "content_block_start", "index": 0,
+                               "content_block": {"type": "text", "text": ""}})
             events += self._close()
             length = "model_context_window_exceeded" if self.window else "max_tokens"
             self.stop_reason = {"length": length, "tool_calls": "tool_use"}.get(ev.finish_reason, "end_turn")

@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response
 
 from specsplit.api.generation import Done, Failed, Generation
 from specsplit.api.message_events import MessageBuilder
+from specsplit.api import planning
 from specsplit.api.planning import chat_prompt, plan_jobs
 from specsplit.api.plumbing import check_key, check_unicode, read_json, request_state
 from specsplit.api.protocol import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, ApiError, ChatCompletionRequest, parse
@@ -49,6 +50,8 @@ PREFIX = "/v1/messages"  # the routes whose errors are Anthropic's body (server.
 # a chat request's parameters, by the Messages API's name for them (the chat request's 400s)
 PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config",
                "user": "metadata", "parallel_tool_calls": "tool_choice"}
+TEXT_NAMES = (("response_format.json_schema.", "output_config.format."), ("response_format", "output_config.format"),
+              ("max_completion_tokens", "max_tokens"))
 # Anthropic's error types by status (others: invalid_request_error below 500, api_error from it)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -162,7 +165,8 @@ def _user_turns(content: Any, where: str) -> list[dict]:
                     or set(block) - {"type", "tool_use_id", "content", "is_error", "cache_control"}:
                 raise ApiError(400, f"{here}: tool_result is its tool_use_id, content and is_error", param="messages")
             result = block.get("content", "")
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _texts(result, f"{here}.content")})
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": _texts(result, f"{here}.content")})
         elif out and out[-1]["role"] == "user":
             out[-1]["content"] += _text_of(block, here)
         else:
@@ -292,21 +296,13 @@ def chat_request(req: MessagesRequest, need_budget: bool = True) -> tuple[ChatCo
             "tools": [_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
             "tool_choice": choice, "parallel_tool_calls": parallel, "response_format": fmt,
             "user": (req.metadata or {}).get("user_id")}
-    try:
-        chat = parse(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
-    except ApiError as exc:
-        raise renamed(exc) from None
+    chat = planning.as_chat(body, PARAM_NAMES, TEXT_NAMES)
     return chat, prefill
 
 
 def renamed(exc: ApiError) -> ApiError:
     """A chat request's 400 with the Messages API's name of its parameter."""
-    if exc.param in PARAM_NAMES:
-        exc.param = PARAM_NAMES[exc.param]
-    for chat, ours in (("response_format.json_schema.", "output_config.format."),
-                       ("response_format", "output_config.format"), ("max_completion_tokens", "max_tokens")):
-        exc.message = exc.message.replace(chat, ours)
-    return exc
+    return planning.renamed(exc, PARAM_NAMES, TEXT_NAMES)
 
 
 def parse_request(body: Any) -> MessagesRequest:

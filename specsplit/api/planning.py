@@ -14,7 +14,7 @@ from schemas.base import MAX_PREDICTION_TOKENS, MAX_PROMPT_LOGPROB_ENTRIES, prom
 from specsplit.api import tools
 from specsplit.api.generation import Job
 from specsplit.api.llama_fields import sampling_of
-from specsplit.api.protocol import ApiError, ChatCompletionRequest, logit_bias_for
+from specsplit.api.protocol import ApiError, ChatCompletionRequest, logit_bias_for, parse
 from specsplit.api.state import ApiState
 from specsplit.api.structured import constraint_of
 
@@ -65,6 +65,24 @@ def chat_prompt(tok, req: ChatCompletionRequest, prefill: str = "") -> tuple[lis
     except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return ids, tool_plan
+
+
+def renamed(exc: ApiError, params: dict[str, str], texts: tuple[tuple[str, str], ...]) -> ApiError:
+    """A chat request's 400 in another API's names (the Responses and Messages APIs run as chat
+    requests): ``params`` renames its parameter, ``texts`` the names in its message."""
+    exc.param = params.get(exc.param, exc.param) if exc.param else exc.param
+    for chat, ours in texts:
+        exc.message = exc.message.replace(chat, ours)
+    return exc
+
+
+def as_chat(body: dict, params: dict[str, str], texts: tuple[tuple[str, str], ...]) -> ChatCompletionRequest:
+    """The chat request another API's request means (its fields by the chat names, None left
+    out); its 400s in that API's names (``renamed``)."""
+    try:
+        return parse(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+    except ApiError as exc:
+        raise renamed(exc, params, texts) from None
 
 
 def seeds(req, count: int) -> list[int]:

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specsplit.api.generation import Done, Failed, Generation
+from specsplit.api import planning
 from specsplit.api.planning import chat_prompt, plan_jobs
 from specsplit.api.plumbing import check_key, check_unicode, read_json, request_state
 from specsplit.api.protocol import (
@@ -52,6 +53,8 @@ INCLUDABLE = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_s
 # a chat request's parameters, by the Responses API's name for them (the chat request's 400s)
 PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                "response_format": "text", "logprobs": "include"}
+TEXT_NAMES = (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+              ("max_completion_tokens", "max_output_tokens"))
 MAX_METADATA = 16  # OpenAI's: key-value pairs
 MAX_ID = 256
 
@@ -259,21 +262,13 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
             "top_logprobs": req.top_logprobs if logprobs else None, "top_k": req.top_k, "min_p": req.min_p,
             "seed": req.seed, "stop": req.stop, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty}
-    try:
-        chat = parse(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
-    except ApiError as exc:
-        raise renamed(exc) from None
+    chat = planning.as_chat(body, PARAM_NAMES, TEXT_NAMES)
     return chat, turns
 
 
 def renamed(exc: ApiError) -> ApiError:
     """A chat request's 400 with the Responses API's name of its parameter."""
-    if exc.param in PARAM_NAMES:
-        exc.param = PARAM_NAMES[exc.param]
-    for chat, ours in (("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
-                       ("max_completion_tokens", "max_output_tokens")):
-        exc.message = exc.message.replace(chat, ours)
-    return exc
+    return planning.renamed(exc, PARAM_NAMES, TEXT_NAMES)
 
 
 # ---------------------------------------------------------------------------- endpoints

@@ -271,7 +271,8 @@ class Builder:
     def raw_case(self, index: int, family: str, d: Draft, steps: list[tuple], *, may_close: bool = False,
                  bound_s: float | None = None, body: bytes | None = None) -> HttpCase:
         expect = self.over_limit(body, d.expect) if body is not None else d.expect
-        return HttpCase(index, family, RAW, path=d.path, steps=tuple(steps), expect=frozenset(expect), may_close=may_close,
+        return HttpCase(index, family, RAW, path=d.path, steps=tuple(steps), expect=frozenset(expect),
+                        may_close=may_close,
                         shape=d.shape, stream=self.streams(d), choices=d.choices,
                         bound_s=bound_s if bound_s is not None else self.bound(d))
 

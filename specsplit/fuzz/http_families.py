@@ -46,8 +46,8 @@ def wrong_type(g: Builder, i: int) -> HttpCase:
 def unknown_field(g: Builder, i: int) -> HttpCase:
     if g.rng.random() < 0.1:  # the Messages API's
         d = g.messages()
-        d.obj[g.rng.choice(["bogus", "", "Model", "n", "prompt", "max_completion_tokens", "input", "stream_options"])] = \
-            copy.deepcopy(g.rng.choice(BAD_VALUES))
+        name = g.rng.choice(["bogus", "", "Model", "n", "prompt", "max_completion_tokens", "input", "stream_options"])
+        d.obj[name] = copy.deepcopy(g.rng.choice(BAD_VALUES))
         d.expect = {400}
         return g.httpx_case(i, "unknown_field/messages", d)
     if g.rng.random() < 0.2:  # the Responses API's: its items keep what clients echo back (ids, status)
