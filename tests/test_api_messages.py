@@ -202,3 +202,16 @@ def test_a_budget_past_the_context_runs_to_the_context(fleet):
     assert got.stop_reason == ("model_context_window_exceeded" if chat.finish_reason == "length" else "end_turn")
     short = client.messages.create(model="tiny-v1", messages=ask, max_tokens=2, extra_body=GREEDY)
     assert short.stop_reason in ("max_tokens", "end_turn")
+
+
+def test_anthropics_client_lists_the_served_model(fleet):
+    client = client_for(fleet)
+    listed = client.models.list()
+    limit = httpx.get(f"{fleet['url']}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    assert [(m.id, m.type, m.max_input_tokens) for m in listed.data] == [("tiny-v1", "model", limit)]
+    assert client.models.retrieve("tiny-v1").display_name == "tiny-v1"
+    with pytest.raises(anthropic.NotFoundError) as err:
+        client.models.retrieve("claude-nope")
+    assert err.value.body["error"]["type"] == "not_found_error"
+    # OpenAI's clients (no anthropic-version) still get OpenAI's shapes there
+    assert openai_client(fleet).models.list().data[0].id == "tiny-v1"

@@ -32,6 +32,7 @@ execution, bash...), images, documents and other non-text blocks, MCP servers, c
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +57,19 @@ TEXT_NAMES = (("response_format.json_schema.", "output_config.format."), ("respo
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 TEXT_BLOCK_FIELDS = frozenset({"type", "text", "cache_control", "citations"})
+
+
+def anthropic_client(request: Request) -> bool:
+    """Whether Anthropic's body answers the request: one of the Messages API's routes, or any
+    route asked by Anthropic's clients (they send ``anthropic-version``)."""
+    return request.url.path.startswith(PREFIX) or "anthropic-version" in request.headers
+
+
+def model_info(name: str, created: int, limit: int) -> dict:
+    """The served model as Anthropic's ``GET /v1/models`` lists it (``client.models``)."""
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return {"type": "model", "id": name, "display_name": name, "created_at": when, "lifecycle": "active",
+            "max_input_tokens": limit or None, "max_tokens": limit or None}
 
 
 def error_body(status: int, message: str) -> dict:

@@ -205,15 +205,19 @@ async def chat_completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     """``GET /v1/models``, and ``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``):
-    the served model, or a 404 naming the model asked for."""
+    the served model, or a 404 naming the model asked for; in Anthropic's shapes for its clients."""
     state = request_state(request)
     check_key(request, state)
     state.require_ready()
     card = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "specsplit",
             "max_model_len": state.max_model_len()}
+    if messages.anthropic_client(request):  # Anthropic's client.models: its shape
+        card = messages.model_info(state.model_name, state.started, state.max_model_len())
     if "model" in request.path_params:
         state.check_model(request.path_params["model"])
         return JSONResponse(card)
+    if "type" in card:
+        return JSONResponse({"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]})
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -232,8 +236,7 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------------------- the app
 def build_app(state: ApiState) -> Starlette:
     async def on_api_error(request: Request, exc: ApiError) -> Response:
-        anthropic = request.url.path.startswith(messages.PREFIX)  # Anthropic's clients read Anthropic's body
-        body = messages.api_error_body(exc) if anthropic else exc.body()
+        body = messages.api_error_body(exc) if messages.anthropic_client(request) else exc.body()
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
