@@ -32,11 +32,13 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on loopback now, for processes that bind them later. Drawn below
-    the kernel's ephemeral range where it leaves room: a port in that range can become another
-    connection's local port between this check and a role's bind seconds later (seen in CI: a
-    metrics port taken, its scrape refused); below it only an explicit bind can take it."""
+def free_ports(n: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """``n`` distinct ports free on loopback now, for processes that bind them later, none in
+    ``avoid`` (ports handed out already, still unbound: seen in CI, a test fleet's orchestrator
+    drew its target router's port from a second call). Drawn below the kernel's ephemeral range
+    where it leaves room: a port in that range can become another connection's local port between
+    this check and a role's bind seconds later (seen in CI: a metrics port taken, its scrape
+    refused); below it only an explicit bind can take it."""
     socks, ports = [], []
     low = ephemeral_low()
     rng = random.SystemRandom()
@@ -45,7 +47,7 @@ def free_ports(n: int) -> list[int]:
             if len(ports) == n:
                 break
             port = rng.randrange(PORT_FLOOR, low - 1)
-            if port in ports or not port_is_free(port):
+            if port in ports or port in avoid or not port_is_free(port):
                 continue
             s = socket.socket()
             try:
@@ -58,8 +60,9 @@ def free_ports(n: int) -> list[int]:
         while len(ports) < n:  # no room below the range (or none free there): the kernel's choice
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
+            socks.append(s)  # (held until the end: the kernel gives it to no other bind meanwhile)
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
     finally:
         for s in socks:
             s.close()
@@ -164,7 +167,8 @@ class Fleet:
         execs it: the pid stays the role's)."""
         env = dict(env or {})
         if self.metrics:  # a respawned name keeps its port
-            port = self.metrics_ports.setdefault(name, free_ports(1)[0])
+            taken = {*self.ports.values(), *self.metrics_ports.values()}
+            port = self.metrics_ports.setdefault(name, free_ports(1, avoid=taken)[0])
             env.setdefault("SPECSPLIT_METRICS_BIND_PORT", str(port))
         log = open(self.tmp / f"{name}.log", "ab")
         proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env={**self.env, **env},

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from brokers.metrics import ROLE_OFFSETS, ROLE_SLOTS
 from specsplit.launch import free_ports, port_is_free
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,10 +53,10 @@ def worker_pid(root: int, slot: str) -> int:
     raise LookupError(f"no supervised child for {slot}")
 
 
-def two_free_ports() -> int:
+def two_free_ports(avoid: set[int] | frozenset[int] = frozenset()) -> int:
     for _ in range(50):
-        p = free_ports(1)[0]
-        if p < 65535 and port_is_free(p + 1):
+        p = free_ports(1, avoid=avoid)[0]
+        if p < 65535 and p + 1 not in avoid and port_is_free(p + 1):
             return p
     raise RuntimeError("no two consecutive free ports")
 
@@ -64,11 +65,14 @@ def honcho_fleet(tmp: Path, concurrency: str = "draft=2,target=2,orchestrator=2"
                   **settings: str) -> tuple[subprocess.Popen, dict[str, int], dict]:
     """``honcho start`` of the repository's ``procfile`` and .env (tiny fp32 pair, free ports),
     with ``concurrency`` as honcho's -c and ``settings`` (SPECSPLIT_*) over the .env's."""
-    names = ["draft_fe", "draft_be", "target_fe", "target_be"]
-    ports = dict(zip(names, free_ports(len(names))))
-    ports["orch"] = two_free_ports()
+    # every port drawn apart from the others, and from the metrics ports of SPECSPLIT_METRICS_PORT's
+    # range (its roles bind base + offset + instance - 1): none is bound before the fleet starts
+    base = int(settings.get("SPECSPLIT_METRICS_PORT") or 0)
+    avoid = set(range(base, base + max(ROLE_OFFSETS.values()) + ROLE_SLOTS)) if base else set()
+    names = ["draft_fe", "draft_be", "target_fe", "target_be", "api"]
+    ports = dict(zip(names, free_ports(len(names), avoid=avoid)))
+    ports["orch"] = two_free_ports(avoid | set(ports.values()))
     ports["orch2"] = ports["orch"] + 1
-    ports["api"] = free_ports(1)[0]
     addr = {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}
     overrides = {
         "SPECSPLIT_PRESET": "tiny", "SPECSPLIT_THREADS": "1", "SPECSPLIT_PREFILL_THREADS": "1",

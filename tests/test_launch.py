@@ -66,3 +66,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
         for p in ports:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p))
+    # ports handed out already (still unbound) are not drawn again, nor a range set aside
+    if ephemeral_low() - 1000 > PORT_FLOOR:
+        avoid = set(range(PORT_FLOOR, ephemeral_low() - 3))
+        assert set(free_ports(2, avoid=avoid)).isdisjoint(avoid)
