@@ -228,6 +228,9 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(fleet, tiny):
     assert "".join(p["piece"] for p in pieces) == "one two" and [p["id"] for p in pieces] == tok.encode_text("one two")
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
     assert post("/tokenize", {"messages": messages})["tokens"] == tok.encode_chat(messages)
+    begun = [*messages, {"role": "assistant", "content": "Sure"}]
+    assert post("/tokenize", {"messages": begun, "continue_final_message": True, "add_generation_prompt": False})[
+        "tokens"] == tok.encode_chat(messages, prefill="Sure")  # as the chat endpoint prompts it
     back = post("/detokenize", {"model": "tiny-v1", "tokens": vllm["tokens"]})
     assert back["prompt"] == back["content"] == tok.tok.decode(vllm["tokens"])
     api_error(post_json(fleet, "/tokenize", {"prompt": "a", "content": "b"}), 400)

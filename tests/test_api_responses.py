@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.api_fleet import api_error, api_fleet, expected, openai_client, post_json, tiny_pair
+from tests.conftest import wait_until
 from tests.test_api_tools import TEMPLATE
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
@@ -208,7 +209,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(fleet):
     refused({"input": image}, "input", "unsupported_parameter")
     refused({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "unsupported_parameter")
     refused({"tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter")
-    refused({"background": True}, "background", "unsupported_parameter")
+    refused({"background": True, "store": False}, "background")
     refused({"truncation": "auto"}, "truncation", "unsupported_parameter")
     refused({"reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_parameter")
     refused({"n": 2}, "n", "unsupported_parameter")
@@ -218,8 +219,56 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(fleet):
     refused({"previous_response_id": "resp_nope"}, "previous_response_id", "previous_response_not_found")
     api_error(post_json(fleet, "/v1/responses", {"model": "tiny-v1"}), 400, "input")
     api_error(post_json(fleet, "/v1/responses", [1, 2]), 400)
-    for path in ("resp_nope", "resp_nope/input_items"):
+    for path in ("resp_nope", "resp_nope/input_items", "resp_nope?stream=true"):
         api_error(httpx.get(f"{fleet['url']}/v1/responses/{path}", timeout=30), 404, code="not_found")
+    api_error(post_json(fleet, "/v1/responses/resp_nope/cancel", {}), 404, code="not_found")
     kept = openai_client(fleet).responses.create(model="tiny-v1", input=ASK, max_output_tokens=1).id
+    api_error(post_json(fleet, f"/v1/responses/{kept}/cancel", {}), 400)  # not a background response
+    api_error(httpx.get(f"{fleet['url']}/v1/responses/{kept}?stream=true", timeout=30), 400, "stream")
     for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("after=msg_no", "after")):
         api_error(httpx.get(f"{fleet['url']}/v1/responses/{kept}/input_items?{query}", timeout=30), 400, param)
+
+
+LONG = "Tell me a long story."  # the tiny target's greedy answer runs past 512 tokens
+
+
+def test_background_responses_poll_stream_again_and_cancel(fleet, tiny, served):
+    """``background: true``: the response is answered queued and goes on in the API; polled, it
+    ends as the target's greedy answer; its events stream again from the start or after any
+    sequence number; streamed at creation it is the same; cancelled mid-way it keeps a prefix of
+    the greedy answer, ``cancelled``."""
+    client = openai_client(fleet)
+    want, _ = greedy_text(tiny, served, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}], 24)
+    kw = {"model": "tiny-v1", "instructions": SYSTEM, "input": ASK, "max_output_tokens": 24, "temperature": 0}
+    bg = client.responses.create(**kw, background=True)
+    assert bg.background and bg.status in ("queued", "in_progress")
+    ends = ("completed", "incomplete")
+    wait_until(lambda: client.responses.retrieve(bg.id).status in ends, 120, "the background response ends")
+    final = client.responses.retrieve(bg.id)
+    assert final.output_text == want and final.usage.output_tokens >= 1
+    assert [i.content[0].text for i in client.responses.input_items.list(bg.id).data] == [ASK]
+
+    events = list(client.responses.retrieve(bg.id, stream=True))
+    assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[-1].type == f"response.{final.status}" and events[-1].response.output_text == want
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    later = list(client.responses.retrieve(bg.id, stream=True, starting_after=4))
+    assert [e.sequence_number for e in later] == list(range(5, len(events)))
+    streamed = list(client.responses.create(**kw, background=True, stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == want
+
+    # cancelled mid-way: what it wrote is a prefix of the greedy answer
+    long_want, ids = greedy_text(tiny, served, [{"role": "user", "content": LONG}], 512)
+    assert len(ids) == 512 and ids[-1] not in served.stop_token_ids
+    running = client.responses.create(model="tiny-v1", input=LONG, max_output_tokens=512, temperature=0,
+                                      background=True)
+    api_error(post_json(fleet, "/v1/responses", {"model": "tiny-v1", "input": "more", "previous_response_id":
+                                                 running.id}), 400, "previous_response_id")  # still running
+    stopped = client.responses.cancel(running.id)
+    assert stopped.status == "cancelled", stopped.status
+    got = client.responses.retrieve(running.id)
+    assert got.status == "cancelled" and long_want.startswith(got.output_text) and len(got.output_text) < len(long_want)
+    assert client.responses.cancel(running.id).status == "cancelled"  # again: the same
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)

@@ -3,8 +3,11 @@ the events a generation's deltas make (tests/test_api_responses.py runs them thr
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from specsplit.api.background import BackgroundRuns
 from specsplit.api.generation import Delta, Done
 from specsplit.api.protocol import ApiError
 from specsplit.api.response_events import Builder
@@ -104,3 +107,56 @@ def test_events_are_numbered_and_the_response_holds_what_they_said():
     empty = Builder(parse_request({"model": "m", "input": "x"}), "m", None)
     assert empty.feed(Done(0, "", "stop", 0, 3, 1, {}))[-1]["response"]["output"][0]["content"][0]["text"] == ""
     assert empty.status == "completed"
+
+
+def _done(text: str) -> Done:
+    return Done(0, text, "stop", 0, 3, 2, {})
+
+
+class _Scripted:
+    """A generation's event source for the background runs' bookkeeping alone (the fleet's own
+    runs: tests/test_api_responses.py): its events, then a wait that only a cancel ends."""
+
+    def __init__(self, events, hang: bool = False) -> None:
+        self.events, self.hang = list(events), hang
+
+    async def next(self):
+        if self.events:
+            return self.events.pop(0)
+        if self.hang:
+            await asyncio.sleep(3600)
+        return None
+
+
+def test_background_runs_stream_again_cancel_and_forget_the_oldest():
+    async def main():
+        runs, kept, freed = BackgroundRuns(kept=2), [], []
+        req = parse_request({"model": "m", "input": "hi", "background": True})
+        b = Builder(req, "m", lambda t: ("x", b"x"))
+        assert b.status == "queued" and b.response()["background"] is True
+        run = runs.start(b, _Scripted([Delta(0, "Hel"), Delta(0, "lo"), _done("!")]), lambda: freed.append(1),
+                         lambda: kept.append(b.status))
+        events = [e async for e in run.follow(-1)]
+        kinds = [e["type"] for e in events]
+        assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+        assert kinds[-1] == "response.completed" and [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello!"
+        assert [e["sequence_number"] async for e in run.follow(3)] == list(range(4, len(events)))
+        assert run.done and kept == ["completed"] and freed == [1]
+
+        slow = Builder(req, "m", None)
+        hung = runs.start(slow, _Scripted([Delta(0, "partial")], hang=True), lambda: freed.append(2),
+                          lambda: kept.append(slow.status))
+        await asyncio.sleep(0.05)
+        assert not hung.done and slow.status == "in_progress"
+        assert await runs.cancel(slow.id) is hung and hung.done and slow.status == "cancelled"
+        assert slow.response()["output"][0]["status"] == "incomplete" and kept[-1] == "cancelled"
+        assert await runs.cancel("resp_none") is None
+        third = Builder(req, "m", None)
+        runs.start(third, _Scripted([_done("x")]), lambda: None, lambda: None)
+        await asyncio.sleep(0.05)
+        assert len(runs) == 2 and runs.get(b.id) is None  # the oldest finished forgotten
+        await runs.forget(third.id)
+        assert runs.get(third.id) is None and len(runs) == 1
+
+    asyncio.run(main())

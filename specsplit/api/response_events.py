@@ -29,7 +29,8 @@ class Builder:
         self.items: list[dict] = []
         self.message: dict | None = None  # the message item text goes to now
         self.seq = 0
-        self.status, self.usage, self.incomplete, self.error = "in_progress", None, None, None
+        self.status = "queued" if req.background else "in_progress"
+        self.usage, self.incomplete, self.error = None, None, None
 
     def response(self) -> dict:
         r = self.req
@@ -46,7 +47,7 @@ class Builder:
             "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": r.tool_choice or "auto", "tools": tools,
             "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
             "truncation": "disabled", "usage": self.usage, "user": r.user, "metadata": r.metadata or {},
-            "background": False, "service_tier": "default", "prompt_cache_key": r.prompt_cache_key,
+            "background": bool(r.background), "service_tier": "default", "prompt_cache_key": r.prompt_cache_key,
             "safety_identifier": r.safety_identifier, "max_tool_calls": None,
         }
 
@@ -56,8 +57,20 @@ class Builder:
         return ev
 
     def start(self) -> list[dict]:
+        """The first events: created, then in progress (queued, for a background response, until
+        its generation begins: ``begin``)."""
         return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
+                self._event(f"response.{self.status}", response=self.response())]
+
+    def begin(self) -> list[dict]:
+        self.status = "in_progress"
+        return [self._event("response.in_progress", response=self.response())]
+
+    def cancel(self) -> None:
+        """A background response cancelled: what it had written so far, its open item incomplete."""
+        if self.message is not None:
+            self.message["status"], self.message = "incomplete", None
+        self.status = "cancelled"
 
     def _logprobs(self, entries) -> list[dict]:
         asked = LOGPROBS_INCLUDE in (self.req.include or ())

@@ -1,5 +1,6 @@
 """OpenAI's Responses API over the fleet: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, as the OpenAI SDK's
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST
+/v1/responses/{id}/cancel``, as the OpenAI SDK's
 ``client.responses`` calls them (and the agents and coding tools built on it). No torch.
 
 A request becomes a chat completion request (``ChatCompletionRequest``) and runs as one:
@@ -19,9 +20,13 @@ A request becomes a chat completion request (``ChatCompletionRequest``) and runs
   (``specsplit.api.stored``; ``SPECSPLIT_API_STORED_RESPONSES``). The answer's object and events:
   ``specsplit.api.response_events``.
 
+- ``background: true`` runs it on in the API process (``specsplit.api.background``): polled
+  with ``GET``, its events streamed again (``?stream=true&starting_after=N``), cancelled with
+  ``POST /v1/responses/{id}/cancel``.
+
 What the fleet cannot do is a 400 naming the parameter: built-in tools (web search, files,
-computers, MCP), images and files in the input, ``background``, ``conversation``, ``prompt``
-templates, ``truncation: "auto"``, ``reasoning.effort`` (the served models do not reason).
+computers, MCP), images and files in the input, ``conversation``, ``prompt`` templates,
+``truncation: "auto"``, ``reasoning.effort`` (the served models do not reason).
 Reasoning items in the input are left out, as chat templates leave out past reasoning.
 """
 
@@ -43,7 +48,7 @@ from specsplit.api.protocol import (
 )
 from specsplit.api.response_events import LOGPROBS_INCLUDE, Builder, event_bytes
 from specsplit.api.state import ApiState
-from specsplit.api.streaming import answer, each_event, launch
+from specsplit.api.streaming import EventStream, answer, each_event, launch
 
 # what ``include`` may name: the logprobs are honoured; the others name outputs of built-in tools
 # (refused) or of reasoning (none here), so there is never anything of theirs to include
@@ -107,9 +112,8 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name) is not None:
                 raise ApiError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
-        if self.background:
-            raise ApiError(400, "background responses are not supported by this server", param="background",
-                           code="unsupported_parameter")
+        if self.background and not self.store:
+            raise ApiError(400, "background responses must be stored: store: true", param="background")
         if self.truncation == "auto":
             raise ApiError(400, 'truncation "auto" is not supported: a conversation over the context is a 400',
                            param="truncation", code="unsupported_parameter")
@@ -281,6 +285,10 @@ async def create(request: Request) -> Response:
     tok = state.require_ready()
     history: list[dict] = []
     if req.previous_response_id is not None:
+        running = state.background.get(req.previous_response_id)
+        if running is not None and not running.done:
+            raise ApiError(400, f"the previous response {req.previous_response_id!r} is still in progress",
+                           param="previous_response_id")
         found = state.responses.get(req.previous_response_id)
         if found is None:
             raise ApiError(400, f"previous response with id {req.previous_response_id!r} not found",
@@ -296,9 +304,16 @@ async def create(request: Request) -> Response:
     gen, release = launch(state, jobs, sorted(tok.stop_token_ids), unlisted=tok.stop_token_ids)
 
     def keep() -> None:
-        if req.store and builder.status in ("completed", "incomplete"):
+        if req.store and builder.status in ("completed", "incomplete") or req.background:
             state.responses.put(builder.id, builder.response(), [*turns, builder.assistant_turn()],
                                 listed_items(req.input))
+
+    if req.background:  # it goes on whatever the client does; the store lists its input meanwhile
+        state.responses.put(builder.id, builder.response(), turns, listed_items(req.input))
+        run = state.background.start(builder, gen, release, keep)
+        if req.stream:
+            return EventStream(followed(run, -1), lambda: None)
+        return JSONResponse(builder.response())
 
     def whole(events) -> dict:
         for ev in events:
@@ -336,6 +351,13 @@ def parse_request(body: Any) -> ResponsesRequest:
     return parse(ResponsesRequest, body).checked()  # type: ignore[arg-type]
 
 
+async def followed(run, after: int):
+    """A background response's events after ``after``, then as they come; the client leaving
+    leaves the response running."""
+    async for ev in run.follow(after):
+        yield event_bytes(ev)
+
+
 def _stored(request: Request, state: ApiState):
     rid = request.path_params["response_id"]
     found = state.responses.get(rid)
@@ -345,11 +367,40 @@ def _stored(request: Request, state: ApiState):
 
 
 async def retrieve(request: Request) -> Response:
-    """``GET /v1/responses/{id}``: a stored response, as it was answered."""
+    """``GET /v1/responses/{id}``: a stored response, as it was answered; a background one as it
+    stands (``?stream=true``: its events again, after ``starting_after``, then as they come)."""
     state = request_state(request)
     check_key(request, state)
+    rid = request.path_params["response_id"]
+    run = state.background.get(rid)
+    q = request.query_params
+    if q.get("stream", "false") not in ("true", "false"):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    if q.get("stream") == "true":
+        if run is None:
+            _stored(request, state)  # (a 404 for an unknown id)
+            raise ApiError(400, "only a background response's events can be streamed again", param="stream")
+        after = q.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or len(after) > 12:
+            raise ApiError(400, "starting_after must be an event's sequence_number", param="starting_after")
+        return EventStream(followed(run, int(after)), lambda: None)
+    if run is not None:
+        return JSONResponse(run.builder.response())
     _, found = _stored(request, state)
     return JSONResponse(found.response)
+
+
+async def cancel(request: Request) -> Response:
+    """``POST /v1/responses/{id}/cancel``: a background response stopped where it is (``cancelled``;
+    a finished one as it ended)."""
+    state = request_state(request)
+    check_key(request, state)
+    rid = request.path_params["response_id"]
+    run = await state.background.cancel(rid)
+    if run is None:
+        _stored(request, state)  # (a 404 for an unknown id)
+        raise ApiError(400, "only background responses can be cancelled", param="response_id")
+    return JSONResponse(run.builder.response())
 
 
 MAX_LIST = 100  # OpenAI's limit on one page of input items
@@ -386,6 +437,8 @@ async def delete(request: Request) -> Response:
     """``DELETE /v1/responses/{id}``."""
     state = request_state(request)
     check_key(request, state)
-    rid, _ = _stored(request, state)
+    rid = request.path_params["response_id"]
+    if await state.background.forget(rid) is None:  # a background response: cancelled first
+        _stored(request, state)
     state.responses.delete(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

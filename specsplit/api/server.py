@@ -261,6 +261,7 @@ def build_app(state: ApiState) -> Starlette:
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/completion", llama_server.completion, methods=["POST"]),

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 
+from specsplit.api.background import BackgroundRuns
 from specsplit.api.metrics import ApiMetrics
 from specsplit.api.protocol import ApiError
 from specsplit.api.routes import PromptRoutes
@@ -33,6 +34,7 @@ class ApiState:
         self.inflight = 0  # choices generating now
         self.routes = PromptRoutes(settings.api_prompt_routes, self.metrics.routed)  # routing groups without a key
         self.responses = ResponseStore(settings.api_stored_responses, settings.api_stored_responses_mb << 20)
+        self.background = BackgroundRuns()  # background responses running, and the last ones finished
         self.probed = False  # a generation went through end to end
         self.exit_code = 0  # 2: refused to serve (another tokenizer); the server then stops
         self.on_fatal = None  # set by the runner: stops the server
@@ -52,6 +54,7 @@ class ApiState:
             finally:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
+                await self.background.close()
 
     async def _watch(self) -> None:
         """Load the tokenizer, then keep checking the fleet's: refuse another one; probe once."""

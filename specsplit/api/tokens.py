@@ -5,7 +5,8 @@ model per endpoint takes either shape; a reply carries the fields of both. No ge
 orchestrator is asked; the API key check and the model name check are the other endpoints'.
 
 - vLLM: ``{"prompt": TEXT, "add_special_tokens": true}`` or ``{"messages": [...],
-  "add_generation_prompt": true}`` -> ``{"count", "max_model_len", "tokens"}``;
+  "add_generation_prompt": true}`` (or ``"continue_final_message": true``, as the chat endpoint
+  takes it) -> ``{"count", "max_model_len", "tokens"}``;
   ``{"tokens": [...]}`` -> ``{"prompt": TEXT}``.
 - llama-server: ``{"content": TEXT, "add_special": false, "with_pieces": false}`` ->
   ``{"tokens": [...]}`` (with pieces: ``[{"id", "piece"}]``); ``{"tokens": [...]}`` ->
@@ -35,6 +36,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # vLLM's: the tokenizer's special tokens around a text (default true)
     add_special: bool | None = None  # llama-server's name for it (default false)
     add_generation_prompt: bool = True  # a conversation's: ready for the assistant's turn
+    continue_final_message: bool = Field(default=False, strict=True)  # vLLM's: its last (assistant) message begun
     with_pieces: bool = False  # llama-server's: each token's text beside its id
 
     @model_validator(mode="after")
@@ -70,10 +72,14 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         from specsplit.api import tools
 
-        chat = ChatCompletionRequest(model=req.model or state.model_name or "m", messages=req.messages)
+        chat = parse(ChatCompletionRequest, {  # (the chat endpoint's rules for continue_final_message)
+            "model": req.model or state.model_name or "m", "messages": [m.model_dump() for m in req.messages],
+            "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message})
+        turns = tools.turns(chat)
+        begun = (turns.pop()["content"] or "") if req.continue_final_message else ""
         try:
-            text = tok.tok.apply_chat_template(tools.turns(chat), add_generation_prompt=req.add_generation_prompt,
-                                               tokenize=False)
+            text = tok.tok.apply_chat_template(turns, add_generation_prompt=req.add_generation_prompt or bool(
+                req.continue_final_message), tokenize=False) + begun
         except Exception as exc:  # noqa: BLE001  (a template may reject a conversation, e.g. its role order)
             raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         special = bool(req.add_special_tokens)  # the template writes the special tokens itself (vLLM's default)

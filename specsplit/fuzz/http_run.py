@@ -293,7 +293,11 @@ def answer_problems(case: HttpCase, out: Outcome) -> list[tuple[str, str]]:
 
 
 def response_problems(obj, out: Outcome) -> list[tuple[str, str]]:
-    """A Responses API answer: a finished response whose items are messages with their text (or calls)."""
+    """A Responses API answer: a finished response whose items are messages with their text (or
+    calls); a background one queued, with none yet."""
+    if isinstance(obj, dict) and obj.get("background") is True and obj.get("status") == "queued" \
+            and obj.get("output") == []:
+        return []
     if not isinstance(obj, dict) or obj.get("object") != "response" or obj.get("status") not in RESPONSE_ENDS \
             or not isinstance(obj.get("output"), list) or not obj["output"]:
         return [("answer of the wrong shape", repr(out.body[:300]))]
