@@ -147,10 +147,10 @@ def target_sessions(fleet, slot: int) -> float:
 
 def stream_killing(fleet, body: dict, role: str, path: str = "/v1/completions") -> list[dict]:
     """Once no session is left from earlier tests, stream ``body`` from ``path`` (/v1/completions,
-    or llama-server's /infill and /completion), and once 40 characters have come kill -9 the
+    llama-server's /infill and /completion, or /v1/messages), and once 40 characters have come kill -9 the
     process serving it: its target worker (``role`` "target", found by its session count), the
     draft worker ("draft": the fleet has one) or the orchestrator. Returns every chunk's choice
-    (llama-server's: the chunk, its text in ``content``),
+    (llama-server's: the chunk, its text in ``content``; the Messages API's: the event),
     once the API serves again (a restarted orchestrator may not have heard from a target worker
     yet: the next request would be a 503); fails when the answer ended before the kill."""
     from tests.honcho_fleet import worker_pid
@@ -164,7 +164,8 @@ def stream_killing(fleet, body: dict, role: str, path: str = "/v1/completions") 
                 continue
             chunk = json.loads(line[6:])
             choices.append(chunk["choices"][0] if "choices" in chunk else chunk)
-            text += choices[-1].get("text", choices[-1].get("content", ""))
+            # a completion's text, llama-server's content, or an Anthropic text delta's text
+            text += choices[-1].get("text", choices[-1].get("content", (chunk.get("delta") or {}).get("text", "")))
             if killed is None and len(text) > 40:
                 if role == "target":
                     home = wait_until(lambda: next((n for n in (1, 2) if target_sessions(fleet, n) == 1), None), 60,

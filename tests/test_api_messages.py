@@ -215,3 +215,18 @@ def test_anthropics_client_lists_the_served_model(fleet):
     assert err.value.body["error"]["type"] == "not_found_error"
     # OpenAI's clients (no anthropic-version) still get OpenAI's shapes there
     assert openai_client(fleet).models.list().data[0].id == "tiny-v1"
+
+
+@pytest.mark.parametrize("role", ["target", "orchestrator"])
+def test_a_stream_survives_a_kill_of_its_target_worker_or_orchestrator(fleet, tiny, served, role):
+    """kill -9 of the process serving a streamed message, mid-answer: the events go on, and the
+    text is the target's greedy answer, none lost, none twice."""
+    from tests.api_fleet import stream_killing
+
+    turns = [{"role": "user", "content": "Tell me a long story."}]  # its greedy answer runs past 300 tokens
+    want, ids = greedy(tiny, served, turns, 300)
+    assert ids[-1] not in served.stop_token_ids
+    body = {"model": "tiny-v1", "messages": turns, "max_tokens": 300, "temperature": 0, "stream": True}
+    events = stream_killing(fleet, body, role, path="/v1/messages")
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == want
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens" and events[-1]["type"] == "message_stop"
