@@ -342,12 +342,18 @@ async def test_load_aware_sessions_through_batching_workers_equal_greedy(models)
     # costs at least half that more than the smallest. Its measured sizes are compared, not the
     # line's slope: the line weighs the last ~30 forwards most, which in the run's tail are a
     # session or two of 1-2 tokens, and a loaded 2-core box's jitter then sets its slope (1.9)
+    # The sizes seen vary run by run (CI saw none between small + 4 and the table's end: the
+    # prompts' forwards were batched past it), so the most common of those 4+ tokens above the
+    # smallest is taken, else the largest size in the table above it, held to the same bar
     seen = Counter(r.batch_tokens for _, r in replies)
     small = min(seen)
-    common = max((t for t in seen if small + 4 <= t <= TABLE_TOKENS), key=seen.__getitem__)  # (prompts: more)
+    above = [t for t in seen if small < t <= TABLE_TOKENS]
+    assert above, f"no forward size in the table above the smallest: {sorted(seen.items())}"
+    far = [t for t in above if t >= small + 4]
+    common = max(far, key=seen.__getitem__) if far else max(above)
     gap = cm.verify_ms(common, explore=False) - cm.verify_ms(small, explore=False)
     line = cm.verify_line()
-    assert gap > 4.0 * (common - small), (small, common, gap, line)
+    assert gap > 4.0 * (common - small), (small, common, gap, line, sorted(seen.items()))
     nodes = lambda rs: sum(req.tree.num_nodes for req, _ in rs) / len(rs)  # noqa: E731
     print(f"mean tree nodes: shared {nodes(shared):.2f} over {len(shared)}, all {nodes(replies):.2f} over {len(replies)}; "
           f"{common} tokens priced {gap:.1f} ms over {small}; line {line[0]:.1f} ms + {line[1]:.2f} ms a token")
