@@ -21,6 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PORT_FLOOR = 10000  # free_ports draws from here up to the ephemeral range
+MAX_GIVEN = 8192  # ports free_ports remembers handing out (the most recent)
+_given: dict[int, None] = {}  # ports handed out by this process, oldest first: never handed out again
+
+
+def reserve(ports) -> None:
+    """Marks ``ports`` as handed out (a range a process derives its ports from: the metrics
+    base's roles), so ``free_ports`` in this process draws none of them."""
+    for p in ports:
+        _given.pop(p, None)
+        _given[p] = None
+    while len(_given) > MAX_GIVEN:
+        del _given[next(iter(_given))]
+
+
+def handed_out(port: int) -> bool:
+    return port in _given
 
 
 def ephemeral_low() -> int:
@@ -34,8 +50,9 @@ def ephemeral_low() -> int:
 
 def free_ports(n: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``n`` distinct ports free on loopback now, for processes that bind them later, none in
-    ``avoid`` (ports handed out already, still unbound: seen in CI, a test fleet's orchestrator
-    drew its target router's port from a second call). Drawn below the kernel's ephemeral range
+    ``avoid`` and none this process handed out before (``reserve``): those may still be unbound
+    (seen in CI: a test fleet's orchestrator drew its target router's port from a second call,
+    and a bench fleet's API port was another fleet's metrics port). Drawn below the kernel's ephemeral range
     where it leaves room: a port in that range can become another connection's local port between
     this check and a role's bind seconds later (seen in CI: a metrics port taken, its scrape
     refused); below it only an explicit bind can take it."""
@@ -47,7 +64,7 @@ def free_ports(n: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[i
             if len(ports) == n:
                 break
             port = rng.randrange(PORT_FLOOR, low - 1)
-            if port in ports or port in avoid or not port_is_free(port):
+            if port in ports or port in avoid or port in _given or not port_is_free(port):
                 continue
             s = socket.socket()
             try:
@@ -61,11 +78,12 @@ def free_ports(n: int, avoid: frozenset[int] | set[int] = frozenset()) -> list[i
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)  # (held until the end: the kernel gives it to no other bind meanwhile)
-            if s.getsockname()[1] not in avoid:
+            if s.getsockname()[1] not in avoid and s.getsockname()[1] not in _given:
                 ports.append(s.getsockname()[1])
     finally:
         for s in socks:
             s.close()
+    reserve(ports)
     return ports
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from specsplit.launch import ephemeral_low, free_ports, port_is_free, scrape
+from specsplit.launch import ephemeral_low, free_ports, handed_out, port_is_free, reserve, scrape
 from tests.conftest import greedy_reference, wait_until
 from tests.honcho_fleet import honcho_fleet, honcho_log, stop_honcho
 
@@ -34,7 +34,9 @@ def metrics_base() -> int:
     top = max(ephemeral_low() - 500, 10500)
     for _ in range(100):
         base = random.randrange(10000, top)
-        if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)):
+        if all(port_is_free(base + off) for off in (100, 200, 300, 301, 400, 401)) \
+                and not any(handed_out(p) for p in range(base, base + 500)):
+            reserve(range(base, base + 500))  # (no fleet's address drawn after it falls among them)
             return base
     raise RuntimeError("no free metrics ports")
 

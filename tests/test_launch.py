@@ -66,7 +66,14 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
         for p in ports:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p))
-    # ports handed out already (still unbound) are not drawn again, nor a range set aside
+    # ports handed out already (still unbound) are not drawn again, by this process's later calls
+    # too, nor a range set aside
+    from specsplit.launch import handed_out, reserve
+
+    first = free_ports(3)
+    assert all(handed_out(p) for p in first) and set(first).isdisjoint(free_ports(50))
+    reserve(range(first[0] + 1, first[0] + 4))
+    assert handed_out(first[0] + 2)
     if ephemeral_low() - 1000 > PORT_FLOOR:
         avoid = set(range(PORT_FLOOR, ephemeral_low() - 3))
         assert set(free_ports(2, avoid=avoid)).isdisjoint(avoid)

@@ -51,15 +51,17 @@ HITS = "specsplit:worker_prefix_cache_hits_total"
 
 def metrics_base(taken: list[int]) -> int:
     """A base metrics port whose roles' ports (brokers.metrics' offsets) are free and apart from
-    the ranges of the bases ``taken``."""
+    the ranges of the bases ``taken`` and from every port drawn before; its range is reserved."""
     from brokers.metrics import ROLE_OFFSETS, ROLE_SLOTS
-    from specsplit.launch import free_ports, port_is_free
+    from specsplit.launch import free_ports, handed_out, port_is_free, reserve
 
     span = max(ROLE_OFFSETS.values()) + ROLE_SLOTS
     for _ in range(200):
         base = free_ports(1)[0] - ROLE_OFFSETS["target"]
         if base > 1024 and base + span < 65536 and all(abs(base - t) >= span for t in taken) \
-                and all(port_is_free(base + off) for off in ROLE_OFFSETS.values()):
+                and all(port_is_free(base + off) for off in ROLE_OFFSETS.values()) \
+                and not any(handed_out(p) for p in range(base, base + span) if p != base + ROLE_OFFSETS["target"]):
+            reserve(range(base, base + span))  # (no fleet's address drawn after it falls in its roles' ports)
             return base
     raise RuntimeError("no free range of metrics ports")
 
