@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -171,7 +172,7 @@ def test_curl_streams_the_typed_events(fleet):
 def test_what_cannot_be_honoured_is_anthropics_400(fleet):
     client = client_for(fleet)
     ask = [{"role": "user", "content": ASK}]
-    for kw, param in (({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    for kw, param in (({"extra_body": {"container": "c1"}}, "container"),
                       ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
                       ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
                           "type": "url", "url": "https://x/y.png"}}]}]}, "messages"),
@@ -202,6 +203,58 @@ def test_a_budget_past_the_context_runs_to_the_context(fleet):
     assert got.stop_reason == ("model_context_window_exceeded" if chat.finish_reason == "length" else "end_turn")
     short = client.messages.create(model="tiny-v1", messages=ask, max_tokens=2, extra_body=GREEDY)
     assert short.stop_reason in ("max_tokens", "end_turn")
+
+
+def _claude_code_request(prompt: str, **fields) -> tuple[str, dict, dict]:
+    """tests/data/claude-code-request.json (the shape of Claude Code's first request) for the
+    tiny fleet: (path, headers, body)."""
+    doc = json.loads((Path(__file__).parent / "data" / "claude-code-request.json").read_text())
+    body = {**doc["body"], "model": "tiny-v1", **fields}
+    body["messages"] = json.loads(json.dumps(body["messages"]).replace('"PROMPT"', json.dumps(prompt)))
+    return doc["path"], doc["headers"], body
+
+
+def _sse(text: str) -> list[dict]:
+    blocks = [b.splitlines() for b in text.strip().split("\n\n")]
+    return [json.loads(b[1][6:]) for b in blocks if len(b) == 2 and b[1].startswith("data: ")]
+
+
+def test_claude_codes_request_is_answered_as_its_conversation(fleet):
+    """Claude Code's request as it sends it (streamed, to ``/v1/messages?beta=true``, with its
+    beta headers, adaptive thinking, effort, context management, a system message after the
+    user's, a JSON user id and 32,000 tokens asked): answered, and the answer is the chat
+    endpoint's for the conversation alone (greedy; its tools and system turns shown alike)."""
+    path, headers, body = _claude_code_request("Count: one two", temperature=0, max_tokens=24)
+    resp = httpx.post(f"{fleet['url']}{path}", json=body, headers=headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    events = _sse(resp.text)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", resp.text[:300]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    system = "".join(b["text"] for b in body["system"])
+    user = "".join(b["text"] for b in body["messages"][0]["content"])
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": user},
+             {"role": "system", "content": body["messages"][1]["content"]}]
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in body["tools"]]
+    chat = openai_client(fleet).chat.completions.create(model="tiny-v1", messages=turns, tools=tools, max_tokens=24,
+                                                        temperature=0)
+    assert text == (chat.choices[0].message.content or "") and not chat.choices[0].message.tool_calls
+    usage = events[-2]["usage"]
+    assert usage["output_tokens"] == chat.usage.completion_tokens
+    counted = client_for(fleet).messages.count_tokens(**{k: body[k] for k in ("model", "messages", "system", "tools")})
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_prompt_past_the_context_is_anthropics_prompt_is_too_long(fleet):
+    """Agents compact their conversation on Anthropic's own words for it."""
+    client = client_for(fleet)
+    limit = httpx.get(f"{fleet['url']}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    long = [{"role": "user", "content": "one two " * limit}]
+    n = client.messages.count_tokens(model="tiny-v1", messages=long).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny-v1", messages=long, max_tokens=32000)
+    said = f"prompt is too long: {n} tokens > {limit - 1} maximum"
+    assert err.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": said}}
 
 
 def test_anthropics_client_lists_the_served_model(fleet):

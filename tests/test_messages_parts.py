@@ -5,6 +5,7 @@ results, the prefill), the refusals, the error body, and the events a generation
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,14 +60,66 @@ def test_the_chat_request_carries_the_parameters():
     assert chat_request(_req(thinking={"type": "disabled"}, service_tier="auto"))[0].budget == 16
 
 
+# what Claude Code sends with every request besides the conversation (ops/data/claude-code-request.json)
+AGENT_FIELDS = {"thinking": {"budget_tokens": 0, "type": "adaptive"}, "output_config": {"effort": "high"},
+                "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                "diagnostics": {"request_id": "r1"}, "metadata": {"user_id": "user_" + "a" * 64 + "_session_1"},
+                "cache_control": {"type": "ephemeral"}, "temperature": 1}
+MCP_TOOL = "mcp__" + "a_long_server_name__" * 4 + "tool"  # 89 characters: past OpenAI's 64, within Anthropic's 128
+
+
+def test_what_agents_send_besides_the_conversation_changes_nothing():
+    """Claude Code's fields (adaptive thinking, effort, context management, diagnostics, cache
+    scopes, eager streaming, deferred tools, tool references, long MCP names) are taken; the
+    chat request is the conversation's alone."""
+    tools = [{"name": MCP_TOOL, "description": "d", "input_schema": {"type": "object"}, "eager_input_streaming": True,
+              "defer_loading": True, "input_examples": [{"x": 1}]},
+             {"name": "Bash", "description": "b", "input_schema": {"type": "object"},
+              "cache_control": {"type": "ephemeral", "scope": "global"}}]
+    system = [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral", "scope": "global"}}]
+    msgs = [{"role": "user", "content": "find the tool"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "s"},
+                                              {"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True, "content": [
+                {"type": "tool_reference", "tool_name": MCP_TOOL}, {"type": "text", "text": "exit 1"}]}]},
+            {"role": "system", "content": "a reminder"}]
+    plain_tools = [{k: v for k, v in t.items() if k in ("name", "description", "input_schema")} for t in tools]
+    plain_msgs = [*msgs[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                           "content": "exit 1"}]}, msgs[-1]]
+    got, _ = chat_request(_req(messages=msgs, tools=tools, system=system, **AGENT_FIELDS))
+    want, _ = chat_request(_req(messages=plain_msgs, tools=plain_tools, system="You are an agent.",
+                                metadata=AGENT_FIELDS["metadata"], temperature=1))
+    assert got == want and got.tools[0].function.name == MCP_TOOL
+    for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"budget_tokens": 8000}, {"type": "disabled"},
+                     {"type": "adaptive", "display": "summarized"}):
+        assert chat_request(_req(thinking=thinking))[0] == chat_request(_req())[0]
+
+
+def test_claude_codes_request_is_its_conversation():
+    doc = json.loads((Path(__file__).parent / "data" / "claude-code-request.json").read_text())
+    chat, prefill = chat_request(parse_request(doc["body"]))
+    assert [m.role for m in chat.messages] == ["system", "user", "system"] and prefill == ""
+    assert chat.messages[0].content.startswith("x-anthropic-billing-header")
+    assert [t.function.name for t in chat.tools] == ["Bash", "Read"] and chat.budget == 32000
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
-    ({"thinking": {"type": "adaptive"}}, "thinking"),
-    ({"output_config": {"effort": "low"}}, "output_config.effort"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": True}}, "thinking"),
+    ({"thinking": {"type": "adaptive", "depth": 3}}, "thinking"),
+    ({"thinking": {}}, "thinking"),
+    ({"output_config": {"effort": 5}}, "output_config.effort"),
+    ({"context_management": {"edits": "all"}}, "context_management"),
+    ({"context_management": "x"}, "context_management"),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
     ({"tools": [{"name": "f"}]}, "tools"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": True}]}, "tools"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "defer_loading": "yes"}]}, "tools"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "allowed_callers": ["code_execution"]}]}, "tools"),
+    ({"tools": [{"name": "f" * 129, "input_schema": {"type": "object"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "messages"),
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}}, "tool_choice"),
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),

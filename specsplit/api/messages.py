@@ -5,7 +5,8 @@ llama-server and vLLM serve them too. No torch.
 
 A request becomes a chat completion request (``ChatCompletionRequest``) and runs as one, so its
 answers, tools, JSON output, prefix-cache routing and checks are the chat endpoint's:
-- ``system`` (a text or text blocks) is a system turn; a message's ``text`` blocks its text,
+- ``system`` (a text or text blocks) is a system turn, and so is a system message after the
+  first (Claude Code's mid-conversation system messages); a message's ``text`` blocks its text,
   an assistant's ``tool_use`` blocks its ``tool_calls``, a user's ``tool_result`` blocks tool
   turns (in their order); past ``thinking`` blocks are left out, as chat templates leave them.
 - A last assistant message is a prefill: the assistant's turn begins with its text and the
@@ -23,8 +24,16 @@ answers, tools, JSON output, prefix-cache routing and checks are the chat endpoi
   ``specsplit.api.message_events``.
 - Errors are Anthropic's body, ``{"type": "error", "error": {"type", "message"}}`` (``error_body``).
 
-What the fleet cannot do is a 400 naming the parameter: thinking (the served models do not
-think: only ``{"type": "disabled"}``), ``output_config.effort``, server tools (web search, code
+What agents send with every request is taken (Claude Code sends all of it): ``thinking``
+(enabled, adaptive or disabled: the served models do not think, so an answer has no thinking
+blocks, as an adaptive one may), ``output_config.effort``, ``context_management`` (no edit is
+applied: the conversation is served whole, or refused as too long), ``diagnostics``, tools'
+``defer_loading`` (the tool is shown like the others: there is no tool search here) and
+``input_examples``, ``tool_reference`` blocks in a tool result (the tool is already shown).
+A prompt that leaves no room is Anthropic's "prompt is too long: N tokens > M maximum", which
+agents answer by compacting the conversation.
+
+What the fleet cannot do is a 400 naming the parameter: server tools (web search, code
 execution, bash...), images, documents and other non-text blocks, MCP servers, containers,
 ``speed: "fast"``, ``max_tokens: 0`` (cache pre-warming).
 """
@@ -119,20 +128,22 @@ class MessagesRequest(BaseModel):
 
     def checked(self) -> MessagesRequest:
         """A 400 naming what this server cannot honour."""
-        for name in ("container", "context_management", "diagnostics"):
-            if getattr(self, name) is not None:
-                raise _unsupported(name, f"{name} is not supported by this server")
+        if self.container is not None:
+            raise _unsupported("container", "container is not supported by this server")
         if self.mcp_servers:
             raise _unsupported("mcp_servers", "MCP servers are not supported by this server")
         if self.speed == "fast":
             raise _unsupported("speed", 'speed "fast" is not supported: the fleet serves one speed, its fastest')
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise _unsupported("thinking", 'the served model does not think: only {"type": "disabled"}')
+        _check_thinking(self.thinking)
         unknown = set(self.output_config or ()) - {"format", "effort"}
         if unknown:
             raise ApiError(400, f"unknown field {min(unknown)!r}", param="output_config")
-        if (self.output_config or {}).get("effort") is not None:
-            raise _unsupported("output_config.effort", "effort is not supported with this model: it does not think")
+        effort = (self.output_config or {}).get("effort")
+        if effort is not None and not (isinstance(effort, str) and 0 < len(effort) <= 32):
+            raise ApiError(400, "output_config.effort: a level (low, medium, high, max)", param="output_config.effort")
+        edits = self.context_management
+        if edits is not None and not (isinstance(edits, dict) and isinstance(edits.get("edits", []), list)):
+            raise ApiError(400, "context_management: {edits: [...]}", param="context_management")
         if not isinstance((self.metadata or {}).get("user_id", ""), (str, type(None))) or set(self.metadata or ()) - {
                 "user_id"}:
             raise ApiError(400, "metadata: only user_id, a text", param="metadata")
@@ -141,6 +152,19 @@ class MessagesRequest(BaseModel):
 
 def _unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+def _check_thinking(thinking: dict[str, Any] | None) -> None:
+    """``thinking`` as Anthropic takes it (a bare ``budget_tokens`` too, as some clients send):
+    enabled, adaptive or disabled, a budget of tokens at least 0. The served models do not think:
+    whichever it is, the answer has no thinking blocks."""
+    if thinking is None:
+        return
+    kind = thinking.get("type", "enabled" if "budget_tokens" in thinking else None)
+    budget = thinking.get("budget_tokens", 0)
+    if kind not in ("enabled", "adaptive", "disabled") or set(thinking) - {"type", "budget_tokens", "display"} \
+            or type(budget) is not int or budget < 0 or not isinstance(thinking.get("display", ""), str):
+        raise ApiError(400, "thinking: {type: enabled|adaptive|disabled, budget_tokens}", param="thinking")
 
 
 # ---------------------------------------------------------------------------- the request as a chat's
@@ -179,6 +203,8 @@ def _user_turns(content: Any, where: str) -> list[dict]:
                     or set(block) - {"type", "tool_use_id", "content", "is_error", "cache_control"}:
                 raise ApiError(400, f"{here}: tool_result is its tool_use_id, content and is_error", param="messages")
             result = block.get("content", "")
+            if isinstance(result, list):  # a tool search's tool_reference: the tool is shown already
+                result = [b for b in result if not (isinstance(b, dict) and b.get("type") == "tool_reference")]
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": _texts(result, f"{here}.content")})
         elif out and out[-1]["role"] == "user":
@@ -229,9 +255,11 @@ def conversation(req: MessagesRequest) -> tuple[list[dict], str]:
             turns += _user_turns(message["content"], f"{where}.content")
         elif role == "assistant":
             turns.append(_assistant_turn(message["content"], f"{where}.content"))
+        elif role == "system" and i:  # a system turn mid-conversation (Claude Code sends them)
+            turns.append({"role": "system", "content": _texts(message["content"], f"{where}.content")})
         else:
-            raise ApiError(400, f"{where}.role: user or assistant (system is a parameter of its own)",
-                           param="messages")
+            raise ApiError(400, f"{where}.role: user or assistant, or system after the first message (the "
+                                "opening system prompt is a parameter of its own)", param="messages")
     prefill = ""
     if turns and turns[-1]["role"] == "assistant":
         last = turns.pop()
@@ -247,9 +275,10 @@ def _tool(tool: dict[str, Any], i: int) -> dict:
     if kind not in (None, "custom"):
         raise _unsupported("tools", f"tools[{i}]: {str(kind)[:40]!r} tools are not supported by this server "
                                     "(client tools with an input_schema only)")
-    for name, off in (("defer_loading", False), ("input_examples", None), ("allowed_callers", ["direct"])):
-        if tool.get(name, off) not in (off, None):
-            raise _unsupported("tools", f"tools[{i}].{name} is not supported by this server")
+    if tool.get("allowed_callers") not in (None, ["direct"]):
+        raise _unsupported("tools", f"tools[{i}].allowed_callers is not supported by this server (direct calls only)")
+    if not isinstance(tool.get("defer_loading", False), bool) or not isinstance(tool.get("input_examples", []), list):
+        raise ApiError(400, f"tools[{i}]: defer_loading is a boolean, input_examples a list", param="tools")
     unknown = set(tool) - {"type", "name", "description", "input_schema", "strict", "cache_control",
                            "eager_input_streaming", "defer_loading", "input_examples", "allowed_callers"}
     if unknown:
@@ -346,7 +375,10 @@ async def create(request: Request) -> Response:
     tok, chat, ids, tool_plan = _prompt(state, req, True)
     # agents send budgets past the context (32K, 64K): the answer may run until the context is
     # full, then ends with stop_reason model_context_window_exceeded (as Anthropic's own API can)
-    room = state.max_model_len() - len(ids)
+    limit = state.max_model_len()
+    room = limit - len(ids)
+    if limit and room < 1:  # Anthropic's words, which agents answer by compacting the conversation
+        raise ApiError(400, f"prompt is too long: {len(ids)} tokens > {limit - 1} maximum")
     cut = 1 <= room < chat.budget
     if cut:
         chat = chat.model_copy(update={"max_completion_tokens": room})

@@ -40,7 +40,7 @@ TEMPLATE_ARGUMENTS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "bos_token", "eos_token", "pad_token",
     "unk_token"})
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,128}$"  # OpenAI's characters; Anthropic's length (MCP tools' long names)
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # parameter -> the values that mean "off" (accepted, honoured exactly by doing nothing)

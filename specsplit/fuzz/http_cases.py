@@ -145,10 +145,14 @@ def message_fields() -> list[str]:
 # the Messages API's optional fields, with values it takes
 MESSAGE_OPTIONS = (
     ("top_p", [0.5, 1.0]), ("top_k", [0, 5]), ("stop_sequences", [["\n"], ["a", "the"]]),
-    ("metadata", [{"user_id": "u1"}]), ("thinking", [{"type": "disabled"}]), ("service_tier", ["auto"]),
+    ("metadata", [{"user_id": "u1"}]), ("service_tier", ["auto"]),
+    # what Claude Code sends with every request (tests/data/claude-code-request.json)
+    ("thinking", [{"type": "disabled"}, {"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}]),
+    ("context_management", [{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}]),
+    ("diagnostics", [{"request_id": "r1"}]),
     ("system", ["Be brief.", [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]]),
     ("output_config", [{"format": {"type": "json_schema", "schema": {"type": "array", "items": {"type": "integer"},
-                                                                     "maxItems": 3}}}]),
+                                                                     "maxItems": 3}}}, {"effort": "high"}]),
 )  # (no tools: the fuzzed fleet's tiny template takes none)
 
 
