@@ -125,7 +125,7 @@ class Router(RouterAuth):
         liveness: int = 3,
         max_workers: int = 256,
         max_inflight: int = 65_536,
-        request_ttl_s: float = 300.0,
+        request_ttl_s: float = 3600.0,
         sndhwm: int = DEFAULT_HWM,
         rcvhwm: int = DEFAULT_HWM,
         ctx: zmq.Context | None = None,

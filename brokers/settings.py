@@ -166,8 +166,10 @@ class RouterSettings(HeartbeatSettings):
         "Workers one router registers at most; a READY beyond that is refused."))
     max_inflight: int = Field(default=65_536, ge=1, le=10_000_000, description=(
         "Requests the router tracks in flight at most (which worker holds which client's request)."))
-    request_ttl_s: float = Field(default=300.0, gt=0.0, description=(
-        "Seconds after which a request still in flight is forgotten (its client timed out long ago)."))
+    request_ttl_s: float = Field(default=3600.0, gt=0.0, description=(
+        "Seconds after which a request still in flight is forgotten (its client timed out long ago). A long "
+        "prompt's prefill takes minutes on a CPU (21,000 tokens: 340 s on 2 cores), and a reply whose request "
+        "was forgotten is dropped; the table stays bounded by SPECSPLIT_MAX_INFLIGHT."))
     sndhwm: int = Field(default=DEFAULT_HWM, ge=0, description=(
         "ZeroMQ send high-water mark of both router sockets, in messages (0: unbounded); beyond it, "
         "messages are dropped and logged."))

@@ -113,11 +113,13 @@ class GenerationResult:
 class SpecSplitClient:
     def __init__(self, addr: str, *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
                  chunk_timeout_s: float = 300.0, heartbeat_s: float | None = None, liveness: int = 3,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, per_prompt_token_s: float = 0.0):
         self.curve = curve
         self.refused: str | None = None  # why the orchestrator refused our CURVE key
         self._handshake_logged = 0.0
         self.addr, self.timeout_s, self.chunk_timeout_s = addr, timeout_s, chunk_timeout_s
+        # a generation and the wait for its first chunk get this much more per prompt token (its prefill)
+        self.per_prompt_token_s = per_prompt_token_s
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = None
@@ -342,10 +344,11 @@ class SpecSplitClient:
         rid, q = await self._request(req, sid)
         res = GenerationResult(sid, list(prompt_token_ids), [], "error")
         parts: list[Logprobs] = []  # asked for: each chunk's
+        prefill_s = self.per_prompt_token_s * len(req.prompt_token_ids)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s + prefill_s):
                 while True:
-                    async with asyncio.timeout(self.chunk_timeout_s):
+                    async with asyncio.timeout(self.chunk_timeout_s + (0.0 if res.token_ids else prefill_s)):
                         msg = await q.get()
                     if isinstance(msg, TokenChunk):
                         if not res.token_ids:

@@ -314,6 +314,11 @@ class OrchestratorSettings(SessionLimitSettings):
         "the two prefills slow each other down (the repository's .env)."))
     rpc_timeout_s: float = Field(default=60.0, gt=0, description=(
         "Seconds one orchestrator -> worker request may take before it is retried."))
+    rpc_timeout_per_token_s: float = Field(default=0.05, ge=0, description=(
+        "Seconds more a worker request may take per token it brings the session's cache (a prompt's prefill): "
+        "the 1.5B int8 target prefilled 21,000 tokens in 340 s on 2 cores (62 a second, fewer the longer the "
+        "prompt), which a fixed SPECSPLIT_RPC_TIMEOUT_S timed out and resent again and again; 0.05 serves any "
+        "worker prefilling at least 20 tokens a second (docs/results.md)."))
     max_attempts: int = Field(default=8, ge=1, description=(
         "Tries of one worker request (timeouts, retryable errors) before its session fails with NO_WORKER; "
         "resends after a lost cache or router do not count."))
@@ -417,6 +422,9 @@ class ProducerSettings(FleetAddresses):
     produce_timeout_s: float = Field(default=600.0, gt=0, description="Seconds one whole generation may take.")
     produce_chunk_timeout_s: float = Field(default=300.0, gt=0, description=(
         "Seconds allowed between two streamed chunks of an answer."))
+    produce_timeout_per_prompt_token_s: float = Field(default=0.05, ge=0, description=(
+        "Seconds more a generation, and the wait for its first chunk, may take per prompt token (its prefill: "
+        "minutes for a long prompt on a CPU; SPECSPLIT_RPC_TIMEOUT_PER_TOKEN_S)."))
     orchestrator_count: int = Field(default=1, ge=1, le=64, description=(
         "Orchestrators serving side by side (`honcho start -c orchestrator=N`): SPECSPLIT_ORCHESTRATOR and the "
         "next N - 1 ports. Producers spread requests over the live ones and resume on another when one dies."))

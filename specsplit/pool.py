@@ -48,16 +48,19 @@ class OrchestratorPool:
     def __init__(self, addrs: list[str], *, ctx: zmq.asyncio.Context | None = None, timeout_s: float = 600.0,
                  chunk_timeout_s: float = 300.0, heartbeat_s: float = 1.0, liveness: int = 3,
                  max_resumes: int = 16, backoff_s: float = 0.2, backoff_max_s: float = 2.0,
-                 curve: CurveKeys | None = None, retry_overloaded: bool = True, wait_live_s: float | None = None):
+                 curve: CurveKeys | None = None, retry_overloaded: bool = True, wait_live_s: float | None = None,
+                 per_prompt_token_s: float = 0.0):
         if not addrs:
             raise ValueError("an orchestrator pool needs at least one address")
         self.timeout_s, self.max_resumes = timeout_s, max_resumes
+        self.per_prompt_token_s = per_prompt_token_s  # more time per prompt token (its prefill)
         # False: OVERLOADED from every live orchestrator in turn raises (an HTTP API answers 429)
         self.retry_overloaded = retry_overloaded
         self.wait_live_s = wait_live_s  # longest wait for a live orchestrator (None: the deadline)
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.clients = [SpecSplitClient(a, ctx=ctx, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s,
-                                        heartbeat_s=heartbeat_s, liveness=liveness, curve=curve) for a in addrs]
+                                        heartbeat_s=heartbeat_s, liveness=liveness, curve=curve,
+                                        per_prompt_token_s=per_prompt_token_s) for a in addrs]
         self.resumes = 0  # over all requests
         self.log = get_logger("specsplit.pool")
 
@@ -113,7 +116,7 @@ class OrchestratorPool:
         ``max_new_tokens`` and ``min_tokens`` are what remains of them."""
         prompt, stop = list(prompt_token_ids), list(stop_token_ids)
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + self.per_prompt_token_s * len(prompt)
         received: list[int] = []
         total = GenerationResult(uuid.uuid4().hex, prompt, received, "error")
         resumes, delay, client, overloaded, answered = 0, self.backoff_s, None, 0, False

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: float, chunk_timeout_s: float = 300.0,
-                  *, heartbeat_s: float = 1.0, liveness: int = 3, max_resumes: int = 16, curve=None) -> int:
+                  *, heartbeat_s: float = 1.0, liveness: int = 3, max_resumes: int = 16, curve=None,
+                  per_prompt_token_s: float = 0.0) -> int:
     from specsplit.client import GenerationError, OrchestratorRefused
     from specsplit.pool import FINISHED, OrchestratorPool
 
@@ -145,7 +146,8 @@ async def produce(args, codec: PromptCodec, addrs: list[str] | str, timeout_s: f
     sem = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
     async with OrchestratorPool(addrs, timeout_s=timeout_s, chunk_timeout_s=chunk_timeout_s, heartbeat_s=heartbeat_s,
-                                liveness=liveness, max_resumes=max_resumes, curve=curve) as pool:
+                                liveness=liveness, max_resumes=max_resumes, curve=curve,
+                                per_prompt_token_s=per_prompt_token_s) as pool:
         try:
             serving = await wait_until_serving(pool, codec.encode(prompts[0])[:8], args.wait_s)
         except OrchestratorRefused as exc:
@@ -293,4 +295,4 @@ def produce_main(argv=None) -> int:
     return asyncio.run(produce(args, codec, [a.strip() for a in addrs if a.strip()], settings.produce_timeout_s,
                                settings.produce_chunk_timeout_s, heartbeat_s=settings.produce_heartbeat_s,
                                liveness=settings.produce_liveness, max_resumes=settings.produce_max_resumes,
-                               curve=curve))
+                               curve=curve, per_prompt_token_s=settings.produce_timeout_per_prompt_token_s))

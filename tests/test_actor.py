@@ -240,3 +240,47 @@ def test_sessions_starting_together_leave_the_first_drafted_round_to_one_of_them
     assert first.get("a") == 0, first  # the first session drafts from round 0
     assert first.get("b", n) >= 1, first  # the second did not draft at round 0 beside it
     assert cost.speculating == 0 and cost.active_sessions == 0
+
+
+class PrefillClock(EngineRpc):
+    """An engine stand-in whose requests take 0.5 s plus 0.01 s per token their sync appends (as a
+    long prompt's prefill takes minutes on a CPU): past its timeout a request times out (no
+    sleeping: the time is its model)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.timeouts: list[float] = []
+
+    async def call(self, msg, *, session_id: str, timeout_s: float | None = None):
+        from specsplit.transport.rpc import RpcTimeout
+
+        self.timeouts.append(timeout_s)
+        sync = getattr(msg, "sync", None)
+        if timeout_s is not None and 0.5 + 0.01 * (len(sync.append_token_ids) if sync else 0) > timeout_s:
+            self.requests.append(msg)
+            raise RpcTimeout(session_id, b"\x00", timeout_s)
+        return await super().call(msg, session_id=session_id, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("per_token", [0.05, 0.0])
+def test_a_long_prompts_prefill_gets_time_by_its_tokens(models, per_token):
+    """A worker request's timeout grows by SPECSPLIT_RPC_TIMEOUT_PER_TOKEN_S per token its sync
+    appends: a prompt whose prefill outlasts SPECSPLIT_RPC_TIMEOUT_S is served once, not timed
+    out and resent; without the allowance it never is."""
+    target, draft, _ = models["qwen2"]
+    prompt, n = [3 + i % 90 for i in range(120)], 12  # 119 tokens to prefill: 1.69 s of modelled work
+    d_rpc, t_rpc = PrefillClock(DraftEngine(draft, LIMITS)), PrefillClock(TargetEngine(target, LIMITS))
+    out = []
+    req = GenerateRequest(session_id="s", prompt_token_ids=prompt, max_new_tokens=n, tree=SPEC)
+    policy = ActorPolicy(tree=SPEC, rpc_timeout_s=1.0, rpc_timeout_per_token_s=per_token, max_attempts=3,
+                         backoff_s=0.001)
+    actor = SessionActor(req, d_rpc, t_rpc, policy, out.append)
+    done = asyncio.run(actor.run())
+    if not per_token:
+        assert done.finish_reason == "error" and out[0].message == "gave up after 3 attempts: timeout"
+        drafts = [t for m, t in zip(d_rpc.requests, d_rpc.timeouts) if type(m).__name__ == "DraftRequest"]
+        assert drafts == [1.0] * 3
+        return
+    assert done.token_ids == greedy_reference(target, prompt, n)[0]
+    assert d_rpc.timeouts[0] == pytest.approx(1.0 + 0.05 * (len(prompt) - 1))  # the draft's prefill first
+    assert len(t_rpc.requests) == len(t_rpc.replies)  # every verify answered at its first send

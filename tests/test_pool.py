@@ -241,3 +241,25 @@ def test_hung_orchestrator_is_noticed_by_heartbeat_and_the_request_resumes():
     res, a, b = asyncio.run(_run(hang_after_4))
     assert res.finish_reason == "length" and len(res.token_ids) == 20 and res.resumes == 1
     assert b.requests[-1].max_new_tokens == 16
+
+
+@pytest.mark.parametrize("per_token", [0.25, 0.0])
+def test_the_first_chunk_waits_longer_for_a_longer_prompt(per_token):
+    """A prompt's prefill comes before its first chunk: the wait for it grows by
+    ``per_prompt_token_s`` a prompt token (SPECSPLIT_PRODUCE_TIMEOUT_PER_PROMPT_TOKEN_S). Without
+    it, a prefill longer than the chunk timeout is given up on."""
+    async def slow_prefill(orch, req, send):
+        await asyncio.sleep(0.6)  # the 3-token prompt's "prefill": past the 0.3 s chunk timeout
+        toks = continuation(req)
+        for i in range(0, len(toks), 5):
+            await send(TokenChunk(session_id=req.session_id, round=i, token_ids=toks[i:i + 5]))
+        await send(GenerateDone(session_id=req.session_id, token_ids=toks, finish_reason="length"))
+
+    full = continuation(GenerateRequest(session_id="x", prompt_token_ids=[1, 2, 3], max_new_tokens=20))
+    if per_token:
+        res, a, b = asyncio.run(_run(slow_prefill, behave_b=slow_prefill, chunk_timeout_s=0.3,
+                                     per_prompt_token_s=per_token))
+        assert res.token_ids == full and res.resumes == 0 and len(a.requests) + len(b.requests) == 1
+        return
+    with pytest.raises(TimeoutError):
+        asyncio.run(_run(slow_prefill, behave_b=slow_prefill, chunk_timeout_s=0.3))

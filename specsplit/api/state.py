@@ -46,7 +46,8 @@ class ApiState:
         self.pool = OrchestratorPool(s.orchestrator_addresses(), timeout_s=s.produce_timeout_s,
                                      chunk_timeout_s=s.produce_chunk_timeout_s, heartbeat_s=s.produce_heartbeat_s,
                                      liveness=s.produce_liveness, max_resumes=s.produce_max_resumes, curve=self.curve,
-                                     retry_overloaded=False, wait_live_s=s.api_orchestrator_wait_s)
+                                     retry_overloaded=False, wait_live_s=s.api_orchestrator_wait_s,
+                                     per_prompt_token_s=s.produce_timeout_per_prompt_token_s)
         async with self.pool:
             watcher = asyncio.ensure_future(self._watch())
             try:

@@ -48,6 +48,7 @@ class SessionFailed(Exception):
 class ActorPolicy:
     tree: TreeSpec
     rpc_timeout_s: float = 60.0
+    rpc_timeout_per_token_s: float = 0.05  # more per token a request brings the cache (a prefill)
     max_attempts: int = 8
     backoff_s: float = 0.05
     backoff_max_s: float = 2.0
@@ -68,6 +69,13 @@ class ActorPolicy:
     draft_grammar: bool = False  # grammar sessions: the draft is sent the grammar, to mask its proposals
     overlap_prefill: bool = False  # round 0 verifies its root while the draft forwards the prompt (rounds.plan)
     overlap_prefill_max_tokens: int = 0  # ... when the target forwards at most this many tokens (0: any)
+
+    def timeout_for(self, req) -> float:
+        """Seconds a worker request may take: ``rpc_timeout_s``, and ``rpc_timeout_per_token_s``
+        more per token its sync appends to the session's cache (a long prompt's prefill takes
+        minutes on a CPU; docs/results.md)."""
+        sync = getattr(req, "sync", None)
+        return self.rpc_timeout_s + self.rpc_timeout_per_token_s * (len(sync.append_token_ids) if sync else 0)
 
     def proposer_names(self, ngrams: bool = False) -> tuple[str, ...]:
         """The proposers the fleet runs: the draft model unless ``lookup_only``, then the tokens a
@@ -386,7 +394,8 @@ class SessionActor:
             self._attempts = attempts + misses + losses + 1  # 1: the first send (a clean cost sample)
             t_call = time.perf_counter()
             try:
-                reply = await rpc.call(build(), session_id=self.sid, timeout_s=p.rpc_timeout_s)
+                req = build()
+                reply = await rpc.call(req, session_id=self.sid, timeout_s=p.timeout_for(req))
             except RpcTimeout:
                 last = "timeout"
                 reset()

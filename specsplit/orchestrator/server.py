@@ -39,7 +39,8 @@ class Orchestrator:
         self.settings = settings
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.policy = ActorPolicy(
-            tree=settings.tree(), rpc_timeout_s=settings.rpc_timeout_s, max_attempts=settings.max_attempts,
+            tree=settings.tree(), rpc_timeout_s=settings.rpc_timeout_s,
+            rpc_timeout_per_token_s=settings.rpc_timeout_per_token_s, max_attempts=settings.max_attempts,
             backoff_s=settings.backoff_s, backoff_max_s=settings.backoff_max_s,
             lookup_max_tokens=settings.lookup_max_tokens, lookup_min_ngram=settings.lookup_min_ngram,
             grow=settings.grow, grow_fraction=settings.grow_fraction, grow_width=settings.grow_width,

@@ -40,6 +40,7 @@ class DraftModel(Proposer):
         self._last_verify_ms = 0.0
         self._grow_task: asyncio.Future | None = None  # the GrowRequest in flight (or answered)
         self._behind: asyncio.Future | None = None  # a DraftRequest sent beside a verify (``_reroot``)
+        self._behind_timeout_s = 0.0  # ... and how long it may take
 
     async def propose(self, committed: Sequence[int], budget: Budget, sampling: SamplingSpec, rnd: int) -> Proposal:
         s = self.session
@@ -107,7 +108,8 @@ class DraftModel(Proposer):
                            tree=budget.spec, sampling=sampling, grammar=self._grammar())
         s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
         self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
-                                                              timeout_s=self.shared.policy.rpc_timeout_s))
+                                                              timeout_s=self.shared.policy.timeout_for(req)))
+        self._behind_timeout_s = self.shared.policy.timeout_for(req)
         self._behind.add_done_callback(_swallow)
 
     async def _settle(self) -> None:
@@ -117,7 +119,7 @@ class DraftModel(Proposer):
         if task is None:
             return
         if not task.done():
-            await asyncio.wait({task}, timeout=self.shared.policy.rpc_timeout_s)
+            await asyncio.wait({task}, timeout=self._behind_timeout_s)
         ok = (task.done() and not task.cancelled() and task.exception() is None
               and isinstance(task.result(), DraftReply))
         if not ok:
