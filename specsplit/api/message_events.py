@@ -30,6 +30,7 @@ class MessageBuilder:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.usage = self._usage(0, 0)
+        self.started = False  # the stream's opening events went out
 
     def _usage(self, cached: int, output: int) -> dict:
         return {"input_tokens": self.prompt_tokens - cached, "cache_creation_input_tokens": 0,
@@ -40,6 +41,10 @@ class MessageBuilder:
                 "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self.usage}
 
     def start(self) -> list[dict]:
+        """The stream's opening events, once (a stream kept alive opens before its first tokens)."""
+        if self.started:
+            return []
+        self.started = True
         return [{"type": "message_start", "message": {**self.message(), "content": []}}, {"type": "ping"}]
 
     def _text(self, text: str) -> list[dict]:

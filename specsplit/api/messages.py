@@ -395,7 +395,8 @@ async def create(request: Request) -> Response:
         return builder.message()
 
     return await answer(request, gen, release, req.stream, lambda first: streamed(gen, first, builder, release),
-                        whole)
+                        whole, opening=lambda: [event_bytes(ev) for ev in builder.start()],
+                        ping=event_bytes({"type": "ping"}))
 
 
 async def streamed(gen: Generation, first, builder: MessageBuilder, release):

@@ -2,7 +2,11 @@
 ``specsplit.api.server``; llama-server's, in ``specsplit.api.llama_server``): admission (429,
 503), the event stream with its release however the response ends, the first event awaited
 before a stream's headers (so a refusal is a status), and the events of a whole answer with
-the client's disconnect watched. No torch.
+the client's disconnect watched. A long prompt's prefill takes minutes on a CPU: a stream whose
+first event has not come within ``KEEPALIVE_AFTER_S`` opens anyway and sends a keep-alive every
+``KEEPALIVE_EVERY_S`` (an SSE comment, or the API's own ping event) until it comes, so that
+clients and proxies that drop a silent connection (Claude Code, nginx's 60 s) keep waiting; a
+failure then comes in the stream, as a later one would. No torch.
 """
 
 from __future__ import annotations
@@ -84,8 +88,14 @@ async def watch_disconnect(request: Request) -> None:
             return
 
 
-async def first_event(request: Request, gen: Generation) -> Event | None:
-    """Wait for the first event before the stream's headers, so a refusal (429, 503) is a status."""
+KEEPALIVE_AFTER_S = 5.0  # a stream's headers wait this long for its first event, then go out anyway
+KEEPALIVE_EVERY_S = 10.0  # ... and a keep-alive follows this often until the first event comes
+COMMENT = b": keep-alive\n\n"  # an SSE comment: every SSE reader skips it
+
+
+async def first_event(request: Request, gen: Generation, raise_failed: bool = True) -> Event | None:
+    """Wait for the first event before the stream's headers, so a refusal (429, 503) is a status
+    (``raise_failed``; else a failure is returned as the event it is)."""
     watcher = asyncio.ensure_future(watch_disconnect(request))
     nxt = asyncio.ensure_future(gen.next())
     try:
@@ -93,12 +103,34 @@ async def first_event(request: Request, gen: Generation) -> Event | None:
         if nxt not in done:
             raise ClientDisconnect()
         ev = nxt.result()
-        if isinstance(ev, Failed):
+        if isinstance(ev, Failed) and raise_failed:
             raise ev.error
         return ev
     finally:
         watcher.cancel()
         nxt.cancel()
+
+
+async def kept_alive(waiter: asyncio.Future, streamed: Callable[[Event | None], AsyncIterator[bytes]],
+                     opening: Callable[[], list[bytes]], ping: bytes) -> AsyncIterator[bytes]:
+    """A stream opened before its first event: ``opening()``, a ``ping`` every
+    KEEPALIVE_EVERY_S while ``waiter`` (the first event) is out, then ``streamed(first)``."""
+    try:
+        for chunk in opening():
+            yield chunk
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=KEEPALIVE_EVERY_S)
+            if done:
+                break
+            yield ping
+        try:
+            first = waiter.result()
+        except ClientDisconnect:
+            return
+        async for chunk in streamed(first):
+            yield chunk
+    finally:
+        waiter.cancel()
 
 
 async def each_event(gen: Generation, first: Event | None) -> AsyncIterator[Event]:
@@ -134,15 +166,26 @@ async def all_events(request: Request, gen: Generation) -> list[Event]:
 
 
 async def answer(request: Request, gen: Generation, release: Callable[[], None], stream: bool,
-                 streamed: Callable[[Event | None], AsyncIterator[bytes]], whole: Callable[[list[Event]], object]
-                 ) -> Response:
+                 streamed: Callable[[Event | None], AsyncIterator[bytes]], whole: Callable[[list[Event]], object],
+                 opening: Callable[[], list[bytes]] = list, ping: bytes = COMMENT) -> Response:
     """The response to a launched generation: with ``stream``, the events ``streamed(first)``
-    makes once the first has come (a refusal before it is a status); else ``whole(events)`` as
-    JSON. The generation is released however the response ends."""
+    makes once the first has come (a refusal before it is a status; after KEEPALIVE_AFTER_S the
+    stream opens with ``opening()`` and ``ping`` keeps it alive, ``kept_alive``); else
+    ``whole(events)`` as JSON. The generation is released however the response ends."""
     if stream:
+        waiter = asyncio.ensure_future(first_event(request, gen, raise_failed=False))
         try:
-            first = await first_event(request, gen)
+            done, _ = await asyncio.wait({waiter}, timeout=KEEPALIVE_AFTER_S)
+            if not done:
+                def release_all() -> None:
+                    waiter.cancel()
+                    release()
+                return EventStream(kept_alive(waiter, streamed, opening, ping), release_all)
+            first = waiter.result()
+            if isinstance(first, Failed):
+                raise first.error
         except BaseException:
+            waiter.cancel()
             release()
             raise
         return EventStream(streamed(first), release)
