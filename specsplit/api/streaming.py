@@ -5,8 +5,8 @@ before a stream's headers (so a refusal is a status), and the events of a whole 
 the client's disconnect watched. A long prompt's prefill takes minutes on a CPU: a stream whose
 first event has not come within ``KEEPALIVE_AFTER_S`` opens anyway and sends a keep-alive every
 ``KEEPALIVE_EVERY_S`` (an SSE comment, or the API's own ping event) until it comes, so that
-clients and proxies that drop a silent connection (Claude Code, nginx's 60 s) keep waiting; a
-failure then comes in the stream, as a later one would. No torch.
+proxies and clients that drop a silent connection (nginx after 60 s, Claude Code's byte
+watchdog) keep waiting; a failure then comes in the stream, as a later one would. No torch.
 """
 
 from __future__ import annotations
