@@ -160,3 +160,28 @@ def test_background_runs_stream_again_cancel_and_forget_the_oldest():
         assert runs.get(third.id) is None and len(runs) == 1
 
     asyncio.run(main())
+
+
+def test_codex_clis_request_is_its_conversation():
+    """The shape of OpenAI's Codex CLI's request (0.171.0, ``web_search = "disabled"`` and
+    ``features.multi_agent = false``: function tools only): its bookkeeping (``client_metadata``),
+    ``reasoning.summary``, ``include`` of encrypted reasoning, ``store: false`` and
+    ``prompt_cache_key`` are taken; the chat request is the conversation's alone."""
+    tool = {"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                           "additionalProperties": False}}
+    items = [{"type": "message", "id": "msg_1", "role": "developer",
+              "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+             {"type": "message", "id": "msg_2", "role": "user", "content": [{"type": "input_text", "text": "Say hi"}]}]
+    body = {"model": "m", "stream": True, "input": items, "tools": [tool], "tool_choice": "auto",
+            "parallel_tool_calls": True, "store": False, "prompt_cache_key": "k1"}
+    codex = {**body, "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+             "client_metadata": {"x-codex-window-id": "w:0", "root_turn_id": "t1",
+                                 "x-codex-turn-metadata": '{"turn_id": "t1", "sandbox": "seccomp"}'}}
+    got, turns = chat_request(parse_request(codex), [])
+    want, _ = chat_request(parse_request(body), [])
+    assert got == want and [t["role"] for t in turns] == ["developer", "user"]
+    assert got.tools[0].function.name == "exec_command" and got.prompt_cache_key == "k1"
+    with pytest.raises(ApiError) as err:
+        parse_request({**codex, "client_metadata": {str(i): "x" for i in range(65)}})
+    assert err.value.param == "client_metadata"

@@ -86,6 +86,8 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     store: bool = Field(default=True, strict=True)
     metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA)
+    # Codex CLI's own bookkeeping (window, turn ids), sent with every request: taken, not used
+    client_metadata: dict[str, Any] | None = Field(default=None, max_length=64)
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
