@@ -208,7 +208,7 @@ def test_router_away_10s_then_back_run_finishes_exact_waiting_out_no_timeout(tmp
 LOOKUP_PROMPTS = [" ".join([f"def f{i}(x): return x + {i}"] * 4) for i in range(8)]  # lookup finds candidates
 # new tokens a prompt: many times the rounds the kill waits for (printed; the tiny pair's lookup
 # adds ~1 token a round, SmolLM2 on these prompts ~6)
-LOOKUP_NEW_TOKENS, LLAMACPP_NEW_TOKENS = 80, 100
+LOOKUP_NEW_TOKENS, LLAMACPP_NEW_TOKENS = 80, 160
 
 
 def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, rounds: int,
@@ -222,7 +222,7 @@ def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, roun
           300, "fleet ready")
     producer = _produce(tmp, env, LOOKUP_PROMPTS, max_new_tokens=max_new_tokens, rounds=rounds)
     assert producer.poll() is None, "the run ended before the kill"
-    slot = _serving_target_slot(_log(tmp), ("target.1", "target.2"))
+    slot = _serving_target_slot(_log(tmp), ("target.1", "target.2"), max_new_tokens=max_new_tokens)
     os.kill(_worker_pid(proc.pid, slot), signal.SIGKILL)
     rc = producer.wait(timeout=480)
     assert rc == 0, (tmp / "produce.err").read_text()[-3000:]
@@ -234,21 +234,33 @@ def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, roun
     return rows, slot
 
 
-def _serving_target_slot(log: str, slots: tuple[str, ...], before: str = "") -> str:
+def _serving_target_slot(log: str, slots: tuple[str, ...], before: str = "",
+                         max_new_tokens: int | None = None) -> str:
     """The first of ``slots`` that the target router's rendezvous hash gives a session of the
     rounds logged so far (worker identities are ``target-<slot>``): random session ids all land on
     one of two workers 1 time in 2**(n-1), and a kill of the other one would test nothing. Only
     sessions past their first round that ``before`` (the log before this run) does not name
     count, where there are any: not the producer's one-token probe, nor an earlier run's session
     whose last round was logged after it ended (an orchestrator logs a round once the next one
-    is under way, or after the session's end was sent)."""
+    is under way, or after the session's end was sent). Given ``max_new_tokens``, the slot whose
+    sessions have the most tokens left to generate (each round adds its accepted tokens and one
+    of the target's): a fast run can finish a slot's few sessions before the kill lands."""
     from brokers.rendezvous import pick
 
     earlier = set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", before))
-    going = {sid for rnd, sid in re.findall(r"round_done\b.*?\bround=(\d+).*?\bsession_id\W+(\w+)", log)
-             if int(rnd) >= 1} - earlier
-    sessions = going or set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", log))
+    rounds = [(int(acc), int(rnd), sid) for acc, rnd, sid in re.findall(
+        r"round_done\b.*?\baccepted=(\d+).*?\bround=(\d+).*?\bsession_id\W+(\w+)", log) if sid not in earlier]
+    going = {sid for _, rnd, sid in rounds if rnd >= 1}
+    sessions = going or {sid for *_, sid in rounds} or set(re.findall(r"round_done\b.*?\bsession_id\W+(\w+)", log))
     keys = [f"target-{slot}".encode() for slot in slots]
+    if max_new_tokens is not None and going:
+        made = Counter()
+        for acc, _, sid in rounds:
+            made[sid] += acc + 1
+        left = Counter()
+        for sid in going:
+            left[pick(sid, keys)] += max(0, max_new_tokens - made[sid])
+        return max(zip(slots, keys), key=lambda sk: left[sk[1]])[0]
     served = {pick(sid, keys) for sid in sessions}
     return next(slot for slot, key in zip(slots, keys) if key in served)
 
