@@ -107,9 +107,8 @@ class DraftModel(Proposer):
         req = DraftRequest(session_id=s.sid, round=rnd, sync=self._sync(sampling), root=committed[-1],
                            tree=budget.spec, sampling=sampling, grammar=self._grammar())
         s.cur.after_draft()  # the worker holds committed once it answers (``_settle`` checks it did)
-        self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid,
-                                                              timeout_s=self.shared.policy.timeout_for(req)))
         self._behind_timeout_s = self.shared.policy.timeout_for(req)
+        self._behind = asyncio.ensure_future(s.draft_rpc.call(req, session_id=s.sid, timeout_s=self._behind_timeout_s))
         self._behind.add_done_callback(_swallow)
 
     async def _settle(self) -> None:
