@@ -167,6 +167,47 @@ def test_function_calls_and_their_outputs_are_the_chat_endpoints(fleet):
     assert done == [c.arguments for c in calls]
 
 
+SPACE = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.",
+         "tools": [TOOL]}
+SPACE_CHAT_TOOL = {"type": "function", "function": {**CHAT_TOOL["function"], "name": "weather_v1__get_weather",
+                                                    "description": "Weather tools.\n\nWeather in a city."}}
+
+
+def test_a_namespaces_function_is_called_with_its_namespace_as_the_chat_endpoint_calls_it(fleet):
+    """A ``namespace`` tool (as Codex CLI sends its sub-agent tools) through the ``openai``
+    client: the model is shown ``weather_v1__get_weather``; the call is a ``function_call`` with
+    ``namespace: weather_v1`` and ``name: get_weather``, its arguments the chat endpoint's for the
+    qualified function; sent back with its output (whole, or after the stored response), the
+    answer is the chat endpoint's."""
+    client = openai_client(fleet)
+    ask = {"role": "user", "content": "Weather in Oslo?"}
+    kw = {"model": "tiny-v1", "temperature": 0}
+    called = client.responses.create(**kw, input=[ask], tools=[SPACE], tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=64)
+    chat = client.chat.completions.create(**kw, messages=[ask], tools=[SPACE_CHAT_TOOL], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=64).choices[0].message
+    calls = [i for i in called.output if i.type == "function_call"]
+    assert calls and [(c.namespace, c.name, c.arguments) for c in calls] == \
+        [("weather_v1", "get_weather", t.function.arguments) for t in chat.tool_calls]
+    assert called.tools[0].type == "namespace"
+
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"}
+    after = client.responses.create(**kw, previous_response_id=called.id, input=[result], tools=[SPACE],
+                                    max_output_tokens=16)
+    whole = client.responses.create(**kw, input=[ask, *[c.model_dump(exclude_none=True) for c in calls], result],
+                                    tools=[SPACE], max_output_tokens=16)
+    history = [ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.call_id, "type": "function", "function": {"name": f"weather_v1__{c.name}", "arguments": c.arguments}}
+        for c in calls]}, {"role": "tool", "tool_call_id": calls[0].call_id, "content": "-3C"}]
+    reply = client.chat.completions.create(**kw, messages=history, tools=[SPACE_CHAT_TOOL],
+                                           max_tokens=16).choices[0].message
+    for r in (after, whole):
+        assert r.output_text == (reply.content or "")
+        assert [(i.namespace, i.name, i.arguments) for i in r.output if i.type == "function_call"] == \
+            [("weather_v1", t.function.name.removeprefix("weather_v1__"), t.function.arguments)
+             for t in reply.tool_calls or ()]
+
+
 def test_logprobs_through_include_are_the_chat_endpoints(fleet):
     client = openai_client(fleet)
     messages = [{"role": "user", "content": ASK}]

@@ -4,6 +4,8 @@ the events a generation's deltas make (tests/test_api_responses.py runs them thr
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +187,74 @@ def test_codex_clis_request_is_its_conversation():
     with pytest.raises(ApiError) as err:
         parse_request({**codex, "client_metadata": {str(i): "x" for i in range(65)}})
     assert err.value.param == "client_metadata"
+
+
+CODEX = json.loads((Path(__file__).parent / "data" / "codex-request.json").read_text())["body"]
+
+
+def test_codex_clis_default_request_shows_its_namespace_functions():
+    """Codex CLI 0.171.0's request with its default features (``tests/data/codex-request.json``,
+    texts shortened): its ``multi_agent_v1`` namespace's functions are shown to the model as
+    ``multi_agent_v1__<name>``, the namespace's description before each function's own; its other
+    function tools as they were; the conversation its four messages."""
+    chat, turns = chat_request(parse_request(CODEX), [])
+    names = [t.function.name for t in chat.tools]
+    space = next(t for t in CODEX["tools"] if t["type"] == "namespace")
+    inner = [f["name"] for f in space["tools"]]
+    assert [n for n in names if "__" in n] == [f"multi_agent_v1__{n}" for n in inner] and len(inner) == 5
+    flat = [t["name"] for t in CODEX["tools"] if t["type"] == "function"]
+    assert [n for n in names if "__" not in n] == flat
+    spawn = next(t.function for t in chat.tools if t.function.name == "multi_agent_v1__spawn_agent")
+    want = next(f for f in space["tools"] if f["name"] == "spawn_agent")
+    assert spawn.description == f"{space['description']}\n\n{want['description']}"
+    assert spawn.parameters == want["parameters"] and spawn.strict is False
+    assert [t["role"] for t in turns] == ["developer", "developer", "user", "user"]
+    # the response echoes the request's tools: a namespace as it came (no strict of its own)
+    echoed = Builder(parse_request(CODEX), "m", None).response()["tools"]
+    assert next(t for t in echoed if t["type"] == "namespace") == space
+
+
+def test_a_call_to_a_namespace_function_comes_back_with_its_namespace():
+    """The model calls ``multi_agent_v1__spawn_agent``: the item is OpenAI's ``function_call``
+    with ``name: spawn_agent`` and ``namespace: multi_agent_v1`` (whole and in the stream's
+    events); sent back as input, or continued from the stored turn, it is the same chat call."""
+    b = Builder(parse_request(CODEX), "m", None)
+    calls = (ParsedCall(0, "multi_agent_v1__spawn_agent", '{"message": "hi"}', "call_1"),
+             ParsedCall(1, "exec_command", '{"cmd": "ls"}', "call_2"))
+    events = b.start() + b.feed(Done(0, "", "tool_calls", 0, 3, 4, {}, calls=calls))
+    out = [i for i in b.response()["output"] if i["type"] == "function_call"]
+    assert [(i["name"], i.get("namespace")) for i in out] == [("spawn_agent", "multi_agent_v1"), ("exec_command", None)]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added" and e["item"]["type"] != "message"]
+    assert [(i["name"], i.get("namespace")) for i in added] == \
+        [("spawn_agent", "multi_agent_v1"), ("exec_command", None)]
+    done = [e["name"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert done == ["spawn_agent", "exec_command"]
+    want = [{"id": "call_1", "type": "function", "function": {"name": "multi_agent_v1__spawn_agent",
+                                                              "arguments": '{"message": "hi"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd": "ls"}'}}]
+    assert b.assistant_turn()["tool_calls"] == want
+    assert input_messages(out)[0]["tool_calls"] == want
+
+
+@pytest.mark.parametrize("space", [
+    {"type": "namespace", "name": "a.b", "description": "", "tools": [{"type": "function", "name": "f"}]},
+    {"type": "namespace", "name": "ns", "description": "", "tools": []},
+    {"type": "namespace", "name": "ns", "description": "", "tools": [{"type": "custom", "name": "f"}]},
+    {"type": "namespace", "name": "ns", "description": "", "tools": [
+        {"type": "namespace", "name": "in", "description": "", "tools": [{"type": "function", "name": "f"}]}]},
+    {"type": "namespace", "name": "ns", "description": "", "tools": [{"type": "function"}]},
+    {"type": "namespace", "name": "ns", "description": "", "tools": [{"type": "function", "name": "f"}], "x": 1},
+    {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f" * 126}]},  # 130 characters
+])
+def test_a_namespace_it_cannot_show_is_a_400_naming_tools(space):
+    with pytest.raises(ApiError) as err:
+        chat_request(parse_request({"model": "m", "input": "hi", "tools": [space]}), [])
+    assert err.value.status == 400 and err.value.param == "tools", err.value.message
+
+
+def test_a_namespace_function_and_a_function_of_its_qualified_name_are_two_of_one_name():
+    tools = [{"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "function", "name": "f"}]},
+             {"type": "function", "name": "ns__f"}]
+    with pytest.raises(ApiError) as err:
+        chat_request(parse_request({"model": "m", "input": "hi", "tools": tools}), [])
+    assert err.value.param == "tools" and "same name" in err.value.message

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specsplit.api.generation import Delta, Done
 from specsplit.api.logprobs import chat_logprobs
@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from specsplit.api.responses import ResponsesRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def qualified(namespace: str, name: str) -> str:
+    """A namespace's function as the model sees it and calls it: ``<namespace>__<name>`` (the
+    chat templates take flat function lists; MCP clients name their servers' tools alike)."""
+    return f"{namespace}__{name}"
+
+
+def namespaced(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
+    """The qualified name of each function in a ``namespace`` tool: its namespace and name."""
+    return {qualified(t["name"], f.get("name")): (t["name"], f.get("name"))
+            for t in tools or () if t.get("type") == "namespace" for f in t["tools"]}
 
 
 class Builder:
@@ -31,10 +43,12 @@ class Builder:
         self.seq = 0
         self.status = "queued" if req.background else "in_progress"
         self.usage, self.incomplete, self.error = None, None, None
+        self.namespaces = namespaced(req.tools)  # a qualified name called: its namespace and name
 
     def response(self) -> dict:
         r = self.req
-        tools = [{**t, "strict": t.get("strict") is not False} for t in r.tools or ()]
+        tools = [{**t, "strict": t.get("strict") is not False} if t.get("type") == "function" else t
+                 for t in r.tools or ()]
         fmt = (r.text or {}).get("format") or {"type": "text"}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
@@ -112,8 +126,9 @@ class Builder:
 
     def _call(self, call) -> list[dict]:
         events = self._close_message("completed")
+        namespace, name = self.namespaces.get(call.name, (None, call.name))
         item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call.id,
-                "name": call.name, "arguments": call.arguments}
+                "name": name, "arguments": call.arguments, **({"namespace": namespace} if namespace else {})}
         self.items.append(item)
         index = len(self.items) - 1
         return [*events,
@@ -122,7 +137,7 @@ class Builder:
                 self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                             delta=call.arguments),
                 self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=call.name, arguments=call.arguments),
+                            name=name, arguments=call.arguments),
                 self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def feed(self, ev: Delta | Done) -> list[dict]:
@@ -162,8 +177,9 @@ class Builder:
     def assistant_turn(self) -> dict:
         """The output as the chat turn a later response continues after."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.items if i["type"] == "function_call"]
+        calls = [{"id": i["call_id"], "type": "function", "function": {
+            "name": qualified(i["namespace"], i["name"]) if "namespace" in i else i["name"],
+            "arguments": i["arguments"]}} for i in self.items if i["type"] == "function_call"]
         turn: dict = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             turn["tool_calls"] = calls

@@ -7,7 +7,9 @@ A request becomes a chat completion request (``ChatCompletionRequest``) and runs
 - ``input`` (a text, or items: messages with text parts, ``function_call`` and
   ``function_call_output``) after the stored conversation of ``previous_response_id``, with
   ``instructions`` first as a system turn (not carried over to the next response, as OpenAI's);
-- function ``tools`` (strict unless ``strict: false``, as OpenAI's), ``tool_choice``,
+- function ``tools`` (strict unless ``strict: false``, as OpenAI's), and ``namespace`` tools'
+  functions (shown to the model as ``<namespace>__<name>``; its calls come back as OpenAI's, a
+  ``function_call`` with its ``namespace``), ``tool_choice``,
   ``parallel_tool_calls``; ``text.format`` (``json_schema``, ``json_object``) as
   ``response_format``; ``max_output_tokens``; ``include: ["message.output_text.logprobs"]``
   with ``top_logprobs``; and the chat endpoint's sampling extensions (``top_k``, ``min_p``,
@@ -32,6 +34,7 @@ Reasoning items in the input are left out, as chat templates leave out past reas
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any, Literal
 
@@ -46,7 +49,7 @@ from specsplit.api.plumbing import check_key, check_unicode, read_json, request_
 from specsplit.api.protocol import (
     MAX_MESSAGES, MAX_TOOLS, MAX_TOP_LOGPROBS, SEED_RANGE, ApiError, ChatCompletionRequest, parse,
 )
-from specsplit.api.response_events import LOGPROBS_INCLUDE, Builder, event_bytes
+from specsplit.api.response_events import LOGPROBS_INCLUDE, Builder, event_bytes, qualified
 from specsplit.api.state import ApiState
 from specsplit.api.streaming import EventStream, answer, each_event, launch
 
@@ -174,8 +177,13 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict]:
                 raise ApiError(400, f"{where}: role must be user, assistant, system or developer", param="input")
             out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            name = item.get("name")
+            if item.get("namespace") is not None:  # a namespace's function (the name the model called)
+                if not isinstance(item["namespace"], str) or not isinstance(name, str):
+                    raise ApiError(400, f"{where}: namespace and name are texts", param="input")
+                name = qualified(item["namespace"], name)
             call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+                    "function": {"name": name, "arguments": item.get("arguments")}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*(last.get("tool_calls") or []), call]
@@ -215,12 +223,43 @@ def listed_items(value: str | list[dict[str, Any]] | None) -> list[dict]:
     return out
 
 
-def _tool(tool: dict[str, Any], i: int) -> dict:
+def _tool(tool: dict[str, Any], where: str) -> dict:
     if tool.get("type") != "function":
-        raise ApiError(400, f"tools[{i}]: {str(tool.get('type'))[:40]!r} tools are not supported by this server "
-                            "(function tools only)", param="tools", code="unsupported_parameter")
+        raise ApiError(400, f"{where}: {str(tool.get('type'))[:40]!r} tools are not supported by this server "
+                            "(function tools, and namespaces of them, only)", param="tools",
+                       code="unsupported_parameter")
     function = {**{k: v for k, v in tool.items() if k != "type"}, "strict": tool.get("strict") is not False}
     return {"type": "function", "function": function}
+
+
+NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict]:
+    """The request's tools as the chat request's functions: a ``namespace`` tool's functions
+    each under its qualified name, the namespace's description before the function's own."""
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "namespace":
+            out.append(_tool(tool, f"tools[{i}]"))
+            continue
+        where = f"tools[{i}]"
+        unknown = set(tool) - {"type", "name", "description", "tools"}
+        if unknown:
+            raise ApiError(400, f"{where}: unknown field {min(unknown)!r}", param="tools")
+        name, about, inner = tool.get("name"), tool.get("description", ""), tool.get("tools")
+        if not isinstance(name, str) or not NAMESPACE.fullmatch(name) or not isinstance(about, str) \
+                or not isinstance(inner, list) or not inner:
+            raise ApiError(400, f"{where}: a namespace is its name (letters, digits, _ and -, up to 64), "
+                                "description and a list of tools", param="tools")
+        for j, fn in enumerate(inner):
+            chat = _tool(fn if isinstance(fn, dict) else {}, f"{where}.tools[{j}]")["function"]
+            if not isinstance(chat.get("name"), str):
+                raise ApiError(400, f"{where}.tools[{j}]: a function needs its name", param="tools")
+            chat["name"] = qualified(name, chat["name"])
+            chat["description"] = "\n\n".join(d for d in (about.strip(), chat.get("description") or "") if d) or None
+            out.append({"type": "function", "function": chat})
+    return out
 
 
 def _tool_choice(choice: str | dict[str, Any] | None):
@@ -261,7 +300,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
     body = {"model": req.model, "messages": system + turns, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p,
-            "tools": [_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
+            "tools": _tools(req.tools) if req.tools else None,
             "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": _response_format(req.text), "user": req.user,
             "prompt_cache_key": req.prompt_cache_key, "logprobs": True if logprobs else None,

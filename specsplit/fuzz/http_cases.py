@@ -131,6 +131,12 @@ RESPONSE_OPTIONS = (
         "type": "json_schema", "name": "n", "schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}}}]),
     ("include", [["message.output_text.logprobs"]]), ("top_logprobs", [0, 3]), ("parallel_tool_calls", [False]),
     ("reasoning", [{"effort": None}]), ("service_tier", ["auto"]), ("instructions", ["Be brief."]),
+    # what Codex CLI sends with every request (tests/data/codex-request.json)
+    ("client_metadata", [{"x-codex-window-id": "w:0", "turn_id": "t1"}]), ("reasoning", [{"summary": "auto"}]),
+    ("include", [["reasoning.encrypted_content"]]),
+    ("tools", [[{"type": "namespace", "name": "agents_v1", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "spawn_agent", "strict": False, "parameters": {
+            "type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}}]}]]),
 )
 
 
