@@ -36,15 +36,24 @@ class Admission:
     replaced: bool = False
 
 
-class WorkerRegistry:
-    """Live workers of one service. A worker is live until ``ttl_s`` passes without a message."""
+MAX_PLACEMENTS = 65_536  # route keys whose worker a router remembers (~10 MB at most)
 
-    def __init__(self, service: str, *, ttl_s: float, max_workers: int = 256) -> None:
+
+class WorkerRegistry:
+    """Live workers of one service. A worker is live until ``ttl_s`` passes without a message.
+
+    Sessions stay where they were routed while that worker is live (``pick``): a worker joining,
+    or coming back after a crash, takes new sessions, not the ones whose caches are elsewhere."""
+
+    def __init__(self, service: str, *, ttl_s: float, max_workers: int = 256,
+                 max_placements: int = MAX_PLACEMENTS) -> None:
         self.service = service
         self.ttl_s = ttl_s
         self.max_workers = max_workers
         self._workers: dict[bytes, WorkerInfo] = {}
         self._live: tuple[bytes, ...] = ()
+        self._placed: OrderedDict[str, bytes] = OrderedDict()  # route key -> its worker, least recent first
+        self.max_placements = max_placements
 
     def __contains__(self, worker_id: bytes) -> bool:
         return worker_id in self._workers
@@ -116,9 +125,32 @@ class WorkerRegistry:
         return dead
 
     def pick(self, session_id: str) -> bytes | None:
-        """Rendezvous hash of the session's route key (``route_key``: its id, or its group) over
-        the live workers (None when there are none)."""
-        return pick(route_key(session_id), self._live)
+        """The worker for the session's route key (``route_key``: its id, or its group): the one
+        it was last given while that one is live, else the rendezvous hash over the live workers
+        (None when there are none). Without the memory, a session that moved when its worker
+        died would move back once a new process took the slot, and prefill its whole context
+        there a second time; a worker added to scale out would take 1/N of the running sessions
+        away from their caches. Past ``max_placements`` the least recently routed keys are
+        forgotten: they go by the hash again (a CACHE_MISS at worst, as after a router restart)."""
+        key = route_key(session_id)
+        worker = self._placed.get(key)
+        if worker is not None and worker in self._workers:
+            self._placed.move_to_end(key)
+            return worker
+        worker = pick(key, self._live)
+        if worker is None:
+            self._placed.pop(key, None)
+            return None
+        self._placed[key] = worker
+        self._placed.move_to_end(key)
+        while len(self._placed) > self.max_placements:
+            self._placed.popitem(last=False)
+        return worker
+
+    def ended(self, session_id: str) -> None:
+        """A session ended: its placement is forgotten (a group's stays for its next sessions)."""
+        if route_key(session_id) == session_id:
+            self._placed.pop(session_id, None)
 
     def _refresh(self) -> None:
         self._live = tuple(sorted(self._workers))

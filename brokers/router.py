@@ -31,7 +31,8 @@ HEARTBEAT from a client on the frontend is answered by the router itself (a ping
 Liveness: the router heartbeats its workers every ``heartbeat_s``; any message from a worker
 proves it alive; ``liveness`` beats of silence expire it. A backend disconnect (socket monitor)
 probes the workers at once, so a killed worker is dropped in milliseconds. Either way the lost
-worker's in-flight requests are answered NO_WORKER (retryable) at once, and only its sessions move.
+worker's in-flight requests are answered NO_WORKER (retryable) at once, and only its sessions move;
+they stay where they moved when it comes back (``WorkerRegistry.pick``: new sessions go to it).
 
 A session that moved (its worker expired, then came back) may have a cache on more than one
 worker. An END_SESSION therefore goes to the session's worker, which answers it, and a copy under
@@ -107,7 +108,8 @@ def _readable_rid(env: list[bytes]) -> bytes:
 
 
 class Router(RouterAuth):
-    """Routes a service's requests to its workers by rendezvous hash of the session id.
+    """Routes a service's requests to its workers by rendezvous hash of the session id (a
+    session stays on the worker it was routed to while that one is live).
 
     ``run(stop_event)`` owns both sockets in the calling thread (one ``zmq.Poller`` loop) and
     returns when ``stop_event`` is set or ``close()`` is called. ``ready`` is set once both
@@ -326,6 +328,7 @@ class Router(RouterAuth):
         """An END_SESSION to every live worker but the session's own (which has the original),
         and kept for the expired ones (sent if they come back: ``_send_owed_ends``)."""
         owner = self.registry.pick(sid)
+        self.registry.ended(sid)
         for worker_id in self.registry.live:
             if worker_id != owner:
                 self._send_copy(worker_id, token, env)

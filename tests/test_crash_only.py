@@ -234,6 +234,12 @@ def _kill_a_target_mid_stream(tmp: Path, proc: subprocess.Popen, env: dict, roun
     return rows, slot
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _serving_target_slot(log: str, slots: tuple[str, ...], before: str = "",
                          max_new_tokens: int | None = None) -> str:
     """The first of ``slots`` that the target router's rendezvous hash gives a session of the
@@ -263,6 +269,65 @@ def _serving_target_slot(log: str, slots: tuple[str, ...], before: str = "",
         return max(zip(slots, keys), key=lambda sk: left[sk[1]])[0]
     served = {pick(sid, keys) for sid in sessions}
     return next(slot for slot, key in zip(slots, keys) if key in served)
+
+
+# ~3,400 SmolLM2 tokens, one line: seconds of prefill for a one-thread fp32 target
+LONG_PROMPT = " ".join(f"item {i} costs {i * 7 % 100} dollars;" for i in range(320))
+
+
+@pytest.mark.timeout(900)  # ~60 s on an idle 2-core box; the ceiling is for a starved one
+def test_a_target_killed_mid_prefill_of_a_long_prompt_is_resent_not_waited_out(tmp_path):
+    """A long prompt's first verify brings the target ~3,400 tokens to prefill (seconds for the
+    fp32 SmolLM2 target on one thread), and a worker request may take SPECSPLIT_RPC_TIMEOUT_S
+    plus SPECSPLIT_RPC_TIMEOUT_PER_TOKEN_S a token: here 300 + 170 s. The target worker doing that
+    prefill (its CPU time growing, no round of the prompt logged) is SIGKILLed under honcho: the
+    router fails the request in flight at once (the worker expired or registered again), the
+    orchestrator sends the prompt again, and the answer is the target's greedy decoding. A
+    recovery that waited out the timeout would log ``reason=timeout``; none may. The session stays
+    on the worker that prefilled it when the killed slot's new process registers (the router's
+    placements), so the prompt is prefilled twice in all, not three times."""
+    from specsplit.models import load_model
+
+    out = subprocess.run([sys.executable, "-m", "specsplit", "models", "path", "smollm2"], capture_output=True,
+                         text=True, timeout=900, check=True)
+    target = json.loads(out.stdout)["target"]
+    proc, ports, env = _honcho_fleet(tmp_path, "draft=0,target=2,orchestrator=1", SPECSPLIT_PRESET="smollm2",
+                                     SPECSPLIT_SPECULATOR="lookup", SPECSPLIT_ORCHESTRATOR_COUNT="1",
+                                     SPECSPLIT_RPC_TIMEOUT_S="300")
+    try:
+        _wait(lambda: _log(tmp_path).count("worker_admitted") >= 4 and "orchestrator_started" in _log(tmp_path),
+              300, "fleet ready")
+        slots = ("target.1", "target.2")
+        pids = {slot: _worker_pid(proc.pid, slot) for slot in slots}
+        start = {slot: _cpu_s(pid) for slot, pid in pids.items()}
+        producer = _produce(tmp_path, env, [LONG_PROMPT], max_new_tokens=24, rounds=-1)
+
+        def prefilling() -> str | None:  # the slot whose worker is at it, before the prompt's round
+            if re.search(r"round_done .*batch_tokens=\d{4}", _log(tmp_path)):
+                raise AssertionError("the prefill ended before the kill: " + _log(tmp_path)[-2000:])
+            busy = {slot: _cpu_s(pid) - start[slot] for slot, pid in pids.items()}
+            slot = max(busy, key=busy.get)
+            return slot if busy[slot] > 0.5 else None
+
+        slot = wait_until(prefilling, 240, "a target prefilling the long prompt")
+        os.kill(pids[slot], signal.SIGKILL)
+        assert producer.wait(timeout=480) == 0, (tmp_path / "produce.err").read_text()[-3000:]
+        log = _log(tmp_path)
+        assert "role_died" in log and "reason=timeout" not in log and "reason='timeout" not in log, log[-3000:]
+        assert re.search(r"request_retry .*with the request in flight|request_resent", log), log[-3000:]
+        # prefilled once more, on the other worker, where the session stays when the slot's new
+        # process comes: no CACHE_MISS, no third prefill
+        assert len(re.findall(r"round_done .*batch_tokens=\d{4}", log)) == 1 and "cache_miss" not in log, log[-3000:]
+        row = json.loads((tmp_path / "produce.out").read_text().splitlines()[0])
+        _wait(lambda: _worker_pid(proc.pid, slot), 120, f"{slot} restarted")
+    finally:
+        _stop_honcho(proc)
+    assert proc.returncode in (0, 143), _log(tmp_path)[-3000:]
+    assert len(row["prompt_token_ids"]) > 3000
+    got = row["token_ids"]
+    want, gap = greedy_cached(load_model(Path(target), dtype="float32")[0], row["prompt_token_ids"], len(got))
+    assert got == want and (row["finish_reason"] == "stop" or len(got) == 24), (row, want, gap)
+    _wait_ports_free(ports)
 
 
 @pytest.mark.timeout(900)  # ~40 s on an idle 2-core box; the ceiling is for a starved one
