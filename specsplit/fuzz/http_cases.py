@@ -134,9 +134,6 @@ RESPONSE_OPTIONS = (
     # what Codex CLI sends with every request (tests/data/codex-request.json)
     ("client_metadata", [{"x-codex-window-id": "w:0", "turn_id": "t1"}]), ("reasoning", [{"summary": "auto"}]),
     ("include", [["reasoning.encrypted_content"]]),
-    ("tools", [[{"type": "namespace", "name": "agents_v1", "description": "Sub-agents.", "tools": [
-        {"type": "function", "name": "spawn_agent", "strict": False, "parameters": {
-            "type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}}]}]]),
 )
 
 
