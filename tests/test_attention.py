@@ -76,36 +76,3 @@ def test_cpu_backend_gives_drafts_gqa_attention_and_targets_not():
     mha = tiny_model("llama", seed=1)
     mha.config.num_key_value_heads = mha.config.num_attention_heads  # no grouped heads: nothing to gain
     assert not use_gqa_attention(mha)
-
-
-def _causal_chunk(m: int, length: int) -> torch.Tensor:
-    """The additive mask a prompt chunk of ``m`` tokens after ``length - m`` cached ones gets."""
-    visible = torch.ones(m, length, dtype=torch.bool).tril(length - m)
-    return torch.zeros(m, length).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
-
-
-@pytest.mark.parametrize("masked", [True, False])
-def test_prompt_attention_blocks_are_the_same_bits_in_any_chunk(masked):
-    """``prompt_attention`` (an int8 target's prefill of long prompts): close to one sdpa call
-    over the chunk, and every complete 64-position block the same bits whichever chunk holds it:
-    the first of a 74-token last chunk, the same rows in a 844-token chunk, or in a chunk from
-    position 0 (one sdpa call over each chunk gives those rows other bits: its kernel splits the
-    queries by the chunk's length). A partial block at a chunk's end may differ (never reused)."""
-    from specsplit.models.attention import PROMPT_BLOCK, prompt_attention
-
-    g = torch.Generator().manual_seed(3)
-    hq, hkv, d, total = 12, 2, 128, 1100  # the 1.5B target's heads
-    q = torch.randn(1, hq, total, d, generator=g)
-    k, v = torch.randn(1, hkv, total, d, generator=g), torch.randn(1, hkv, total, d, generator=g)
-    module = _Module(hq // hkv)
-
-    def chunk(fn, a: int, b: int) -> torch.Tensor:  # rows a..b-1 after a cached keys: [b - a, Hq, D]
-        mask = _causal_chunk(b - a, b) if masked else None
-        return fn(module, q[:, :, a:b], k[:, :, :b], v[:, :, :b], mask, scaling=d ** -0.5)[0][0]
-
-    short, long = chunk(prompt_attention, 256, 330), chunk(prompt_attention, 256, 1100)
-    torch.testing.assert_close(short, chunk(gqa_attention, 256, 330), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(long, chunk(gqa_attention, 256, 1100), atol=1e-5, rtol=1e-5)
-    whole = (330 // PROMPT_BLOCK) * PROMPT_BLOCK - 256  # rows of the short chunk's complete block
-    assert whole == PROMPT_BLOCK and torch.equal(short[:whole], long[:whole])
-    assert torch.equal(chunk(prompt_attention, 0, 1024)[256:256 + whole], long[:whole])

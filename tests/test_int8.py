@@ -255,7 +255,7 @@ def test_a_long_prompt_is_prefilled_on_the_prompt_attention_the_same_way_in_ever
     from schemas import VerifyRequest
     from specsplit.engine.base import EngineLimits
     from specsplit.engine.target import TargetEngine
-    from specsplit.models.attention import PROMPT_ATTENTION
+    from specsplit.models.attention import GQA_ATTENTION
     from specsplit.orchestrator.state import SessionCursor, root_only
 
     target = TargetEngine(quantize_int8(tiny_model("qwen2", seed=5), kernel=kernel_or_skip(kernel)),
@@ -283,10 +283,10 @@ def test_a_long_prompt_is_prefilled_on_the_prompt_attention_the_same_way_in_ever
         return cur.committed, [(layer.keys.clone(), layer.values.clone()) for layer in kv.layers]
 
     whole, kv = decode("a")
-    assert linear == [(40, PROMPT_ATTENTION)]  # prompt[:-1]; its last token is the first root
+    assert linear == [(40, GQA_ATTENTION)]  # prompt[:-1]; its last token is the first root
     linear.clear()
     resent, kv_resent = decode("b", resend_at=7)
-    assert linear == [(40, PROMPT_ATTENTION), (40, PROMPT_ATTENTION), (7, None)]  # 48 - 1 - 40: the first root, 6 decoded
+    assert linear == [(40, GQA_ATTENTION), (40, GQA_ATTENTION), (7, None)]  # 48 - 1 - 40: the first root, 6 decoded
     assert resent == whole
     for (k, v), (k2, v2) in zip(kv, kv_resent):
         assert torch.equal(k, k2) and torch.equal(v, v2)

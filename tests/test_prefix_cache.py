@@ -283,56 +283,6 @@ def test_an_int8_target_reuses_only_what_its_own_prefill_computes_the_same_way()
     assert same("long-after-short", short + [rng.randrange(128) for _ in range(30)]) == 0
 
 
-def test_an_int8_target_reuses_its_prompt_path_in_whole_blocks_not_only_whole_chunks():
-    """With row-independent int8 Linear layers and chunks of whole ``PROMPT_BLOCK`` blocks, the
-    prompt attention computes a complete block the same way in any chunk: a conversation's next
-    turn reuses every complete block its last prompt prefilled (320 of 330 positions, not the 256
-    of two whole chunks), and the turn after that the blocks of a prefill that started at the
-    reused length (384). Each session's tokens and cache equal, bit for bit, those of a target
-    with no prefix cache, which prefills each prompt in chunks from position 0."""
-    from specsplit.models.attention import PROMPT_BLOCK
-    from specsplit.models.int8 import int8_supported, quantize_int8, rows_independent
-
-    if not int8_supported():
-        pytest.skip("torch's fbgemm int8 kernels need an x86 CPU build")
-    model = quantize_int8(tiny_model("qwen2", seed=6))
-    assert rows_independent(model) and not rows_independent(tiny_model("qwen2", seed=6))
-
-    def target(gb: float) -> TargetEngine:
-        eng = TargetEngine(model, EngineLimits(max_sessions=8, max_session_tokens=1024, cache_chunk=8,
-                                               prefix_cache_gb=gb))
-        eng.linear_chunk = 2 * PROMPT_BLOCK
-        return eng
-
-    cached, plain = target(0.05), target(0.0)
-
-    def same(sid: str, prompt: list[int]) -> int:
-        """Decode ``prompt`` on both targets (8 rounds, root-only); the tokens the cached one reused."""
-        before = cached.prefix_cache.reused_tokens
-        got = []
-        for eng in (cached, plain):
-            cur = SessionCursor(list(prompt), prompt_len=len(prompt))
-            for rnd in range(8):
-                cur.apply_verify(eng.handle(VerifyRequest(session_id=sid, round=rnd, sync=cur.target_sync(),
-                                                          tree=root_only(cur.committed[-1]))))
-            kv = eng.store.get(sid).kv
-            got.append((cur.committed, [(la.keys[..., :kv.length, :].clone(), la.values[..., :kv.length, :].clone())
-                                        for la in kv.layers]))
-            eng.handle(EndSession(session_id=sid))
-        (tokens, kv), (want, kv_want) = got
-        assert tokens == want
-        for (k, v), (k2, v2) in zip(kv, kv_want):
-            assert torch.equal(k, k2) and torch.equal(v, v2)
-        return cached.prefix_cache.reused_tokens - before
-
-    rng = random.Random(9)
-    first = [rng.randrange(128) for _ in range(331)]  # 330 prompt-path positions: chunks of 128, 128, 74
-    assert same("turn-1", first) == 0
-    second = first + [rng.randrange(128) for _ in range(60)]
-    assert same("turn-2", second) == 320  # five whole blocks; whole chunks would give 256
-    assert same("turn-3", second + [rng.randrange(128) for _ in range(50)]) == 384  # its prefill went on from 320
-
-
 def test_a_long_context_with_specpv_reuses_and_stays_exact(pair):
     """SpecPV's exact mode on a session started from a cached prefix: its partial view is built
     from the copied cache, its provisional tokens are not kept as the session's, and the answer

@@ -408,7 +408,7 @@ def test_int8_approximate_mode_refreshes_its_buffer_as_a_prefill(models, monkeyp
     the buffered tokens of a refresh on its prompt attention (float32), not the float64 it verifies
     trees with. Exact mode's re-checks never do. With a view covering the context and margins this
     wide, both still generate what full verification does."""
-    from specsplit.models.attention import PROMPT_ATTENTION
+    from specsplit.models.attention import GQA_ATTENTION
 
     target, often, prompt, ref = int8_target_and_reference(models, 700, seed=15)
     calls, forward_linear = [], TargetEngine.forward_linear
@@ -426,7 +426,7 @@ def test_int8_approximate_mode_refreshes_its_buffer_as_a_prefill(models, monkeyp
         assert generate(often, target, prompt, max_new_tokens=32, tree=TREE, sampling=SamplingSpec(), specpv=spec,
                         stats=stats) == ref
         assert stats.partial_rounds > 0
-        refreshes = [n for n, attention in calls if attention == PROMPT_ATTENTION]
+        refreshes = [n for n, attention in calls if attention == GQA_ATTENTION]
         assert (len(refreshes) > 0) != exact and all(0 < n <= 32 + TREE.max_nodes for n in refreshes), calls
 
 

@@ -27,8 +27,7 @@ from specsplit.engine.verify import (
     Outcome, PromptRows, Verdict, greedy_verdict, logprobs_of, verify_greedy, verify_sampling,
 )
 from specsplit.errors import SpecError
-from specsplit.models.attention import PROMPT_ATTENTION, PROMPT_BLOCK
-from specsplit.models.int8 import prompt_attention_name, rows_independent
+from specsplit.models.int8 import prompt_attention_name
 from specsplit.tree import TreeLayout, validate_tree
 
 
@@ -39,7 +38,6 @@ class TargetEngine(Engine):
         super().__init__(*args, **kwargs)
         self._view_attention: str | None | bool = False  # False: not looked up yet
         self._prompt_attention: str | None | bool = False  # False: not looked up yet
-        self._rows_independent: bool | None = None  # None: not looked up yet
         self.grammars = None  # a GrammarBook (set by the worker: it has the tokenizer); None: no grammars
 
     def _dispatch(self, msg: Message) -> Message:
@@ -139,30 +137,15 @@ class TargetEngine(Engine):
         """How much of an ``n``-token cached prefix (its first ``prompt_path`` positions prefilled
         on the prompt attention) a new session may reuse: positions its own prefill would compute
         the same way. A prompt this target prefills on the prompt attention (from position 0, in
-        ``linear_chunk`` chunks: ``_prompt_tokens``) reuses whole chunks of such positions, and
-        whole ``PROMPT_BLOCK`` blocks of them where its Linear layers take each row alone
-        (``rows_independent``), its chunks are whole blocks and its rotary frequencies do not
-        follow the forward (``prompt_attention`` computes a block the same way in any chunk: an
-        agent's next turn then forwards what it added, not up to a chunk of its last prompt
-        again); any other, only positions computed on the decoding path (a cache with no
-        prompt-path positions). Without a prompt attention every position is computed one way:
-        all of it."""
+        ``linear_chunk`` chunks: ``_prompt_tokens``) reuses whole chunks of such positions; any
+        other, only positions computed on the decoding path (a cache with no prompt-path
+        positions). Without a prompt attention every position is computed one way: all of it."""
         if not self._prompt_attn():
             return n
         chunk = self.linear_chunk
         if sync.prompt_len - 1 > chunk and len(sync.append_token_ids) > chunk:  # as _full and _prompt_tokens decide
-            unit = PROMPT_BLOCK if self._blockwise() else chunk
-            return min(n, prompt_path) // unit * unit
+            return min(n, prompt_path) // chunk * chunk
         return n if prompt_path == 0 else 0
-
-    def _blockwise(self) -> bool:
-        """Whether prompt-path positions are the same bits in whole ``PROMPT_BLOCK`` blocks
-        (``reusable``), looked up once."""
-        if self._rows_independent is None:
-            self._rows_independent = rows_independent(self.model)
-        return (self._rows_independent and self._prompt_attn() == PROMPT_ATTENTION
-                and self.linear_chunk % PROMPT_BLOCK == 0
-                and self.dynamic_rope is None)  # (whose frequencies follow a chunk's last position)
 
     # ---- several sessions in one forward ---------------------------------------------------
     def verify_batch(self, requests: Sequence[Message]) -> list[Message]:

@@ -21,9 +21,6 @@ rows over a long inner dimension) again runs few blocks of threads, hence the ch
 docs/results.md (GPU), ``ops/results/gpu-attention-*`` and ``ops/results/gpu-longctx-*-grouped*``.
 The scores of one forward are bounded (``ACCEL_MAX_SCORES`` elements).
 
-``prompt_attention`` is an int8 target's attention for long prompts: ``gqa_attention`` in blocks
-of 64 positions, so that a prefix cache may reuse what a prompt's prefill computed in whole blocks.
-
 ``grouped_attention`` is also the body of the int8 target's float64 attention
 (``specsplit.models.fp64.fp64_attention``), which computes in float64 for batch invariance, and of
 ``specsplit.models.blocked``'s attention for rows that see at most 1024 keys.
@@ -130,42 +127,6 @@ def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.
         query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
         is_causal=mask is None, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
-
-
-PROMPT_ATTENTION = "specsplit_prompt"
-PROMPT_BLOCK = 64  # a long prompt's queries are attended in blocks of this many positions
-
-
-def prompt_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """An int8 target's prompt attention (``specsplit.models.int8.prompt_attention_name``):
-    ``gqa_attention`` of a prompt chunk's queries in blocks of ``PROMPT_BLOCK`` positions aligned
-    to multiples of it, each block over the keys up to its own end. The chunk starts at position
-    ``key length - query length``. A complete block is then computed with the same shapes on the
-    same inputs whichever chunk holds it (the first 64 of a 546-token last chunk, or of a 1,024-token
-    one when the prompt grew), and so to the same bits, where one sdpa call over the chunk sums each
-    row in an order that depends on the chunk's length: a prefix cache may reuse prompt-path
-    positions in whole blocks (``TargetEngine.reusable``). Returns ([B, M, Hq, D], None)."""
-    m, length = query.shape[2], key.shape[2]
-    start = length - m
-    outs, a = [], start
-    while a < length:
-        b = min((a // PROMPT_BLOCK + 1) * PROMPT_BLOCK, length)
-        mask = None if attention_mask is None else attention_mask[..., a - start:b - start, :b]
-        out, _ = gqa_attention(module, query[:, :, a - start:b - start], key[:, :, :b], value[:, :, :b], mask,
-                               dropout, scaling, **kwargs)
-        outs.append(out)
-        a = b
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
-
-
-def register_prompt_attention() -> str:
-    """Register ``prompt_attention`` (masks as for eager attention); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(PROMPT_ATTENTION, prompt_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PROMPT_ATTENTION, eager_mask)
-    return PROMPT_ATTENTION
 
 
 def register_gqa_attention() -> str:

@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from specsplit.models.attention import register_prompt_attention
+from specsplit.models.attention import register_gqa_attention
 from specsplit.models.blocked import BLOCKED_ATTENTION, use_invariant_attention
 from specsplit.models.fp64 import FP64_ATTENTION
 from specsplit.models.fp64 import fp64_attention as fp64_attention  # re-exported: its home was here
@@ -57,22 +57,15 @@ _TINY = torch.finfo(torch.float32).tiny
 def prompt_attention_name(model) -> str | None:
     """The attention a model on ``fp64_attention`` (or ``specsplit.models.blocked``'s attention,
     which computes short contexts the same way) prefills long prompts with: the registered name
-    of ``specsplit.models.attention.prompt_attention`` (float32 ``gqa_attention``, sdpa with
-    ``enable_gqa``, in blocks of 64 positions). float64 keeps a token's attention output the same
-    in a decoding step, a prefill and a tree, which a prompt does not need: it is always
-    prefilled the same way (``TargetEngine``: the same chunks from position 0, and only the
-    prompt's tokens), so its cache is the same every time, and float32 prefills long prompts much
-    faster (docs/results.md, commit 757c61d). None: any other attention (prompts as every forward)."""
+    of ``specsplit.models.attention.gqa_attention`` (float32; sdpa with ``enable_gqa`` for chunks
+    of more than 16 tokens). float64 keeps a token's attention output the same in a decoding step,
+    a prefill and a tree, which a prompt does not need: it is always prefilled the same way
+    (``TargetEngine``: the same chunks from position 0, and only the prompt's tokens), so its
+    cache is the same every time, and float32 prefills long prompts much faster
+    (docs/results.md, commit 757c61d). None: any other attention (prompts as every forward)."""
     if model.config._attn_implementation not in (FP64_ATTENTION, BLOCKED_ATTENTION):
         return None
-    return register_prompt_attention()
-
-
-def rows_independent(model) -> bool:
-    """Whether every Linear layer of ``model`` is a ``RowInt8Linear``: a token's output then
-    depends on its own row alone whatever the forward's rows (a batch-invariant target's)."""
-    linears = [m for m in model.modules() if "Linear" in type(m).__name__]
-    return bool(linears) and all(isinstance(m, RowInt8Linear) for m in linears)
+    return register_gqa_attention()
 
 
 class RowInt8Linear(torch.nn.Module):
