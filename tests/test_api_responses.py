@@ -132,80 +132,56 @@ def test_previous_response_id_retrieve_and_delete(fleet, tiny, served):
         client.responses.retrieve(unstored.id)
 
 
-def test_function_calls_and_their_outputs_are_the_chat_endpoints(fleet):
-    client = openai_client(fleet)
-    ask = {"role": "user", "content": "Weather in Paris?"}
-    kw = {"model": "tiny-v1", "temperature": 0}
-    called = client.responses.create(**kw, input=[ask], tools=[TOOL], tool_choice="required",
-                                     parallel_tool_calls=False, max_output_tokens=64)
-    chat = client.chat.completions.create(**kw, messages=[ask], tools=[CHAT_TOOL], tool_choice="required",
-                                          parallel_tool_calls=False, max_tokens=64)
-    calls = [i for i in called.output if i.type == "function_call"]
-    made = chat.choices[0].message.tool_calls or []
-    assert calls and [(c.name, json.loads(c.arguments)) for c in calls] == \
-        [(t.function.name, json.loads(t.function.arguments)) for t in made]
-    assert called.output_text == (chat.choices[0].message.content or "")
-
-    # the call's output, after the stored response and sent whole: both answer as the chat endpoint
-    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18C"}
-    after = client.responses.create(**kw, previous_response_id=called.id, input=[result], tools=[TOOL],
-                                    max_output_tokens=16)
-    whole = client.responses.create(**kw, input=[ask, *[c.model_dump(exclude_none=True) for c in calls], result],
-                                    tools=[TOOL], max_output_tokens=16)
-    history = [ask, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]},
-        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18C"}]
-    reply = client.chat.completions.create(**kw, messages=history, tools=[CHAT_TOOL], max_tokens=16).choices[0]
-    for r in (after, whole):
-        assert r.output_text == (reply.message.content or "")
-        assert [(i.name, i.arguments) for i in r.output if i.type == "function_call"] == \
-            [(t.function.name, t.function.arguments) for t in reply.message.tool_calls or ()]
-
-    events = list(client.responses.create(**kw, input=[ask], tools=[TOOL], tool_choice="required",
-                                          parallel_tool_calls=False, max_output_tokens=64, stream=True))
-    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
-    assert done == [c.arguments for c in calls]
-
-
 SPACE = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.",
          "tools": [TOOL]}
 SPACE_CHAT_TOOL = {"type": "function", "function": {**CHAT_TOOL["function"], "name": "weather_v1__get_weather",
                                                     "description": "Weather tools.\n\nWeather in a city."}}
 
 
-def test_a_namespaces_function_is_called_with_its_namespace_as_the_chat_endpoint_calls_it(fleet):
-    """A ``namespace`` tool (as Codex CLI sends its sub-agent tools) through the ``openai``
-    client: the model is shown ``weather_v1__get_weather``; the call is a ``function_call`` with
-    ``namespace: weather_v1`` and ``name: get_weather``, its arguments the chat endpoint's for the
-    qualified function; sent back with its output (whole, or after the stored response), the
-    answer is the chat endpoint's."""
+@pytest.mark.parametrize("space", [None, "weather_v1"])
+def test_function_calls_and_their_outputs_are_the_chat_endpoints(fleet, space):
+    """A function tool, or the same function in a ``namespace`` tool (as Codex CLI sends its
+    sub-agent tools; the model is shown ``weather_v1__get_weather``): the calls are the chat
+    endpoint's, a namespace's each a ``function_call`` with its ``namespace`` and ``name``; sent
+    back with its output (whole, or after the stored response), the answer is the chat
+    endpoint's; streamed, the arguments' events say the same."""
     client = openai_client(fleet)
-    ask = {"role": "user", "content": "Weather in Oslo?"}
-    kw = {"model": "tiny-v1", "temperature": 0}
-    called = client.responses.create(**kw, input=[ask], tools=[SPACE], tool_choice="required",
-                                     parallel_tool_calls=False, max_output_tokens=64)
-    chat = client.chat.completions.create(**kw, messages=[ask], tools=[SPACE_CHAT_TOOL], tool_choice="required",
-                                          parallel_tool_calls=False, max_tokens=64).choices[0].message
-    calls = [i for i in called.output if i.type == "function_call"]
-    assert calls and [(c.namespace, c.name, c.arguments) for c in calls] == \
-        [("weather_v1", "get_weather", t.function.arguments) for t in chat.tool_calls]
-    assert called.tools[0].type == "namespace"
+    tool, chat_tool = (SPACE, SPACE_CHAT_TOOL) if space else (TOOL, CHAT_TOOL)
 
-    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"}
-    after = client.responses.create(**kw, previous_response_id=called.id, input=[result], tools=[SPACE],
+    def named(call) -> str:  # a call's function as the chat endpoint names it
+        return f"{call.namespace}__{call.name}" if call.namespace else call.name
+
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    kw = {"model": "tiny-v1", "temperature": 0}
+    called = client.responses.create(**kw, input=[ask], tools=[tool], tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=64)
+    chat = client.chat.completions.create(**kw, messages=[ask], tools=[chat_tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=64)
+    calls = [i for i in called.output if i.type == "function_call"]
+    made = chat.choices[0].message.tool_calls or []
+    assert calls and [(c.namespace, named(c), json.loads(c.arguments)) for c in calls] == \
+        [(space, t.function.name, json.loads(t.function.arguments)) for t in made]
+    assert called.output_text == (chat.choices[0].message.content or "") and called.tools[0].type == tool["type"]
+
+    # the call's output, after the stored response and sent whole: both answer as the chat endpoint
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18C"}
+    after = client.responses.create(**kw, previous_response_id=called.id, input=[result], tools=[tool],
                                     max_output_tokens=16)
     whole = client.responses.create(**kw, input=[ask, *[c.model_dump(exclude_none=True) for c in calls], result],
-                                    tools=[SPACE], max_output_tokens=16)
+                                    tools=[tool], max_output_tokens=16)
     history = [ask, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": c.call_id, "type": "function", "function": {"name": f"weather_v1__{c.name}", "arguments": c.arguments}}
-        for c in calls]}, {"role": "tool", "tool_call_id": calls[0].call_id, "content": "-3C"}]
-    reply = client.chat.completions.create(**kw, messages=history, tools=[SPACE_CHAT_TOOL],
-                                           max_tokens=16).choices[0].message
+        {"id": c.call_id, "type": "function", "function": {"name": named(c), "arguments": c.arguments}}
+        for c in calls]}, {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18C"}]
+    reply = client.chat.completions.create(**kw, messages=history, tools=[chat_tool], max_tokens=16).choices[0]
     for r in (after, whole):
-        assert r.output_text == (reply.content or "")
-        assert [(i.namespace, i.name, i.arguments) for i in r.output if i.type == "function_call"] == \
-            [("weather_v1", t.function.name.removeprefix("weather_v1__"), t.function.arguments)
-             for t in reply.tool_calls or ()]
+        assert r.output_text == (reply.message.content or "")
+        assert [(named(i), i.arguments) for i in r.output if i.type == "function_call"] == \
+            [(t.function.name, t.function.arguments) for t in reply.message.tool_calls or ()]
+
+    events = list(client.responses.create(**kw, input=[ask], tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=64, stream=True))
+    done = [(e.name, e.arguments) for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == [(c.name, c.arguments) for c in calls]
 
 
 def test_logprobs_through_include_are_the_chat_endpoints(fleet):
