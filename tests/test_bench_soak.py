@@ -16,8 +16,12 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 
 @pytest.mark.timeout(300)
-def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys):
+def test_soak_reduced_rss_flat_and_nothing_lost(tmp_path, capsys, monkeypatch):
     out = tmp_path / "soak.json"
+    # no heap trim within this 8-second run: one that lands just before session 200 measures the
+    # target below its working set (once 568 -> 540 MiB, back to 569 by session 400: "+5.3 %"
+    # with nothing held); the 1,000-session soaks in ops/results run with the trims
+    monkeypatch.setenv("SPECSPLIT_TRIM_EVERY_S", "3600")
     # warm at session 200, as the issue measures it. The int8 target creates its oneDNN GEMM
     # primitives as it loads (CpuBackend.warm); before that it met rarer batch sizes all run long
     # (2-core Xeon: target RSS +2.8 % from session 200 to 500, +0.26 % since; the real pair: see
