@@ -157,7 +157,8 @@ def test_tool_use_and_its_result_are_the_chat_endpoints(fleet):
 
 
 def test_curl_streams_the_typed_events(fleet):
-    body = {"model": "tiny-v1", "messages": [{"role": "user", "content": ASK}], "max_tokens": 8, "stream": True}
+    body = {"model": "tiny-v1", "messages": [{"role": "user", "content": ASK}], "max_tokens": 8, "stream": True,
+            "temperature": 0}  # (Anthropic's default is 1: a sampled answer may end sooner)
     out = subprocess.run(["curl", "-sSN", "--max-time", "120", f"{fleet['url']}/v1/messages", "-H",
                           "Content-Type: application/json", "-H", "anthropic-version: 2023-06-01",
                           "-d", json.dumps(body)], capture_output=True, text=True, timeout=180, check=True).stdout
@@ -167,6 +168,7 @@ def test_curl_streams_the_typed_events(fleet):
     assert [b[0][7:] for b in blocks] == [d["type"] for d in data]
     assert [d["type"] for d in data[:2]] == ["message_start", "ping"] and data[-1]["type"] == "message_stop"
     assert data[-2]["type"] == "message_delta" and data[-2]["usage"]["output_tokens"] == 8
+    assert data[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
 def test_what_cannot_be_honoured_is_anthropics_400(fleet):
