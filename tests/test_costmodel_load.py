@@ -231,6 +231,28 @@ def test_one_session_measures_speculation_while_the_rest_decode_plainly():
     assert not fresh.plain_pays()  # alone: always drafts
 
 
+def test_the_round_that_measures_speculation_verifies_a_drafted_node_under_load():
+    """A 16-session batch on a steep line chooses a root-only tree, so the drafted round that
+    measures speculation for ``plain_pays`` verified no node: it measured a draft delivering one
+    token, and plain decoding never drafted again while the load lasted (CI, 2026-12-02: sixteen
+    sessions, not one drafted node). That round keeps ``min_nodes``; once it is measured, choices
+    under load are free again."""
+    from specsplit.orchestrator.state import select
+    from specsplit.proposers.base import Proposal
+
+    cm = warmed(STEEP, 16)
+    cm.active_sessions = 16
+    assert cm.measuring() and cm.shared()
+    assert cm.choose(CHAIN, 0).nodes == [0]
+    assert cm.choose(CHAIN, 0, measure=True).nodes == [0, 1]
+    drafted = select(CHAIN, {}, cm, sync_tokens=0, plain=False, drafted=Proposal(tree=CHAIN, draft_ms=30.0))
+    assert drafted.tree.num_nodes == 2
+    assert select(CHAIN, {}, cm, sync_tokens=0, plain=False).tree.num_nodes == 1  # no draft call: not measuring
+    cm.observe_speculation(2, 30.0, draft_ms=30.0, nodes=2)
+    assert not cm.measuring()
+    assert select(CHAIN, {}, cm, sync_tokens=0, plain=False, drafted=Proposal(tree=CHAIN)).tree.num_nodes == 1
+
+
 def _lockstep(draft_ms: float) -> CostModel:
     """The 2-core box under 16 sessions (bench load, the real pair): verify 900 ms for 16 tokens,
     1190 for 32; drafted rounds delivering 2 tokens from 2-node trees, the draft worker busy only

@@ -53,7 +53,7 @@ def _overhead(cost: CostModel, plain: bool) -> float:
 class RootOnly(CostModel):
     """Never speculates: every round verifies its root alone (worse wherever drafts are right)."""
 
-    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None):
+    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None, measure=False):
         return Choice([0], 1.0, _overhead(self, plain) + self.verify_ms(sync_tokens + self.load()[0] + 1))
 
 
@@ -61,7 +61,7 @@ class KeepAll(CostModel):
     """Keeps every node, with the default's expected accounting (worse where a bigger forward
     costs more: unlikely nodes widen it for little)."""
 
-    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None):
+    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None, measure=False):
         probs = self.node_probs(tree, lookup, cached, sources=sources)
         ms = _overhead(self, plain) + self.verify_ms(sync_tokens + self.load()[0] + tree.num_nodes)
         return Choice(list(range(tree.num_nodes)), sum(probs), ms)
@@ -71,7 +71,7 @@ class OneNode(CostModel):
     """Keeps at most the root's likeliest child (worse where nodes cost little: deeper nodes that
     are often right are left out)."""
 
-    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None):
+    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None, measure=False):
         probs = self.node_probs(tree, lookup, cached, sources=sources)
         children = [i for i in range(1, tree.num_nodes) if tree.parents[i] == 0]
         nodes = [0, max(children, key=lambda i: (probs[i], -i))] if children else [0]
@@ -262,8 +262,8 @@ class RecordedChoice(CostModel):
         super().__init__()
         self.plan = plan
 
-    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None):
-        super().choose(tree, sync_tokens, lookup, plain=plain, cached=cached, sources=sources)  # its side effects
+    def choose(self, tree, sync_tokens, lookup=frozenset(), *, plain=False, cached=None, sources=None, measure=False):
+        super().choose(tree, sync_tokens, lookup, plain=plain, cached=cached, sources=sources, measure=measure)
         return Choice(self.plan.pop(0), 1.0, 10.0)
 
 

@@ -196,6 +196,10 @@ class CostModel:
             if nodes is not None:
                 self.spec_nodes = ewma(self.spec_nodes, float(max(nodes, tokens)))
 
+    def measuring(self) -> bool:
+        """No drafted round measured yet: the next one is ``plain_pays``'s measurement."""
+        return self.spec_tokens is None or self.draft_busy_ms is None
+
     def plain_pays(self) -> bool:
         """Whether the sessions under way deliver more together by plain decoding (no draft
         call: root-only trees, which the target verifies in one batched forward) than by
@@ -226,7 +230,7 @@ class CostModel:
         n = self.active_sessions
         if n < 2:
             return False
-        if self.spec_tokens is None or self.draft_busy_ms is None:
+        if self.measuring():
             return self.speculating > 0  # nothing measured: one session measures, the rest decode
         if self._verify.n <= 0:
             return False
@@ -375,14 +379,17 @@ class CostModel:
     # ---- the choice ---------------------------------------------------------------------
     def choose(self, tree: FlatTree, sync_tokens: int, lookup: Collection[int] = frozenset(), *,
                plain: bool = False, cached: dict[int, int] | None = None,
-               sources: dict[int, Source] | None = None) -> Choice:
+               sources: dict[int, Source] | None = None, measure: bool = False) -> Choice:
         """The prefix-closed node set (grown most-likely-first from the root) with the most
         expected tokens per millisecond of round time, counting the whole verify forward: the
         tokens the rest of the batch brings and delivers (``load``) are in both sides of the
         ratio. Alone, at least ``min_nodes`` nodes (when the tree has them; in a plain round once
         in ``EXPLORE_EVERY`` such rounds). ``plain``: a round
         without a draft call (prompt-lookup nodes under a root), priced with a plain round's
-        overhead. ``lookup``, ``cached``, ``sources``: the chain nodes, as for ``node_probs``."""
+        overhead. ``lookup``, ``cached``, ``sources``: the chain nodes, as for ``node_probs``.
+        ``measure``: the drafted round that measures speculation for ``plain_pays`` keeps
+        ``min_nodes`` even under load: a root-only choice measured a draft that delivers nothing
+        (no node verified), and plain decoding then never drafted again while the load lasted."""
         probs = self.node_probs(tree, lookup, cached, sources=sources)
         children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
         for i in range(1, tree.num_nodes):
@@ -390,7 +397,7 @@ class CostModel:
         overhead = (self.plain_overhead_ms if plain else self.overhead_ms) or 0.0
         others_tokens, others_expected = self.load()
         base = sync_tokens + others_tokens  # the forward's tokens besides this tree's
-        floor = 0 if self.shared() else self.min_nodes
+        floor = 0 if self.shared() and not measure else self.min_nodes
         if floor and plain and tree.num_nodes > 1:
             self._plain_chances += 1
             if (self._plain_chances - 1) % EXPLORE_EVERY:  # the first, the (1 + EXPLORE_EVERY)th, ...: forced

@@ -277,7 +277,8 @@ class _Replayer:
         tree, sources = merged_tree(rec, self.chain_tokens)
         cost.active_sessions = rec.get("active_sessions") or 1
         threshold = cost.draft_spec(self.tree.model_copy(update={"max_depth": rec["max_depth"]})).min_path_prob
-        choice = cost.choose(tree, rec["sync_tokens"], sources=sources, plain=rec["plain"])
+        choice = cost.choose(tree, rec["sync_tokens"], sources=sources, plain=rec["plain"],
+                             measure=rec["drafted_nodes"] > 0 and cost.measuring())  # as ``state.select``
         kept = select_nodes(tree, choice.nodes)
         index = {old: new for new, old in enumerate(choice.nodes)}
         kept_sources = {index[i]: src for i, src in sources.items() if i in index}

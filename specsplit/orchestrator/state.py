@@ -250,7 +250,8 @@ def select(tree: FlatTree, sources: dict[int, tuple[str, int]], cost: CostModel 
     """The nodes of ``tree`` the cost model finds worth their verify time (all without one)."""
     if cost is None:
         return Candidates(tree, sources, None, drafted, tree, sources)
-    choice = cost.choose(tree, sync_tokens, sources=sources, plain=plain)
+    choice = cost.choose(tree, sync_tokens, sources=sources, plain=plain,
+                         measure=drafted is not None and cost.measuring())
     index = {old: new for new, old in enumerate(choice.nodes)}
     kept = {index[i]: src for i, src in sources.items() if i in index}
     return Candidates(select_nodes(tree, choice.nodes), kept, choice, drafted, tree, sources)
